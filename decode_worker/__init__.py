@@ -1,0 +1,1 @@
+"""pdserve decode_worker."""

@@ -1,0 +1,65 @@
+"""The one object that carries a forward pass's paged-attention layout.
+
+The batch is flattened: the new tokens of every scheduled sequence sit back to back
+(`num_tokens` rows), sequence i owning rows query_start_loc[i]:query_start_loc[i+1].
+Those rows are the *last* q_len_i positions of a context of seq_lens[i] tokens, so a
+decode step is q_len 1, a prefill chunk is q_len n over a cached prefix, and a
+speculative verification is q_len k+1: one layout serves them all.
+
+KV cache of one layer: (2, num_blocks, block_size, num_kv_heads, head_dim),
+[0] holding K and [1] holding V. Token t of a sequence lives in block
+block_tables[i, t // block_size] at offset t % block_size; its flat slot is
+block_id * block_size + offset, the value slot_mapping carries for each new token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: where each new token's K/V is written
+    query_start_loc: torch.Tensor  # (num_seqs + 1,) int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # (num_seqs,) int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # (num_seqs, max_blocks_per_seq) int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build the metadata from plain lists (the scheduler's view of the batch)."""
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
