@@ -1,0 +1,83 @@
+"""Turn the last position's logits into tokens: greedy, or temperature / top-k / top-p / min-p sampling.
+
+Sampling draws with the "exponential race" (argmax of p / q, q ~ Exp(1)), which equals sampling from p;
+each request with a seed owns a torch.Generator, so the same seed gives the same output whatever else
+shares the batch. Logprobs are those of the raw model distribution (before temperature and filters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: the sampled token's logprob plus the top-k asked for
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # (num_seqs, vocab) float32
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        tokens = logits.argmax(dim=-1)  # (num_seqs,)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            probs = filtered_probs(logits[idx], [params[i] for i in rows])  # (len(rows), vocab)
+            q = torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]).to(probs.device)
+            tokens[idx] = (probs / q).argmax(dim=-1)
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, params, token_ids))
+
+    def _exponential(self, vocab: int, generator: torch.Generator | None) -> torch.Tensor:
+        return torch.empty(vocab).exponential_(generator=generator or self.generator)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
+    ) -> list[dict[int, float] | None]:
+        out: list[dict[int, float] | None] = [None] * len(params)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return out
+        logp = torch.log_softmax(logits[wanted].float(), dim=-1)  # (len(wanted), vocab)
+        for row, i in enumerate(wanted):
+            k = params[i].logprobs or 0
+            entry = {token_ids[i]: logp[row, token_ids[i]].item()}
+            if k:
+                top = logp[row].topk(k)
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            out[i] = entry
+        return out
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Softmax of logits / temperature after top-k, top-p and min-p filtering; (rows, vocab)."""
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+    logits = logits.float() / temperature
+    vocab = logits.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (rows, vocab)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    drop = ranks >= top_k
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keeps at least the top token
+    drop |= sorted_probs < min_p * sorted_probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    filtered = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return filtered.softmax(dim=-1)

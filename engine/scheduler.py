@@ -1,0 +1,242 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+There is no prefill or decode phase: each step gives every request "n more tokens" out of a
+shared token budget, running requests first (decodes, then unfinished prefill chunks), waiting
+requests after. When the pool runs out, the lowest-priority running request is preempted: its
+blocks are freed and it recomputes later (its computed prefix often comes back from the cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: what the model runner needs, copied out of the scheduler."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens to run
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    num_batched_tokens: int
+    preempted: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """fcfs: arrival order, preempted requests back at the front. priority: lowest (priority, arrival) first."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Sequence] = deque()
+        self._heap: list[tuple[int, float, int, Sequence]] = []
+        self._counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) + len(self._heap)
+
+    def __iter__(self):
+        return iter(list(self._fifo) + [item[-1] for item in self._heap])
+
+    def push(self, seq: Sequence, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (seq.priority, seq.arrival_time, next(self._counter), seq))
+        elif front:
+            self._fifo.appendleft(seq)
+        else:
+            self._fifo.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._heap[0][-1] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[-1] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        if self.policy == "priority":
+            self._heap = [item for item in self._heap if item[-1] is not seq]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+        self.eos_token_ids = eos_token_ids
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Sequence] = []
+        self.deferred: list[Sequence] = []  # n > 1 children waiting for their parent's prompt blocks
+        self.num_preemptions = 0
+        self.seqs: dict[str, Sequence] = {}  # every unfinished request by id
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.request_id] = seq
+        if seq.parent is not None and self.block_manager.enable_prefix_caching:
+            self.deferred.append(seq)
+        else:
+            self.waiting.push(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or len(self.waiting) or self.deferred)
+
+    def schedule(self) -> SchedulerOutput:
+        self._release_deferred()
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        for seq in list(self.running):
+            if budget == 0 or seq.status != SequenceStatus.RUNNING:
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, preempted):
+                continue
+            scheduled.append(self._plan(seq, num_new))
+            budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list[str]) -> bool:
+        while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            hits = self.block_manager.match_prefix(seq)
+            num_computed = len(hits) * self.block_manager.block_size
+            num_new = seq.num_tokens - num_computed
+            if num_new > budget and not self.chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            revived = sum(1 for b in hits if self.block_manager.blocks[b].ref_count == 0)
+            need = -(-(num_computed + num_new) // self.block_manager.block_size) - len(hits)
+            if not self.block_manager.can_allocate(need + revived):
+                break
+            self.waiting.pop()
+            self.block_manager.allocate_prefix(seq, hits)
+            self.block_manager.allocate(seq, num_computed + num_new)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_computed
+                self.block_manager.record_prefix_query(seq.num_tokens, num_computed)
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+            scheduled.append(self._plan(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _insert_running(self, seq: Sequence) -> None:
+        if self.policy == "priority":
+            key = (seq.priority, seq.arrival_time)
+            idx = next((i for i, s in enumerate(self.running) if (s.priority, s.arrival_time) > key), None)
+            self.running.insert(len(self.running) if idx is None else idx, seq)
+        else:
+            self.running.append(seq)
+
+    def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            request_id=seq.request_id,
+            token_ids=seq.all_token_ids[start : start + num_new],
+            start_pos=start,
+            block_table=list(seq.block_table),
+            sample=start + num_new == seq.num_tokens,
+            params=seq.params,
+            generator=seq.generator,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.push(seq, front=True)
+
+    def _release_deferred(self) -> None:
+        for seq in list(self.deferred):
+            parent = seq.parent
+            assert parent is not None
+            if parent.is_finished or parent.num_computed_tokens >= parent.num_prompt_tokens:
+                self.deferred.remove(seq)
+                self.waiting.push(seq)
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance each scheduled request by its chunk, append its sampled token, stop what should stop.
+
+        Returns the requests that got a new token (finished ones included)."""
+        updated = []
+        for item in out.scheduled:
+            seq = self.seqs[item.request_id]
+            seq.num_computed_tokens += len(item.token_ids)
+            self.block_manager.cache_computed_blocks(seq)
+            if not item.sample:
+                continue
+            seq.append_token(sampled[item.request_id])
+            status = self._stop_status(seq)
+            if status is not None:
+                self.finish(seq, status)
+            updated.append(seq)
+        return updated
+
+    def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        token = seq.output_token_ids[-1]
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return SequenceStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a request wherever it is and free its blocks."""
+        self.seqs.pop(seq.request_id, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.deferred:
+            self.deferred.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status

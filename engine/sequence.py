@@ -1,0 +1,88 @@
+"""A request's state: tokens known vs tokens computed, its blocks, its status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_hash import NONE_HASH, BlockHash, hash_block
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    extra_keys: bytes = b""  # domain-separated model id + cache salt, see engine/block_hash.py
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    parent: Sequence | None = None  # n > 1: children wait for the parent's prompt blocks, then share them
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not yet
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # one per full block of all_token_ids
+    status: SequenceStatus = SequenceStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._extend_hashes()
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.extra_keys))

@@ -1,0 +1,135 @@
+"""BlockManager: exact block ids, ref counts, prefix hits and LRU eviction order."""
+
+import pytest
+
+from engine.block_hash import extra_keys, hash_prompt_blocks
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+BS = 4
+
+
+def seq(tokens, rid="r", salt=None):
+    return Sequence(rid, list(tokens), SamplingParams(), BS, extra_keys("m", salt))
+
+
+def admit(bm, s):
+    hits = bm.match_prefix(s)
+    bm.allocate_prefix(s, hits)
+    assert bm.allocate(s, s.num_tokens)
+    return hits
+
+
+def compute_all(bm, s):
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_computed_blocks(s)
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(8, BS)
+    a = seq(range(10))
+    assert admit(bm, a) == []
+    assert a.block_table == [0, 1, 2]
+    assert bm.num_free_blocks == 5
+    bm.free(a)
+    assert bm.num_free_blocks == 8
+    assert a.block_table == []
+
+
+def test_allocation_fails_whole_when_short():
+    bm = BlockManager(2, BS)
+    a = seq(range(12))
+    assert not bm.allocate(a, 12)
+    assert a.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_computed_blocks_only():
+    bm = BlockManager(10, BS)
+    a = seq(range(10), "a")
+    admit(bm, a)
+    b = seq(range(10), "b")
+    assert bm.match_prefix(b) == []  # a's blocks are not computed yet: nothing to share
+    compute_all(bm, a)
+    assert bm.match_prefix(b) == [0, 1]  # two full blocks; the partial tail is never shared
+    admit(bm, b)
+    assert b.block_table == [0, 1, 3] and b.num_computed_tokens == 8
+    assert bm.blocks[0].ref_count == 2
+
+
+def test_full_prompt_hit_leaves_one_token_to_compute():
+    bm = BlockManager(10, BS)
+    a = seq(range(8), "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    b = seq(range(8), "b")
+    assert bm.match_prefix(b) == [0]  # block 1 would leave nothing to compute
+
+
+def test_different_salt_never_shares():
+    bm = BlockManager(10, BS)
+    a = seq(range(8), "a", salt="tenant-1")
+    admit(bm, a)
+    compute_all(bm, a)
+    assert bm.match_prefix(seq(range(9), "b", salt="tenant-2")) == []
+    assert bm.match_prefix(seq(range(9), "c", salt="tenant-1")) == [0, 1]
+
+
+def test_freed_cached_blocks_are_evicted_lru_tail_first():
+    bm = BlockManager(6, BS)
+    a = seq(range(12), "a")  # blocks 0,1,2 all full
+    admit(bm, a)
+    compute_all(bm, a)
+    bm.free(a)  # tail first: free queue ... 2, 1, 0 at the end
+    assert list(bm.free_queue) == [3, 4, 5, 2, 1, 0]
+    c = seq(range(100, 120), "c")  # 5 blocks: takes 3, 4, 5, then evicts 2, then 1
+    admit(bm, c)
+    assert c.block_table == [3, 4, 5, 2, 1]
+    assert len(bm.cached) == 1  # only block 0 (the prompt's first block) survives
+    assert bm.match_prefix(seq(range(12), "d")) == [0]
+
+
+def test_revived_block_leaves_free_queue():
+    bm = BlockManager(4, BS)
+    a = seq(range(8), "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    bm.free(a)
+    b = seq(range(9), "b")
+    admit(bm, b)
+    assert b.block_table[:2] == [0, 1]
+    assert 0 not in bm.free_queue and 1 not in bm.free_queue
+    bm.free(b)
+    assert bm.num_free_blocks == 4
+
+
+def test_free_tail_keeps_prefix():
+    bm = BlockManager(8, BS)
+    a = seq(range(14), "a")
+    admit(bm, a)
+    bm.free_tail(a, 5)
+    assert a.block_table == [0, 1] and bm.num_free_blocks == 6
+
+
+def test_events_report_stored_and_removed_hashes():
+    events = []
+    bm = BlockManager(2, BS, on_event=lambda kind, hashes: events.append((kind, hashes)))
+    a = seq(range(8), "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    chain = hash_prompt_blocks(list(range(8)), BS, extra_keys("m"))
+    assert events == [("stored", chain)]
+    bm.free(a)
+    b = seq(range(50, 54), "b")
+    admit(bm, b)  # evicts the tail block first
+    assert events[-1] == ("removed", [chain[1]])
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(4, BS)
+    a = seq(range(4), "a")
+    admit(bm, a)
+    block = a.block_table[0]
+    bm.free(a)
+    with pytest.raises(AssertionError):
+        bm._release(block)

@@ -1,0 +1,140 @@
+"""Scheduler: budgets, chunked prefill, preemption, priorities, n > 1 children — no model needed."""
+
+from engine.block_hash import extra_keys
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+EOS = 999
+
+
+def make(num_blocks=64, **cfg):
+    cfg = {"max_num_seqs": 8, "max_num_batched_tokens": 32, "max_model_len": 64, **cfg}
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(SchedulerConfig(**cfg), bm, {EOS}), bm
+
+
+def seq(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, start=0):
+    s = Sequence(rid, list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens), BS,
+                 extra_keys("m"), priority=priority, arrival_time=arrival)
+    return s
+
+
+def step(sched, token=7):
+    out = sched.schedule()
+    sampled = {it.request_id: token for it in out.scheduled if it.sample}
+    sched.postprocess(out, sampled)
+    return out
+
+
+def run_all(sched, limit=200):
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return
+        step(sched)
+    raise AssertionError("did not finish")
+
+
+def test_prefill_then_decode_one_token_each():
+    sched, bm = make()
+    a = seq("a", 10)
+    sched.add(a)
+    out = step(sched)
+    assert [(it.request_id, len(it.token_ids), it.start_pos, it.sample) for it in out.scheduled] == [("a", 10, 0, True)]
+    out = step(sched)
+    assert [(len(it.token_ids), it.start_pos) for it in out.scheduled] == [(1, 10)]
+    run_all(sched)
+    assert a.status == SequenceStatus.FINISHED_LENGTH and a.output_token_ids == [7] * 4
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_chunked_prefill_splits_long_prompt_within_budget():
+    sched, _ = make(max_num_batched_tokens=8)
+    sched.add(seq("a", 20))
+    sched.add(seq("b", 3))
+    chunks = [[(it.request_id, len(it.token_ids), it.sample) for it in step(sched).scheduled] for _ in range(3)]
+    assert chunks == [[("a", 8, False)], [("a", 8, False)], [("a", 4, True), ("b", 3, True)]]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    sched, _ = make(max_num_batched_tokens=64, enable_chunked_prefill=False)
+    sched.add(seq("a", 40))
+    sched.add(seq("b", 30, start=100))
+    out = step(sched)
+    assert [it.request_id for it in out.scheduled] == ["a"]  # b would overflow the budget this step
+    out = step(sched)
+    assert sorted((it.request_id, len(it.token_ids)) for it in out.scheduled) == [("a", 1), ("b", 30)]
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched, _ = make(max_num_seqs=2)
+    for r in "abc":
+        sched.add(seq(r, 2))
+    assert [it.request_id for it in step(sched).scheduled] == ["a", "b"]
+    assert len(sched.waiting) == 1
+
+
+def test_eos_and_stop_token_end_a_request():
+    sched, bm = make()
+    a = seq("a", 3, max_tokens=10)
+    sched.add(a)
+    step(sched, token=EOS)
+    assert a.status == SequenceStatus.FINISHED_STOPPED and a.output_token_ids == [EOS]
+    b = Sequence("b", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=[5]), BS, b"")
+    sched.add(b)
+    step(sched, token=5)
+    assert b.status == SequenceStatus.FINISHED_STOPPED and b.stop_reason == 5
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    sched, bm = make(num_blocks=6, max_num_batched_tokens=64)
+    a, b = seq("a", 8, max_tokens=12), seq("b", 8, max_tokens=12, start=100)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # 2 + 2 blocks
+    preempted = []
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        preempted += step(sched).preempted
+    assert preempted and preempted[0] == "b"  # the later arrival goes first
+    assert sched.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 12 and b.output_token_ids == [7] * 12
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_priority_policy_admits_lowest_value_first_and_preempts_highest():
+    sched, _ = make(max_num_seqs=1, scheduling_policy="priority")
+    sched.add(seq("low", 2, priority=5, arrival=0.0))
+    sched.add(seq("high", 2, priority=-1, arrival=1.0))
+    assert [it.request_id for it in step(sched).scheduled] == ["high"]
+
+
+def test_n_children_wait_for_parent_prompt_then_hit_its_blocks():
+    sched, bm = make(max_num_batched_tokens=64)
+    parent = seq("p#0", 10)
+    child = Sequence("p#1", parent.prompt_token_ids, parent.params, BS, extra_keys("m"), parent=parent)
+    sched.add(parent)
+    sched.add(child)
+    assert [it.request_id for it in step(sched).scheduled] == ["p#0"]
+    out = step(sched)
+    assert sorted(it.request_id for it in out.scheduled) == ["p#0", "p#1"]
+    assert child.num_cached_tokens == 8
+    assert child.block_table[:2] == parent.block_table[:2]
+    run_all(sched)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_finish_frees_a_waiting_or_running_request():
+    sched, bm = make()
+    a, b = seq("a", 4), seq("b", 4)
+    sched.add(a)
+    step(sched)
+    sched.add(b)
+    sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    sched.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
