@@ -17,7 +17,12 @@ from kernels.paged_prefill_attention import paged_prefill_attention
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = (
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+        )
 
     def forward(
         self,
@@ -34,7 +39,12 @@ class PagedAttention(nn.Module):
             )
         else:
             out = paged_prefill_attention(
-                q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                q,
+                kv_cache,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                self.scale,
                 max_query_len=meta.max_query_len,
             )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

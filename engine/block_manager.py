@@ -35,7 +35,10 @@ class Block:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
         on_event: BlockEventSink | None = None,
     ) -> None:
         if num_blocks < 1:

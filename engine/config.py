@@ -47,4 +47,6 @@ class CacheConfig:
         if self.cpu_kv_cache_space <= 0:
             raise ValueError(f"cpu_kv_cache_space must be positive, got {self.cpu_kv_cache_space}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}")
+            raise ValueError(
+                f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}"
+            )

@@ -218,7 +218,7 @@ class Scheduler:
     def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
         token = seq.output_token_ids[-1]
         params = seq.params
-        if token in params.stop_token_ids:
+        if token in (params.stop_token_ids or ()):
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
         if not params.ignore_eos and token in self.eos_token_ids:

@@ -85,4 +85,6 @@ class Sequence:
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
-            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.extra_keys))
+            self.block_hashes.append(
+                hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.extra_keys)
+            )

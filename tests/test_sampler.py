@@ -17,8 +17,12 @@ def test_greedy_is_argmax():
 
 def test_top_k_1_and_tiny_top_p_pick_the_top_token():
     logits = torch.randn(4, 30)
-    params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0),
-              SamplingParams(temperature=0.01, seed=3)]
+    params = [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(min_p=1.0),
+        SamplingParams(temperature=0.01, seed=3),
+    ]
     out = Sampler()(logits, params, [None] * 4)
     assert out.token_ids == logits.argmax(-1).tolist()
 
@@ -68,9 +72,17 @@ def test_logprobs_are_the_raw_log_softmax():
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-     ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"min_p": 2}, "min_p"),
-     ({"stop": [""]}, "stop"), ({"logprobs": -1}, "logprobs")],
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"stop": [""]}, "stop"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
 )
 def test_bad_params_name_the_problem(kwargs, word):
     with pytest.raises(ValueError, match=word):

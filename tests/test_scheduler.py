@@ -18,8 +18,15 @@ def make(num_blocks=64, **cfg):
 
 
 def seq(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, start=0):
-    s = Sequence(rid, list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens), BS,
-                 extra_keys("m"), priority=priority, arrival_time=arrival)
+    s = Sequence(
+        rid,
+        list(range(start, start + n_prompt)),
+        SamplingParams(max_tokens=max_tokens),
+        BS,
+        extra_keys("m"),
+        priority=priority,
+        arrival_time=arrival,
+    )
     return s
 
 
@@ -43,7 +50,9 @@ def test_prefill_then_decode_one_token_each():
     a = seq("a", 10)
     sched.add(a)
     out = step(sched)
-    assert [(it.request_id, len(it.token_ids), it.start_pos, it.sample) for it in out.scheduled] == [("a", 10, 0, True)]
+    assert [(it.request_id, len(it.token_ids), it.start_pos, it.sample) for it in out.scheduled] == [
+        ("a", 10, 0, True)
+    ]
     out = step(sched)
     assert [(len(it.token_ids), it.start_pos) for it in out.scheduled] == [(1, 10)]
     run_all(sched)
@@ -55,7 +64,9 @@ def test_chunked_prefill_splits_long_prompt_within_budget():
     sched, _ = make(max_num_batched_tokens=8)
     sched.add(seq("a", 20))
     sched.add(seq("b", 3))
-    chunks = [[(it.request_id, len(it.token_ids), it.sample) for it in step(sched).scheduled] for _ in range(3)]
+    chunks = [
+        [(it.request_id, len(it.token_ids), it.sample) for it in step(sched).scheduled] for _ in range(3)
+    ]
     assert chunks == [[("a", 8, False)], [("a", 8, False)], [("a", 4, True), ("b", 3, True)]]
 
 

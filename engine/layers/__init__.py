@@ -1,0 +1,28 @@
+"""Model building blocks; each parameter loads itself through its `weight_loader`."""
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "ReplicatedLinear",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "default_weight_loader",
+]

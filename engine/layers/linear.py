@@ -1,0 +1,178 @@
+"""Linear layers that own their weight loading (nano-vllm style).
+
+Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which copies a full
+(unsharded) checkpoint tensor into this rank's slice. With tp_size 1 nothing is sliced, so tensor
+parallelism is a config change: column-parallel layers split their output rows, row-parallel layers
+split their input columns and all-reduce the partial sums.
+
+    QKVParallelLinear weight, per rank (rows = output features):
+    +-----------------------+  0
+    | q: num_heads/tp heads |
+    +-----------------------+  q_size
+    | k: kv_heads/tp heads  |
+    +-----------------------+  q_size + kv_size
+    | v: kv_heads/tp heads  |
+    +-----------------------+  q_size + 2 * kv_size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch: checkpoint has {tuple(src.shape)}, model expects {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    copy_checked(param.data, loaded_weight)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor parallel size {denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b), W of shape (output_size, input_size) for this rank."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, tp_rank: int, tp_size: int
+    ) -> None:
+        super().__init__()
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            set_weight_loader(self.bias, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        raise NotImplementedError
+
+    def _shard(self, loaded_weight: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's equal slice of a full tensor along `dim`."""
+        size = divide(loaded_weight.shape[dim], self.tp_size, f"checkpoint dim {dim}")
+        return loaded_weight.narrow(dim, self.tp_rank * size, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        super().__init__(input_size, output_size, bias, None, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        copy_checked(param.data, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (dim 0 of W and of the bias)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        super().__init__(input_size, divide(output_size, tp_size, "output size"), bias, 0, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        copy_checked(param.data, self._shard(loaded_weight, 0))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up_proj: shard 0 = gate, 1 = up)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"bad shard id {shard_id!r} for a merged linear of {len(self.output_sizes)} parts"
+            )
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        copy_checked(param.data.narrow(0, offset, size), self._shard(loaded_weight, 0))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split across ranks (shard ids "q", "k", "v")."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        slots = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        if shard_id not in slots:
+            raise ValueError(f"bad shard id {shard_id!r} for a qkv linear (expected 'q', 'k' or 'v')")
+        offset, size = slots[str(shard_id)]
+        copy_checked(param.data.narrow(0, offset, size), self._shard(loaded_weight, 0))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks (dim 1 of W); partial outputs are summed with all_reduce.
+
+    The bias is whole on every rank and added once, by rank 0, before the reduction.
+    """
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
+        super().__init__(divide(input_size, tp_size, "input size"), output_size, bias, 1, tp_rank, tp_size)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        copy_checked(param.data, self._shard(loaded_weight, 1) if param.dim() == 2 else loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

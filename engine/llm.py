@@ -1,0 +1,156 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        cpu_kv_cache_space: float = 1.0,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        budget = max_num_batched_tokens or (8192 if enable_chunked_prefill else max(8192, max_model_len or 0))
+        sched_len = max_model_len or budget  # placeholder until the model's own length is known
+        config = EngineConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            seed=seed,
+            max_model_len=max_model_len,
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=sched_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                scheduling_policy=scheduling_policy,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=gpu_memory_utilization,
+                cpu_kv_cache_space=cpu_kv_cache_space,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            ),
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order.
+
+        A prompt is text, a list of token ids, or {"prompt": ... | "prompt_token_ids": ..., "cache_salt": ...}.
+        Every prompt is checked before any is queued, so a bad one raises ValueError and runs nothing."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params, len(batch))
+        prios: list[int] = list(priority) if priority is not None else [0] * len(batch)
+        encoded = [self._encode(p) for p in batch]
+        for (ids, _), sp in zip(encoded, params):
+            self.engine.validate(ids, sp)
+        rids = [self._add(p, e, sp, prio) for p, e, sp, prio in zip(batch, encoded, params, prios)]
+        finished = {out.request_id: out for out in self._drain()}
+        return [finished[r] for r in rids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        prompts = [
+            {
+                "prompt": self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt
+                ),
+                "add_special_tokens": False,
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _encode(self, prompt: PromptType) -> tuple[list[int], dict]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt
+            text = prompt.get("prompt")
+            if not isinstance(text, str):
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            return self.tokenizer.encode(
+                text, add_special_tokens=prompt.get("add_special_tokens", True)
+            ), prompt
+        return self.engine.encode_prompt(prompt), {}
+
+    def _add(
+        self, prompt: PromptType, encoded: tuple[list[int], dict], params: SamplingParams, prio: int
+    ) -> str:
+        ids, opts = encoded
+        rid = self.engine.add_request(ids, params, priority=prio, cache_salt=opts.get("cache_salt"))
+        text = prompt if isinstance(prompt, str) else opts.get("prompt")
+        self.engine.requests[rid].prompt = text
+        return rid
+
+    def _drain(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    yield out
+
+
+def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items: list = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt of token ids
+    return items
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,207 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU).
+
+One forward pass takes a flattened batch of new tokens (prefill chunks and decode tokens mixed),
+their positions, one AttentionMetadata and the paged KV cache of every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import PagedAttention
+from engine.attention_metadata import AttentionMetadata
+from engine.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from engine.layers.rotary import apply_rotary
+from engine.model_config import ModelConfig
+
+# checkpoint name fragment -> (our parameter fragment, shard id)
+STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=config.attention_bias, tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size,
+            bias=config.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size,
+        )  # fmt: skip
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (num_tokens, hidden)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each (num_tokens, 1, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (num_tokens, hidden)
+        qkv = self.qkv_proj(hidden)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # via (num_tokens, 2 * intermediate / tp)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # (num_tokens, hidden): the previous sublayer's output
+        residual: torch.Tensor | None,  # (num_tokens, hidden): the stream before it; None for layer 0
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,) int64
+        positions: torch.Tensor,  # (num_tokens,) int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    ) -> torch.Tensor:  # (num_tokens, hidden)
+        hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,) int64
+        positions: torch.Tensor,  # (num_tokens,) int64
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    ) -> torch.Tensor:  # (num_tokens, hidden)
+        return self.model(input_ids, positions, meta, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, hidden) -> (n, vocab) fp32
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors (Hugging Face names); ValueError names anything missing or unexpected."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(IGNORED_CHECKPOINT_SUFFIXES) or (self._tied and name == "lm_head.weight"):
+                continue
+            param_name, shard_id = to_param_name(name)
+            if param_name not in params:
+                unexpected.append(name)
+                continue
+            try:
+                params[param_name].weight_loader(params[param_name], tensor, shard_id)  # type: ignore[attr-defined]
+            except ValueError as e:
+                raise ValueError(f"cannot load {name}: {e}") from e
+            seen.add(name)
+        if unexpected:
+            raise ValueError(f"checkpoint has tensors this model does not: {_names(unexpected)}")
+        missing = sorted(self.checkpoint_names() - seen)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {_names(missing)}")
+
+    @property
+    def _tied(self) -> bool:
+        return self.config.tie_word_embeddings
+
+    def checkpoint_names(self) -> set[str]:
+        """The Hugging Face tensor names a complete checkpoint of this model holds."""
+        names: set[str] = set()
+        for param_name, _ in self.named_parameters():
+            stacked = [hf for hf, (ours, _) in STACKED_PARAMS.items() if ours in param_name]
+            names.update(param_name.replace(STACKED_PARAMS[hf][0], hf) for hf in stacked)
+            if not stacked:
+                names.add(param_name)
+        return names
+
+
+def to_param_name(hf_name: str) -> tuple[str, str | int | None]:
+    for hf, (ours, shard_id) in STACKED_PARAMS.items():
+        if hf in hf_name:
+            return hf_name.replace(hf, ours), shard_id
+    return hf_name, None
+
+
+def _names(names: list[str], limit: int = 12) -> str:
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,229 @@
+"""What the model looks like: the few fields of a Hugging Face `config.json` the engine needs.
+
+Reads both spellings transformers has used: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`)
+and v5 (`rope_parameters`, `dtype`). `to_hf_dict()` writes the v4 spelling, which both read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+_MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama when its config says so)
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        for name in (*sizes, "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Llama's `attention_bias` also covers o_proj; Qwen2's q/k/v bias does not."""
+        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"no config.json in model directory {path}")
+        try:
+            data = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {config_path}: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        architecture = _architecture(d)
+        _check_supported_features(d)
+        try:
+            rope_theta, rope_scaling = _rope(d)
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+            return cls(
+                architecture=architecture,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=_max_positions(d),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=architecture == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_id=_token_ids(d.get("eos_token_id")),
+                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ValueError(f"model config is missing {e.args[0]!r}") from e
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `config.json` that transformers (v4 and v5) loads into the same model."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPE_BY_ARCH[self.architecture],
+            "hidden_act": "silu",
+            **{k: getattr(self, k) for k in _PLAIN_FIELDS},
+            "rope_scaling": None,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": _hf_token_ids(self.eos_token_id),
+        }
+        if self.rope_scaling is not None:
+            d["rope_scaling"] = {"rope_type": "llama3", **vars(self.rope_scaling)}
+        if self.architecture != "Qwen2ForCausalLM":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+
+_PLAIN_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+    "tie_word_embeddings", "torch_dtype",
+)  # fmt: skip
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    if archs:
+        arch = archs[0]
+    elif d.get("model_type") in _ARCH_BY_MODEL_TYPE:
+        arch = _ARCH_BY_MODEL_TYPE[d["model_type"]]
+    else:
+        arch = f"model_type={d.get('model_type')!r}"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _check_supported_features(d: dict[str, Any]) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+    if d.get("mlp_bias"):
+        raise ValueError("unsupported: mlp_bias=true")
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3)")
+    return theta, Llama3RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _max_positions(d: dict[str, Any]) -> int:
+    """Context length; capped at a sliding window we do not implement (Mistral v0.1), so it stays exact."""
+    limit = int(d.get("max_position_embeddings", 2048))
+    window = d.get("sliding_window")
+    uses_window = d.get("use_sliding_window", d.get("model_type") != "qwen2")
+    if window and uses_window and window < limit:
+        return int(window)
+    return limit
+
+
+def _token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _hf_token_ids(ids: tuple[int, ...]) -> int | list[int] | None:
+    return None if not ids else ids[0] if len(ids) == 1 else list(ids)
+
+
+def _dummy(arch: str, **kw: Any) -> ModelConfig:
+    return ModelConfig(architecture=arch, **kw)
+
+
+# Real shapes, for `--load-format dummy` speed work (weight values do not change speed).
+DUMMY_SHAPES: dict[str, ModelConfig] = {
+    "SmolLM2-135M": _dummy(
+        "LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,),
+        torch_dtype="bfloat16",
+    ),
+    "Llama-3-8B": _dummy(
+        "LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001,),
+        torch_dtype="bfloat16",
+    ),
+    "Qwen2.5-7B": _dummy(
+        "Qwen2ForCausalLM", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, attention_bias=True, bos_token_id=151643,
+        eos_token_id=(151643,), torch_dtype="bfloat16",
+    ),
+}  # fmt: skip
+
+
+def dummy_config(name: str) -> ModelConfig:
+    if name not in DUMMY_SHAPES:
+        raise ValueError(f"unknown dummy model shape {name!r}; known: {', '.join(DUMMY_SHAPES)}")
+    return DUMMY_SHAPES[name]

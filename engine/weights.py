@@ -1,0 +1,253 @@
+"""Where weights come from: a Hugging Face safetensors directory, a GGUF file, or random ("dummy").
+
+Each source is an iterator of (hf_name, tensor); `LlamaForCausalLM.load_weights` consumes it.
+Every failure is a ValueError that names the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig, dummy_config
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+# ---- safetensors ---------------------------------------------------------------------------------
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{index}: unreadable safetensors index: {e}") from e
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} lists files that do not exist: {', '.join(absent)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no weights (*.safetensors) in model directory {model_dir}")
+    return files
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"{path}: corrupt or truncated safetensors file: {e}") from e
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------
+
+
+def open_gguf(path: str | Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise ValueError(f"{path}: corrupt or truncated GGUF file: {e}") from e
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_model_config(reader: Any) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (llama.cpp keys, `{arch}.block_count` etc.)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=_GGUF_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(str(np.float32(meta("attention.layer_norm_rms_epsilon")))),  # 1e-05, not 9.99e-06
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length")),
+        tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
+        attention_bias=arch == "qwen2",
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=() if eos is None else (int(eos),),
+        torch_dtype="float32",
+    )
+
+
+def gguf_to_hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{kind}"
+    if stem in _GGUF_NAMES:
+        return f"{_GGUF_NAMES[stem]}.{kind}"
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart this loader knows")
+
+
+def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf.py's q/k row permutation (HF rotate_half -> llama.cpp interleaved pairs).
+
+    llama.cpp: w.reshape(n_head, 2, rows // n_head // 2, ...).swapaxes(1, 2); this is its inverse.
+    """
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized fp32 tensors under Hugging Face names, q/k un-permuted for the llama architecture."""
+    from gguf.quants import dequantize
+
+    permuted = gguf_field(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        name = gguf_to_hf_name(tensor.name)
+        try:
+            data = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ValueError(
+                f"cannot dequantize GGUF tensor {tensor.name} ({tensor.tensor_type.name}): {e}"
+            ) from e
+        data = data.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if permuted and ".q_proj." in name:
+            data = unpermute_rotary(data, config.num_attention_heads)
+        elif permuted and ".k_proj." in name:
+            data = unpermute_rotary(data, config.num_key_value_heads)
+        yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, not the memmap
+
+
+def gguf_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(f"expected one .gguf file in {path}, found {len(files)}")
+    return files[0]
+
+
+# ---- dummy ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights for speed work: normal(0, 0.02) everywhere, norms at 1; same seed, same weights."""
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
+# ---- load_model ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+    """The model with uninitialized parameters, allocated directly in `dtype` on `device`."""
+    with _default_dtype(dtype), torch.device(device):
+        return LlamaForCausalLM(config).eval()
+
+
+def resolve_format(path: Path, load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
+    if load_format != "auto":
+        return load_format
+    if path.is_file():
+        return "gguf"
+    if not (path / "config.json").is_file() and any(path.glob("*.gguf")):
+        return "gguf"
+    return "safetensors"
+
+
+def load_model(
+    model: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build and load a model: a HF directory, a .gguf file, or (load_format="dummy") a DUMMY_SHAPES name."""
+    path = Path(model)
+    if load_format == "dummy":
+        config = dummy_config(str(model)) if not path.is_dir() else ModelConfig.from_dir(path)
+        net = build_model(config, dtype, device)
+        init_dummy_weights(net)
+        return net, config
+    if not path.exists():
+        raise ValueError(f"model path does not exist: {path}")
+    if resolve_format(path, load_format) == "gguf":
+        reader = open_gguf(gguf_file(path))
+        config = gguf_model_config(reader)
+        weights = iter_gguf(reader, config)
+    else:
+        if not path.is_dir():
+            raise ValueError(f"not a model directory: {path}")
+        config = ModelConfig.from_dir(path)
+        safetensors_files(path)  # fail early when there are none
+        weights = iter_safetensors(path)
+    net = build_model(config, dtype, device)
+    net.load_weights(weights)
+    return net, config

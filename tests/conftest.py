@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (converted from the GGUF on first use)."""
+    from engine.bundled import bundled_model_dir as convert
+
+    return convert()
+
+
+@pytest.fixture(scope="session")
+def hf_bundled(bundled_model_dir: Path) -> Any:
+    """transformers' model for the bundled directory, fp32 on CPU."""
+    from tests.hf_reference import hf_model
+
+    return hf_model(bundled_model_dir)
