@@ -1,11 +1,225 @@
-"""Paged decode attention: one query token per sequence over its paged K/V."""
+"""Paged decode attention: one query token per sequence over its paged K/V.
+
+One program owns (sequence, kv head, split): it loads the group of query heads that share the
+kv head as one (BLOCK_H, head_dim) tile, so each K/V row is read from memory once for all of
+them, and walks its key range BLOCK_N rows (several pages) at a time with an online softmax.
+Long contexts at small batch split the key range across programs (flash-decoding); the
+partial states then merge in kernels/decode_reduce.py.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from kernels import _backend
+from kernels.decode_reduce import carve_workspace, decode_reduce_triton
 from kernels.paged_prefill_attention import gather_kv
+
+LOG2E = 1.4426950408889634
+MIN_PARTITION = 256  # keys per split at least: below that the reduce costs more than it saves
+FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: half the rows fit
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """64 keys per iteration, 2 warps, double-buffered: the best of the H200 sweeps (docs/kernels.md)."""
+    if dtype == torch.float32:
+        return FP32_CONFIG
+    return {"block_n": 64, "num_warps": 2, "num_stages": 2}
+
+
+@triton.jit
+def _decode_tile(
+    acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
+    stride_c_kv, stride_c_block, stride_c_off,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N (MASKED: some are >= end)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+    else:
+        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
+    k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = (pos < end)[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
+    if MASKED:
+        s = tl.where((pos < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores in log2 units from here on
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_decode_kernel(
+    # pointers
+    out_ptr,
+    ml_ptr,
+    query_ptr,
+    kv_cache_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    # sizes
+    qk_scale,
+    partition_size,
+    # strides
+    stride_o_seq,
+    stride_o_head,
+    stride_o_split,
+    stride_ml_kind,
+    stride_ml_seq,
+    stride_ml_head,
+    stride_q_seq,
+    stride_q_head,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_off,
+    stride_c_head,
+    stride_bt_seq,
+    # meta
+    QUERY_GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * QUERY_GROUP + rows
+    row_ok = rows < QUERY_GROUP
+    dim_ok = dims < HEAD_DIM
+    # q before seq_len: the two loads' latencies overlap instead of adding up
+    q_ptrs = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # (BLOCK_H, BLOCK_D)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if start >= seq_len:
+            return  # an unused split: the reduce never reads it
+    end = tl.minimum(start + partition_size, seq_len)
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_base = kv_cache_ptr + kv_head * stride_c_head
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _decode_tile(
+            acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
+            stride_c_kv, stride_c_block, stride_c_off,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
+        acc, m_i, l_i = _decode_tile(
+            acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
+            stride_c_kv, stride_c_block, stride_c_off,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    # (BLOCK_H,) row starts: the output rows, or the split's partial-state rows
+    out_rows = out_ptr + seq.to(tl.int64) * stride_o_seq + heads * stride_o_head + split * stride_o_split
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py
+        tl.store(out_rows[:, None] + dims[None, :], acc, mask=out_mask)
+        ml_rows = ml_ptr + seq.to(tl.int64) * stride_ml_seq + heads * stride_ml_head + split
+        tl.store(ml_rows, m_i, mask=row_ok)
+        tl.store(ml_rows + stride_ml_kind, l_i, mask=row_ok)
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 writes zeros, not NaN
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
+
+
+def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the key range only when (sequence, kv head) programs cannot fill the GPU."""
+    programs = num_seqs * num_kv_heads
+    target = 4 * _backend.num_sms(device)
+    if programs * 2 > target or max_seq_len <= 2 * MIN_PARTITION:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, MIN_PARTITION)))
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    seq_lens: torch.Tensor,  # (num_seqs,) int32
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    scale: float,
+    max_seq_len: int | None = None,
+    *,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,  # flat fp32, >= num_seqs*num_heads*num_splits*(head_dim+2)
+    config: dict | None = None,
+    out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
+) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
+    assert seq_lens.shape == (num_seqs,) and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    cfg = {**default_config(head_dim, query.dtype), **(config or {})}
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+    if num_splits is None:
+        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), cfg["block_n"]) * cfg["block_n"]
+    num_splits = triton.cdiv(max(max_seq_len, 1), partition)
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        if workspace is None:
+            workspace = torch.empty(num_seqs * num_heads * num_splits * (head_dim + 2), device=query.device)
+        dest, ml = carve_workspace(workspace, num_seqs, num_heads, num_splits, head_dim)
+        o_strides = (dest.stride(0), dest.stride(1), dest.stride(2), ml.stride(0), ml.stride(1), ml.stride(2))
+    else:
+        dest, ml, o_strides = out, out, (out.stride(0), out.stride(1), 0, 0, 0, 0)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        dest, ml, query, kv_cache, seq_lens, block_tables,
+        scale * LOG2E, partition,
+        *o_strides,
+        query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        QUERY_GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["block_n"],
+        SPLIT=num_splits > 1,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_splits > 1:
+        decode_reduce_triton(out, dest, ml, seq_lens, partition)
+    return out
 
 
 def paged_decode_attention_reference(
@@ -30,4 +244,6 @@ def paged_decode_attention_reference(
 
 
 def paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None):
+    if _backend.use_triton(query):
+        return paged_decode_attention_triton(query, kv_cache, seq_lens, block_tables, scale, max_seq_len)
     return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale)

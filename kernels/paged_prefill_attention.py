@@ -1,11 +1,191 @@
 """Paged "extend" attention: a chunk of new query tokens per sequence attends causally to the
 sequence's cached prefix pages plus itself. Serves prefill, chunked prefill, prefix-cache hits
-and speculative verification (see engine/attention_metadata.py for the layout)."""
+and speculative verification (see engine/attention_metadata.py for the layout).
+
+One program owns BLOCK_M query rows of one (sequence, query head), FlashAttention-style. Its
+rows sit at positions ctx_len + q_start + r (ctx_len = seq_len - q_len), so:
+
+    keys:  0 ........ full_end ........ ctx_len + q_start ....... causal_end
+           |-- every row sees these --|---- causal mask (kv_pos <= q_pos) ----|
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import _backend
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
+    stride_c_kv, stride_c_block, stride_c_off,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N; scores are in log2 units.
+    MASKED=False: every key is < seq_len and visible to every query row."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
+    else:
+        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
+    k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = (pos < seq_len)[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos < seq_len)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores in log2 units from here on
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    # pointers
+    out_ptr,
+    query_ptr,
+    kv_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    # sizes
+    qk_scale,
+    # strides
+    stride_o_tok,
+    stride_o_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_c_kv,
+    stride_c_block,
+    stride_c_off,
+    stride_c_head,
+    stride_bt_seq,
+    # meta
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal ranges first
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    q_start = q_tile * BLOCK_M
+    if q_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = q_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    io_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
+    tok = (q_begin + rows).to(tl.int64)
+    q = tl.load(query_ptr + tok[:, None] * stride_q_tok + head * stride_q_head + dims[None, :], mask=io_mask)
+    # (BLOCK_M, BLOCK_D)
+    q_pos = ctx_len + rows
+
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_base = kv_cache_ptr + (head // QUERY_GROUP) * stride_c_head
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    full_end = (ctx_len + q_start) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(ctx_len + q_start + BLOCK_M, seq_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
+            stride_c_kv, stride_c_block, stride_c_off,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    for n0 in range(full_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
+            stride_c_kv, stride_c_block, stride_c_off,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + dims[None, :], out, mask=io_mask)
+
+
+def pick_config(max_query_len: int, head_dim: int, dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:  # 4-byte tiles: smaller, so they fit in shared memory
+        return {"block_m": 64 if max_query_len > 32 else 32, "block_n": 32, "num_warps": 4, "num_stages": 2}
+    if max_query_len >= 128 and head_dim > 64:  # the best of the H200 sweep (docs/kernels.md)
+        return {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    if max_query_len >= 64:
+        return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    block_m = max(16, triton.next_power_of_2(max_query_len))
+    return {"block_m": block_m, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) int32
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    scale: float,
+    max_query_len: int | None = None,
+    *,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
+    assert query_start_loc.shape == (num_seqs + 1,), f"query_start_loc {tuple(query_start_loc.shape)}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
+    assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    cfg = {**pick_config(max_query_len, head_dim, query.dtype), **(config or {})}
+    grid = (triton.cdiv(max_query_len, cfg["block_m"]), num_seqs, num_heads)
+    _paged_prefill_kernel[grid](
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        QUERY_GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=cfg["block_n"],
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
 
 
 def gather_kv(
@@ -52,5 +232,11 @@ def paged_prefill_attention_reference(
     return out
 
 
-def paged_prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len=None):
+def paged_prefill_attention(
+    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len=None
+):
+    if _backend.use_triton(query):
+        return paged_prefill_attention_triton(
+            query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
+        )
     return paged_prefill_attention_reference(query, kv_cache, query_start_loc, seq_lens, block_tables, scale)

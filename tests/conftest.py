@@ -1,9 +1,14 @@
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import os
 
-import pytest
+# Triton kernels run under the interpreter on CPU; set before anything imports triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

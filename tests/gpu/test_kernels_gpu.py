@@ -1,0 +1,182 @@
+"""Triton kernels vs their torch references on the GPU, over many shapes.
+
+Error metric: ||out - ref|| / ||ref||, ref computed by the reference on fp32 upcasts of the same
+inputs. Bounds: fp32 1e-5 (ieee dots), fp16 2e-3, bf16 1e-2 (P and the output round to 8 bits).
+Outputs are poisoned with NaN first: any unwritten element fails. The cache write is exact.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import PagedAttention
+from engine.attention_metadata import AttentionMetadata
+from kernels import _backend
+from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
+from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
+from tests.gpu.paged_inputs import make_paged_kv, query_start_loc
+
+DEV = "cuda"
+BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# (num_heads, num_kv_heads, head_dim): Llama-3-8B, SmolLM2, MHA, GQA 3 at 128, MQA-like 8
+HEADS = [(32, 8, 128), (9, 3, 64), (4, 4, 64), (12, 4, 128), (8, 1, 128)]
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < BOUND[dtype], f"relative error {err:.2e} over {BOUND[dtype]:.0e}"
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def ragged(n: int, hi: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, hi) for _ in range(n)]
+
+
+DECODE_BATCHES = {
+    "edges": [1, 2, 15, 16, 17, 31, 33, 64, 65],
+    "ragged256": ragged(256, 1024, 1),
+    "b1x32k": [32768],
+}
+
+
+def run_decode(heads, block_size, seq_lens, dtype, **kwargs):
+    num_heads, num_kv_heads, head_dim = heads
+    kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEV)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, device=DEV, dtype=dtype)
+    scale = head_dim**-0.5
+    out = paged_decode_attention_triton(query, kv_cache, lens, tables, scale, out=nan_like(query), **kwargs)
+    ref = paged_decode_attention_reference(query.float(), kv_cache.float(), lens, tables, scale)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("batch", list(DECODE_BATCHES))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+def test_decode_bf16(heads, block_size, batch):
+    run_decode(heads, block_size, DECODE_BATCHES[batch], torch.bfloat16)
+
+
+def test_decode_b64x4096_llama():
+    run_decode((32, 8, 128), 16, [4096] * 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
+def test_decode_dtypes(heads, dtype):
+    run_decode(heads, 16, DECODE_BATCHES["edges"] + ragged(40, 3000, 2), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 64, 300])
+def test_decode_forced_splits(num_splits):
+    run_decode((32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits)
+
+
+def test_decode_cuda_graph_replay_with_new_lengths():
+    """Preallocated out + workspace, fixed splits: one captured graph serves a growing batch."""
+    num_heads, num_kv_heads, head_dim, bs = 32, 8, 128, 16
+    kv_cache, tables, lens = make_paged_kv([3000, 17, 900], num_kv_heads, head_dim, bs, torch.bfloat16, DEV)
+    query = torch.randn(3, num_heads, head_dim, device=DEV, dtype=torch.bfloat16)
+    out = nan_like(query)
+    workspace = torch.empty(3 * num_heads * 16 * (head_dim + 2), device=DEV)
+    kwargs = dict(max_seq_len=3008, num_splits=16, workspace=workspace, out=out)
+    run = lambda: paged_decode_attention_triton(query, kv_cache, lens, tables, 0.088, **kwargs)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        lens += 1  # each sequence grew by one token, inside pages it already has
+        query.normal_()
+        graph.replay()
+        ref = paged_decode_attention_reference(query.float(), kv_cache.float(), lens, tables, 0.088)
+        check(out, ref, torch.bfloat16)
+
+
+PREFILL_BATCHES = {  # (query_len, cached prefix)
+    "ragged_mixed": [(1, 100), (17, 0), (300, 1000), (128, 128), (5, 31), (0, 7), (64, 4000), (129, 15)],
+    "spec_verify": [(4, n) for n in ragged(16, 5000, 3)],
+}
+
+
+def run_prefill(heads, block_size, seqs, dtype, **kwargs):
+    num_heads, num_kv_heads, head_dim = heads
+    q_lens = [q for q, _ in seqs]
+    kv_cache, tables, lens = make_paged_kv(
+        [q + c for q, c in seqs], num_kv_heads, head_dim, block_size, dtype, DEV
+    )
+    qsl = query_start_loc(q_lens, DEV)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, device=DEV, dtype=dtype)
+    scale = head_dim**-0.5
+    out = paged_prefill_attention_triton(
+        query, kv_cache, qsl, lens, tables, scale, out=nan_like(query), **kwargs
+    )
+    ref = paged_prefill_attention_reference(query.float(), kv_cache.float(), qsl, lens, tables, scale)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", HEADS, ids=str)
+def test_prefill_bf16(heads, block_size, batch):
+    run_prefill(heads, block_size, PREFILL_BATCHES[batch], torch.bfloat16)
+
+
+@pytest.mark.parametrize("seqs", [[(4096, 0)], [(1024, 3072), (512, 1000)]], ids=["fresh4k", "prefix"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_llama_long(seqs, block_size):
+    run_prefill((32, 8, 128), block_size, seqs, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
+def test_prefill_dtypes(heads, dtype):
+    run_prefill(heads, 16, PREFILL_BATCHES["ragged_mixed"], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_kv_cache_write(dtype, slot_dtype):
+    num_tokens, num_kv_heads, head_dim, bs, num_blocks = 4096, 8, 128, 16, 400
+    kv_cache = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, device=DEV).to(dtype)
+    qkv = torch.randn(num_tokens, 48, head_dim, device=DEV)  # K, V as views into a fused projection
+    key, value = qkv[:, 32:40], qkv[:, 40:48]
+    slots = torch.randperm(num_blocks * bs, device=DEV)[:num_tokens]
+    slots[::7] = -1
+    expected = kv_cache.clone()
+    kv_cache_write_reference(key, value, expected, slots)
+    kv_cache_write_triton(key, value, kv_cache, slots.to(slot_dtype))
+    assert torch.equal(kv_cache, expected)
+
+
+def test_engine_attention_triton_vs_torch(monkeypatch):
+    """A 2-chunk prefill then 3 decode steps through the engine's module, each backend."""
+    attn = PagedAttention(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5)
+    steps = [([700, 33], [700, 33]), ([300, 1], [1000, 34])] + [
+        ([1, 1], [1000 + i, 34 + i]) for i in (1, 2, 3)
+    ]
+    tables = [list(range(0, 63)), list(range(63, 66))]
+    inputs = [
+        tuple(torch.randn(sum(q), h, 128, device=DEV, dtype=torch.bfloat16) for h in (32, 8, 8))
+        for q, _ in steps
+    ]
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+        kv_cache = torch.zeros(2, 70, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
+        outs[backend] = [
+            attn(
+                q, k, v, kv_cache, AttentionMetadata.build(q_lens, s_lens, tables, block_size=16, device=DEV)
+            )
+            for (q, k, v), (q_lens, s_lens) in zip(inputs, steps, strict=True)
+        ]
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        check(got, want, torch.bfloat16)

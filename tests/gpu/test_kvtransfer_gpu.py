@@ -1,0 +1,155 @@
+"""kvtransfer on the GPU: cuda_ipc (and tcp between CUDA pools) between two processes on one GPU;
+nccl between two GPUs when the machine has them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer import KVTransferError, connect, create_receiver
+from kvtransfer.wire import Kind
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+LAYERS, BLOCK, HEADS, DIM = 4, 16, 8, 128  # 256 KiB per block in bf16
+DECODE_BLOCKS, PREFILL_BLOCKS = 160, 96
+SPAWN = mp.get_context("spawn")
+
+
+def make_pool(num_blocks: int, seed: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(LAYERS, 2, num_blocks, BLOCK, HEADS, DIM, generator=g)
+    return pool.to(torch.bfloat16).to(device)
+
+
+def use(device: str) -> None:
+    if device.startswith("cuda"):  # the helpers also run on CPU, to check them without a GPU
+        torch.cuda.set_device(device)
+
+
+def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any) -> None:
+    use(device)
+    pool = make_pool(PREFILL_BLOCKS, seed, device)
+    with connect(descriptor, pool) as sender:
+
+        def run(mine: list) -> None:
+            for rid, src, dst in mine:
+                try:
+                    sender.send(rid, src, dst)
+                    q.put((rid, None))
+                except KVTransferError as e:
+                    q.put((rid, str(e)))
+
+        workers = [threading.Thread(target=run, args=(jobs[i::2],)) for i in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+
+def dying_prefill_main(descriptor: dict, q: Any) -> None:
+    """Get READY for request "doomed", then die before copying or reporting DONE."""
+    sender: Any = connect(descriptor, make_pool(PREFILL_BLOCKS, 0, "cuda:0"))
+    sender._ch.send(Kind.BEGIN, {"request_id": "doomed", "dst": [1, 2], "nbytes": 2 * block_nbytes()})
+    assert "error" not in sender._ch.expect(Kind.READY)
+    q.put("started")
+    q.close()
+    q.join_thread()
+    os._exit(1)
+
+
+def block_nbytes() -> int:
+    return LAYERS * 2 * BLOCK * HEADS * DIM * 2
+
+
+def plan_jobs() -> list:
+    """One-pass and two-pass shapes of block lists, into disjoint destination blocks."""
+    rng = random.Random(3)
+    fixed = set(range(100, 116)) | set(range(140, 148))
+    free = [b for b in rng.sample(range(DECODE_BLOCKS), DECODE_BLOCKS) if b not in fixed]
+    jobs = [
+        ("contiguous", list(range(0, 16)), list(range(100, 116))),  # one slice copy
+        ("scattered-dst", list(range(16, 28)), [free.pop() for _ in range(12)]),  # one index_copy_
+        ("scattered-src", rng.sample(range(PREFILL_BLOCKS), 8), list(range(140, 148))),  # index_select out=
+        ("random", rng.sample(range(PREFILL_BLOCKS), 40), [free.pop() for _ in range(40)]),  # 2 passes
+    ]
+    jobs += [
+        (f"small-{i}", rng.sample(range(PREFILL_BLOCKS), 3), [free.pop() for _ in range(3)]) for i in range(6)
+    ]
+    return jobs
+
+
+def collect(q: Any, n: int, proc: Any, timeout: float = 120.0) -> dict:
+    out: dict[str, str | None] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        try:
+            rid, err = q.get(timeout=1.0)
+            out[rid] = err
+        except queue.Empty:
+            assert proc.is_alive(), f"the prefill process died (exit {proc.exitcode}); outcomes {out}"
+            assert time.monotonic() < deadline, f"timed out; outcomes so far {out}"
+    return out
+
+
+def check_transfers(transport: str, decode_device: str, prefill_device: str) -> None:
+    use(decode_device)
+    pool = make_pool(DECODE_BLOCKS, 100, decode_device)
+    before = pool.clone()
+    jobs = plan_jobs()
+    q = SPAWN.Queue()
+    with create_receiver(transport, pool) as receiver:
+        for rid, _, dst in jobs:
+            receiver.expect(rid, dst)
+        proc = SPAWN.Process(target=prefill_main, args=(receiver.descriptor(), 5, prefill_device, jobs, q))
+        proc.start()
+        outcomes = collect(q, len(jobs), proc)
+        for rid, _, _ in jobs:
+            receiver.wait(rid, timeout=5)  # send() returned: the receiver already knows
+        proc.join(30)
+    assert all(err is None for err in outcomes.values()), outcomes
+    source = make_pool(PREFILL_BLOCKS, 5, decode_device)
+    written = torch.zeros(DECODE_BLOCKS, dtype=torch.bool)
+    for rid, src, dst in jobs:
+        assert torch.equal(pool[:, :, dst], source[:, :, src]), rid
+        written[dst] = True
+    assert torch.equal(pool[:, :, ~written.to(decode_device)], before[:, :, ~written.to(decode_device)])
+
+
+def test_cuda_ipc_two_processes_one_gpu_exact() -> None:
+    check_transfers("cuda_ipc", "cuda:0", "cuda:0")
+
+
+def test_tcp_between_cuda_pools_exact() -> None:
+    check_transfers("tcp", "cuda:0", "cuda:0")
+
+
+def test_cuda_ipc_sender_dies_mid_transfer() -> None:
+    pool = make_pool(DECODE_BLOCKS, 100, "cuda:0")
+    q = SPAWN.Queue()
+    with create_receiver("cuda_ipc", pool) as receiver:
+        receiver.expect("doomed", [1, 2])
+        proc = SPAWN.Process(target=dying_prefill_main, args=(receiver.descriptor(), q))
+        proc.start()
+        assert q.get(timeout=120) == "started"
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferError, match="doomed"):
+            receiver.wait("doomed", timeout=20)
+        assert time.monotonic() - t0 < 5
+        proc.join(30)
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 GPUs: NCCL cannot pair two processes on one GPU ('Duplicate GPU detected')",
+)
+def test_nccl_two_gpus_exact() -> None:
+    check_transfers("nccl", "cuda:0", "cuda:1")

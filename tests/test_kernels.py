@@ -1,0 +1,161 @@
+"""Each Triton kernel against its torch reference on small shapes, under Triton's interpreter.
+
+fp32 throughout; tolerance rtol 1e-4, atol 1e-5 for attention (the interpreter computes in fp32
+with a different summation order; the observed error is ~1e-6), exact equality for the cache
+write (a copy). Outputs are poisoned with NaN before each run, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.attention import PagedAttention
+from engine.attention_metadata import AttentionMetadata
+from kernels import _backend
+from kernels.decode_reduce import decode_reduce_reference, decode_reduce_triton
+from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
+from kernels.paged_decode_attention import (
+    _paged_decode_kernel,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
+from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
+from tests.gpu.paged_inputs import make_paged_kv, query_start_loc
+
+# If another test module imported triton first, without the interpreter, the kernels cannot run
+# on CPU tensors in this process: test_in_fresh_process then runs this file in a new one.
+INTERPRETED = isinstance(_paged_decode_kernel, InterpretedFunction)
+in_process = pytest.mark.skipif(not INTERPRETED, reason="triton imported without TRITON_INTERPRET=1")
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+# (num_heads, num_kv_heads, head_dim, block_size): GQA ratios 1, 3, 4; head_dim 64 and 128
+HEADS = [(4, 4, 64, 16), (6, 2, 64, 32), (8, 2, 64, 16), (4, 1, 128, 32)]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the kernels run under the interpreter in this process")
+def test_in_fresh_process():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+@in_process
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(1, 64, 16), (3, 64, 32), (2, 128, 16)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_kv_cache_write(num_kv_heads, head_dim, block_size, slot_dtype):
+    kv_cache = torch.randn(2, 6, block_size, num_kv_heads, head_dim)
+    # K and V as strided views of one fused projection output, like the model produces them
+    kv = torch.randn(7, 2, num_kv_heads, head_dim)
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([0, 5, -1, block_size + 3, 6 * block_size - 1, 2 * block_size, -1], dtype=slot_dtype)
+    expected = kv_cache.clone()
+    kv_cache_write_reference(key, value, expected, slots.long())
+    kv_cache_write_triton(key, value, kv_cache, slots)
+    assert torch.equal(kv_cache, expected)
+
+
+@in_process
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEADS)
+def test_decode_ragged(num_heads, num_kv_heads, head_dim, block_size):
+    seq_lens = [1, 15, 16, 17, 47, 100]
+    kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size)
+    query = torch.randn(len(seq_lens), num_heads, head_dim)
+    ref = paged_decode_attention_reference(query, kv_cache, lens, tables, head_dim**-0.5)
+    out = paged_decode_attention_triton(query, kv_cache, lens, tables, head_dim**-0.5, out=poisoned(query))
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@in_process
+@pytest.mark.parametrize("num_splits,block_n", [(None, 64), (3, 16), (5, 32)])
+def test_decode_split_kv(num_splits, block_n):
+    seq_lens = [700, 1, 130, 333]  # splits past a short sequence's end are skipped, never read
+    kv_cache, tables, lens = make_paged_kv(seq_lens, 2, 64, 16)
+    query = torch.randn(len(seq_lens), 6, 64)
+    ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
+    workspace = torch.full((len(seq_lens) * 6 * 16 * 66,), float("nan"))
+    out = paged_decode_attention_triton(
+        query, kv_cache, lens, tables, 0.125, max_seq_len=700, num_splits=num_splits,
+        config={"block_n": block_n}, workspace=workspace, out=poisoned(query),
+    )  # fmt: skip
+    torch.testing.assert_close(out, ref, **TOL)
+    assert not workspace.isnan().all(), "expected the split path (num_sms is 8 under the interpreter)"
+
+
+@in_process
+def test_decode_reduce_matches_reference():
+    acc, ml = torch.randn(3, 2, 4, 64), torch.rand(2, 3, 2, 4) + 0.5
+    seq_lens = torch.tensor([1, 100, 0], dtype=torch.int32)
+    ref = decode_reduce_reference(acc, ml, seq_lens, 32, torch.float32)
+    out = decode_reduce_triton(poisoned(ref), acc, ml, seq_lens, 32)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@in_process
+def test_decode_empty_sequence_writes_zeros():
+    kv_cache, tables, lens = make_paged_kv([0, 5], 1, 64, 16)
+    out = paged_decode_attention_triton(torch.randn(2, 2, 64), kv_cache, lens, tables, 0.125, out=poisoned(
+        torch.empty(2, 2, 64)))  # fmt: skip
+    assert torch.equal(out[0], torch.zeros(2, 64)) and not out[1].isnan().any()
+
+
+# (query_len, cached prefix length): decode rows, a fresh prompt, chunks over prefixes that end
+# mid-block and on a block boundary, a spec-verify-sized chunk, and an empty row
+PREFILL_SEQS = [(1, 0), (5, 0), (7, 13), (20, 33), (3, 64), (4, 47), (0, 10)]
+
+
+@in_process
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEADS)
+@pytest.mark.parametrize("config", [None, {"block_m": 16, "block_n": 16}])
+def test_prefill_over_cached_prefix(num_heads, num_kv_heads, head_dim, block_size, config):
+    if config is None and head_dim == 128:
+        pytest.skip("one head_dim-128 case is enough for the interpreter's time")
+    q_lens = [q for q, _ in PREFILL_SEQS]
+    seq_lens = [q + c for q, c in PREFILL_SEQS]
+    kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size)
+    qsl = query_start_loc(q_lens)
+    query = torch.randn(sum(q_lens), num_heads, head_dim)
+    ref = paged_prefill_attention_reference(query, kv_cache, qsl, lens, tables, head_dim**-0.5)
+    out = paged_prefill_attention_triton(
+        query, kv_cache, qsl, lens, tables, head_dim**-0.5, config=config, out=poisoned(query)
+    )
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@in_process
+def test_engine_attention_triton_equals_torch(monkeypatch):
+    """Prefill a prompt in two chunks, then decode two steps; both backends give the same rows."""
+    attn = PagedAttention(num_heads=6, num_kv_heads=2, head_dim=64, scale=0.125)
+    steps = [([20], [20]), ([9], [29]), ([1], [30]), ([1], [31])]  # (query_lens, seq_lens)
+    table = [[3, 0]]
+    inputs = [
+        (torch.randn(q[0], 6, 64), torch.randn(q[0], 2, 64), torch.randn(q[0], 2, 64)) for q, _ in steps
+    ]
+    outs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+        kv_cache = torch.zeros(2, 4, 16, 2, 64)
+        outs[backend] = [
+            attn(q, k, v, kv_cache, AttentionMetadata.build(q_lens, s_lens, table, block_size=16))
+            for (q, k, v), (q_lens, s_lens) in zip(inputs, steps, strict=True)
+        ]
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        torch.testing.assert_close(got, want, **TOL)
