@@ -1,0 +1,279 @@
+"""KV transfer bandwidth of one 4096-token prompt at Llama-3-8B shape, between two processes.
+
+    python bench/kvtransfer.py --out DIR          # on the GPU: cuda_ipc (+ tcp for reference)
+    python bench/kvtransfer.py --cpu --out DIR    # a small dry run of the same code on CPU (tcp, gloo)
+
+Shape: 32 layers x (K, V) x 256 blocks of 16 tokens x 8 kv heads x 128 dims, bf16 = 512 MiB.
+This process is the prefill worker (it times `sender.send`, which returns once the decode worker has
+acknowledged every byte); a spawned process is the decode worker, serving receivers over one pool.
+The ceiling is a device-to-device copy of the same 512 MiB measured here (payload bytes / time).
+Block ids: "contiguous" (one run each side), "scattered" (contiguous source, random destination),
+"random" (random both sides: gather + scatter, two passes); "one" (a single block) gives the fixed
+cost of a transfer. Every case is checked bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.record import record  # noqa: E402
+from kvtransfer import connect, create_receiver, layout  # noqa: E402
+from kvtransfer.layout import copy_blocks  # noqa: E402
+
+GPU_SHAPE: dict[str, Any] = dict(layers=32, heads=8, dim=128, block=16, blocks=256, dtype="bfloat16")
+CPU_SHAPE: dict[str, Any] = dict(layers=4, heads=2, dim=32, block=16, blocks=64, dtype="bfloat16")
+
+
+def make_pool(shape: dict, num_blocks: int, seed: int, device: str) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    dims = (shape["layers"], 2, num_blocks, shape["block"], shape["heads"], shape["dim"])
+    return torch.randn(dims, generator=g, device=device, dtype=torch.float32).to(
+        getattr(torch, shape["dtype"])
+    )
+
+
+def checksum(blocks: torch.Tensor) -> tuple[int, int]:
+    """Two integer sums over the raw bits: equal for equal bytes, different for almost any change."""
+    x = blocks.contiguous().view(-1).view(torch.int16).to(torch.int64)
+    w = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 65521 + 1
+    return int(x.sum()), int((x * w).sum())
+
+
+def decode_main(shape: dict, device: str, transports: list[str], conn: Any) -> None:
+    """The decode worker: one pool, a receiver per transport; expects, waits and checksums on command."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    pool = make_pool(shape, 4 * shape["blocks"], 7, device)
+    receivers = {t: create_receiver(t, pool) for t in transports}
+    conn.send({t: r.descriptor() for t, r in receivers.items()})
+    failures: list[str] = []
+
+    def wait_all(receiver: Any, rids: list[str]) -> None:
+        for rid in rids:
+            try:
+                receiver.wait(rid, timeout=120)
+            except Exception as e:  # reported back, never silent
+                failures.append(f"{rid}: {e}")
+
+    waiters: list[threading.Thread] = []
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "expect":  # (transport, [(rid, dst), ...])
+            transport, jobs = args
+            for rid, dst in jobs:
+                receivers[transport].expect(rid, dst)
+            waiters.append(
+                threading.Thread(target=wait_all, args=(receivers[transport], [r for r, _ in jobs]))
+            )
+            waiters[-1].start()
+            conn.send("ok")
+        elif cmd == "checksum":
+            for w in waiters:
+                w.join()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            conn.send((checksum(pool[:, :, args[0]]), list(failures)))
+        else:
+            break
+    for r in receivers.values():
+        r.close()
+
+
+def time_gpu(fn: Any, reps: int) -> float:
+    """Median seconds of fn() by CUDA events, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def block_ids(case: str, n: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(src in a pool of 2n blocks, dst in a pool of 4n blocks)."""
+    if case == "one":  # one block: the fixed cost of a transfer (control round trips, sync)
+        return [0], [2 * n]
+    if case == "contiguous":
+        return list(range(n)), list(range(2 * n, 3 * n))
+    if case == "scattered":
+        return list(range(n)), rng.sample(range(4 * n), n)
+    return rng.sample(range(2 * n), n), rng.sample(range(4 * n), n)
+
+
+def run_case(transport: str, case: str, sender: Any, pool: torch.Tensor, conn: Any, reps: int) -> dict:
+    n = pool.shape[2] // 2
+    src, dst = block_ids(case, n, random.Random(f"{transport}/{case}"))
+    rids = [f"{transport}-{case}-{i}" for i in range(reps + 1)]
+    conn.send(("expect", transport, [(rid, dst) for rid in rids]))
+    assert conn.recv() == "ok"
+    sender.send(rids[0], src, dst)  # warm-up: index tensors, staging buffers, sockets
+    times = []
+    for rid in rids[1:]:
+        t0 = time.perf_counter()
+        sender.send(rid, src, dst)
+        times.append(time.perf_counter() - t0)
+    conn.send(("checksum", dst))
+    remote_sum, failures = conn.recv()
+    exact = remote_sum == checksum(pool[:, :, src]) and not failures
+    nbytes = len(src) * pool[:, :, 0].numel() * pool.element_size()
+    sec = statistics.median(times)
+    mapped = getattr(sender, "_remote", None)  # cuda_ipc: the copy alone, into the mapped decode pool
+    copy_gbps = None
+    if isinstance(mapped, torch.Tensor):
+        copy_gbps = nbytes / time_gpu(lambda: copy_blocks(pool, src, mapped, dst), reps) / 1e9
+    return dict(
+        transport=transport,
+        case=case,
+        seconds=sec,
+        gbps=nbytes / sec / 1e9,
+        exact=exact,
+        nbytes=nbytes,
+        reps=reps,
+        failures=failures[:3],
+        copy_gbps=copy_gbps,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--cpu", action="store_true", help="dry run on CPU with a small shape")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tcp-reps", type=int, default=3)
+    args = ap.parse_args()
+    device = "cpu" if args.cpu else "cuda:0"
+    shape = CPU_SHAPE if args.cpu else GPU_SHAPE
+    # decode device -> transports served there (NCCL cannot pair two processes on one GPU)
+    plan = {"cpu": ["tcp", "nccl"]} if args.cpu else {"cuda:0": ["cuda_ipc", "tcp"]}
+    if not args.cpu and torch.cuda.device_count() >= 2:
+        plan["cuda:1"] = ["nccl"]
+    n = shape["blocks"]
+    pool = make_pool(shape, 2 * n, 3, device)
+    nbytes = n * pool[:, :, 0].numel() * pool.element_size()
+    ceilings, in_process = measure_ceilings(pool, n, args.reps) if not args.cpu else ({}, {})
+
+    ctx = mp.get_context("spawn")
+    results = []
+    for decode_device, transports in plan.items():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=decode_main, args=(shape, decode_device, transports, child), daemon=True)
+        proc.start()
+        descriptors = parent.recv()
+        for transport in transports:
+            with connect(descriptors[transport], pool) as sender:
+                reps = args.tcp_reps if transport == "tcp" else args.reps
+                for case in ("one", "contiguous", "scattered", "random"):
+                    results.append(run_case(transport, case, sender, pool, parent, reps))
+        parent.send(("stop",))
+        proc.join(30)
+    report(results, ceilings, in_process, nbytes, args.out, shape)
+
+
+def measure_ceilings(pool: torch.Tensor, n: int, reps: int) -> tuple[dict, dict]:
+    """Device-to-device copy of n blocks (and to GPU 1, when there is one); same-process copy_blocks."""
+    nbytes = n * pool[:, :, 0].numel() * pool.element_size()
+    a, b = pool[:, :, :n].contiguous(), torch.empty_like(pool[:, :, :n])
+    ceilings = {"d2d": nbytes / time_gpu(lambda: b.copy_(a), reps) / 1e9}
+    if torch.cuda.device_count() >= 2:
+        c = torch.empty_like(a, device="cuda:1")
+        ceilings["p2p"] = nbytes / time_gpu(lambda: c.copy_(a), reps) / 1e9
+        del c
+    local = torch.empty((*pool.shape[:2], 4 * n, *pool.shape[3:]), dtype=pool.dtype, device=pool.device)
+    in_process = {}
+    default = layout.WORDS
+    for suffix, words in (("", default), ("_int64", (torch.int64,)), ("_int16", (torch.int16,))):
+        layout.WORDS = words  # the element width that copy_blocks moves (16 bytes by default)
+        for case in ("contiguous", "scattered", "random"):
+            src, dst = block_ids(case, n, random.Random(case))
+            t = time_gpu(lambda src=src, dst=dst: copy_blocks(pool, src, local, dst), reps)
+            in_process[case + suffix] = nbytes / t / 1e9
+    layout.WORDS = default
+    return ceilings, in_process
+
+
+CEILING_NAMES = {
+    "d2d": "device-to-device copy of the same bytes on one GPU, same run (payload bytes / time)",
+    "p2p": "GPU0 -> GPU1 copy of the same bytes, same run (payload bytes / time)",
+}
+
+
+def ceiling_of(transport: str, ceilings: dict) -> str | None:
+    key = "p2p" if transport == "nccl" else "d2d"
+    return key if key in ceilings else None
+
+
+def report(
+    results: list[dict], ceilings: dict, in_process: dict, nbytes: int, out: Path | None, shape: dict
+) -> None:
+    cpu = not ceilings
+    print(f"\npayload {nbytes / 2**20:.0f} MiB per transfer; ceilings (GB/s): {ceilings}")
+    if in_process:
+        d2d = ceilings["d2d"]
+        print(
+            "same-process copy_blocks, GB/s (of d2d): "
+            + ", ".join(f"{k} {v:.0f} ({v / d2d:.0%})" for k, v in in_process.items())
+        )
+    print(f"{'transport':<10} {'block ids':<11} {'ms':>9} {'GB/s':>8} {'of ceil':>8}  exact  copy-only GB/s")
+    for r in results:
+        key = ceiling_of(r["transport"], ceilings)
+        ratio = r["gbps"] / ceilings[key] if key else float("nan")
+        print(
+            f"{r['transport']:<10} {r['case']:<11} {r['seconds'] * 1e3:9.3f} {r['gbps']:8.1f} "
+            f"{ratio:8.1%}  {r['exact']!s:5}  {r['copy_gbps'] or float('nan'):.0f}"
+            f"{'  ' + str(r['failures']) if r['failures'] else ''}"
+        )
+    if out is None:
+        return
+    fixed = {r["transport"]: r["seconds"] for r in results if r["case"] == "one"}
+    for r in results:
+        if r["case"] == "one" or (r["transport"] == "tcp" and r["case"] != "contiguous"):
+            continue  # at most 8 files come back from the device: tcp is for reference only
+        key = ceiling_of(r["transport"], ceilings)
+        record(
+            f"kvtransfer_{r['transport']}_{r['case']}" + ("_cpu" if cpu else ""),
+            r["gbps"],
+            "GB/s",
+            ceiling=ceilings[key] if key else None,
+            ceiling_name=CEILING_NAMES[key] if key else None,
+            goal=">= 70% of device-to-device copy" if r["transport"] == "cuda_ipc" else None,
+            extra=dict(
+                shape,
+                tokens=shape["blocks"] * shape["block"],
+                nbytes=r["nbytes"],
+                seconds=r["seconds"],
+                block_ids=r["case"],
+                exact=r["exact"],
+                reps=r["reps"],
+                ceilings_gbps=ceilings,
+                same_process_copy_blocks_gbps=in_process.get(r["case"]),
+                same_process_copy_blocks_int64_gbps=in_process.get(r["case"] + "_int64"),
+                same_process_copy_blocks_int16_gbps=in_process.get(r["case"] + "_int16"),
+                copy_only_into_mapped_pool_gbps=r["copy_gbps"],
+                one_block_send_seconds=fixed.get(r["transport"]),
+                tcp_all_cases_gbps={x["case"]: x["gbps"] for x in results if x["transport"] == "tcp"},
+                timed="sender.send() wall clock: control round trips + copy + sync, median",
+            ),
+            out_dir=out,
+            command="python bench/kvtransfer.py" + (" --cpu" if cpu else ""),
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The kvtransfer interface: a sender on the prefill side, a receiver on the decode side.
+
+One transfer moves, for every layer and for K and V, the prefill pool's blocks
+`src_block_ids[i]` into the decode pool's blocks `dst_block_ids[i]`:
+
+    pool: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    decode_pool[:, :, dst_block_ids[i]] = prefill_pool[:, :, src_block_ids[i]]   for every i
+
+Lifecycle of one request (decode worker D, prefill worker P):
+
+    D: receiver.expect(rid, dst_ids)        reserve-then-announce: only announced blocks can be written
+    D -> P (gRPC): prefill(rid, tokens, dst_ids); P learned receiver.descriptor() once, at connect time
+    P: sender.send(rid, src_ids, dst_ids)   returns once D has every byte, else raises KVTransferError
+    D: receiver.wait(rid, timeout)          returns once complete, else raises KVTransferError
+    D: after wait() or cancel() returned or raised, nothing writes those blocks any more: free or use them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+Descriptor = dict[str, Any]  # JSON-able: str / int / float / bool / list / dict only
+DoneCallback = Callable[[str, "KVTransferError | None"], None]
+
+TRANSPORTS = ("tcp", "nccl", "cuda_ipc")
+
+
+class KVTransferError(RuntimeError):
+    """A transfer (or setting one up) failed; the request's destination blocks hold no usable data."""
+
+
+class KVSender(abc.ABC):
+    """Prefill side of one (prefill worker, decode worker) pair, made by `connect()`.
+
+    Threads: `send` may be called from any thread; concurrent calls on one sender are serialised
+    (one transfer at a time per pair, in call order). Use one sender per decode worker.
+
+    Ownership: the sender reads `local_pool` (the prefill worker's pool, passed to `connect`) and never
+    writes it; the caller keeps the source blocks unchanged until `send` returns. On CUDA, `send` orders
+    itself after the work already queued on the caller's current stream (the forward pass that wrote
+    the blocks). The sender owns its sockets / process group / mapped memory; `close` releases them.
+
+    Failure: any failure (peer gone, refused request, bad block ids, timeout) raises KVTransferError,
+    and then the receiver never reports the request complete. After a failure the sender may be
+    unusable: close it and `connect` again.
+    """
+
+    @abc.abstractmethod
+    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        """Copy the blocks; returns after the receiver has confirmed every byte arrived."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the connection. Idempotent."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: owns the decode worker's pool as a write target and serves any number of senders.
+
+    Threads: the receiver runs its own daemon threads (one accepting connections, one per connected
+    sender); `expect`, `wait`, `cancel`, `descriptor` and `close` may be called from any thread.
+    `on_done(request_id, error_or_None)`, when given, runs on a receiver thread as each announced
+    request completes or fails: keep it short (put the event on a queue); `wait` still works after it.
+
+    Ownership: the caller keeps allocating blocks; the receiver writes only blocks announced with
+    `expect`, only for the request they were announced for. After `wait` or `cancel` returns or raises,
+    no write to that request's blocks is in progress or will start, and the receiver has forgotten the
+    request: the caller frees or uses the blocks.
+
+    Failure: a request is reported complete only once every byte has arrived (length-checked against
+    len(dst_block_ids) * bytes per block); a short read, a dead sender, a closed connection, a
+    mismatching block list or a timeout makes `wait` raise KVTransferError, never return.
+    """
+
+    @abc.abstractmethod
+    def descriptor(self) -> Descriptor:
+        """What a prefill worker needs to `connect`: transport, address, pool layout (JSON-able)."""
+
+    @abc.abstractmethod
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        """Announce that `request_id` will fill exactly these blocks (in this order)."""
+
+    @abc.abstractmethod
+    def wait(self, request_id: str, timeout: float) -> None:
+        """Block until the request's blocks are complete; raise KVTransferError on failure or timeout."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str) -> None:
+        """Forget the request (client gone); a transfer for it is refused or stopped. Idempotent."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop serving; every pending request fails. Idempotent."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def create_receiver(
+    transport: str,
+    pool: torch.Tensor,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise_host: str | None = None,
+    on_done: DoneCallback | None = None,
+) -> KVReceiver:
+    """Start a receiver of `transport` serving `pool` on host:port (port 0: any free port)."""
+    kwargs: dict[str, Any] = dict(host=host, port=port, advertise_host=advertise_host, on_done=on_done)
+    if transport == "tcp":
+        from kvtransfer.tcp import TcpKVReceiver
+
+        return TcpKVReceiver(pool, **kwargs)
+    if transport == "nccl":
+        from kvtransfer.nccl import NcclKVReceiver
+
+        return NcclKVReceiver(pool, **kwargs)
+    if transport == "cuda_ipc":
+        from kvtransfer.cuda_ipc import CudaIpcKVReceiver
+
+        return CudaIpcKVReceiver(pool, **kwargs)
+    raise KVTransferError(f"unknown kv transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
+
+
+def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> KVSender:
+    """Connect to the receiver that `descriptor` names; the transport is `descriptor["transport"]`.
+
+    Raises KVTransferError with the reason for a malformed descriptor, a pool whose layout differs from
+    the receiver's (all but num_blocks must match), or a receiver that cannot be reached in `timeout` s.
+    """
+    if not isinstance(descriptor, dict):
+        raise KVTransferError(f"kv descriptor must be a dict, got {type(descriptor).__name__}")
+    transport = descriptor.get("transport")
+    if transport == "tcp":
+        from kvtransfer.tcp import TcpKVSender
+
+        return TcpKVSender(descriptor, local_pool, timeout=timeout)
+    if transport == "nccl":
+        from kvtransfer.nccl import NcclKVSender
+
+        return NcclKVSender(descriptor, local_pool, timeout=timeout)
+    if transport == "cuda_ipc":
+        from kvtransfer.cuda_ipc import CudaIpcKVSender
+
+        return CudaIpcKVSender(descriptor, local_pool, timeout=timeout)
+    raise KVTransferError(
+        f"kv descriptor names unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
+    )

@@ -1,0 +1,261 @@
+"""cuda_ipc: same host; the prefill worker writes straight into the decode worker's pool.
+
+The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
+prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
+its own stream (one pass when either side's block ids form a few contiguous runs, else gather +
+scatter), synchronises, and tells the receiver over a small TCP control channel:
+
+    sender                                      receiver (thread per connection)
+    HELLO {layout}                   ->         check layout
+                                     <-  WELCOME
+    BEGIN {request_id, dst, nbytes}  ->         begin(): only announced blocks, only once
+                                     <-  READY  (or a refusal: nothing is written)
+    copy on the transfer stream, event sync
+    DONE {request_id, nbytes}        ->         finish(): length check
+                                     <-  ACK
+
+A sender that dies between READY and DONE closes the control socket: the request fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
+from kvtransfer.layout import (
+    PoolLayout,
+    check_pair,
+    copy_blocks,
+    field,
+    gather,
+    needs_staging,
+    scatter,
+)
+from kvtransfer.registry import TableReceiver
+from kvtransfer.wire import Channel, ControlServer, Kind
+
+IO_TIMEOUT_S = 60.0
+
+# rebuild_cuda_tensor's arguments after (tensor_cls, size, stride, offset, storage_cls, dtype), by name
+_IPC_FIELDS = (
+    "device",
+    "handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+_BYTES_FIELDS = ("handle", "ref_counter_handle", "event_handle")
+
+
+def encode_ipc_args(args: tuple[Any, ...]) -> dict[str, Any]:
+    """reduce_tensor's rebuild arguments as a JSON-able dict (bytes in base64, no pickle)."""
+    if len(args) != 6 + len(_IPC_FIELDS):
+        raise KVTransferError(f"unexpected CUDA IPC handle layout ({len(args)} fields) from this torch")
+    _, size, stride, offset, _, dtype = args[:6]
+    out: dict[str, Any] = {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    for name, value in zip(_IPC_FIELDS, args[6:], strict=True):
+        if name in _BYTES_FIELDS and value is not None:
+            value = base64.b64encode(value).decode()
+        out[name] = value
+    return out
+
+
+def decode_ipc_args(ipc: dict[str, Any], device_index: int) -> tuple[Any, ...]:
+    """The inverse of encode_ipc_args, for a consumer that sees the GPU as `device_index`."""
+    try:
+        fields = {n: ipc[n] for n in _IPC_FIELDS}
+        for name in _BYTES_FIELDS:
+            if fields[name] is not None:
+                fields[name] = base64.b64decode(fields[name])
+        fields["device"], fields["requires_grad"] = device_index, False
+        dtype = getattr(torch, ipc["dtype"])
+        head = (torch.Tensor, tuple(ipc["size"]), tuple(ipc["stride"]), int(ipc["offset"]))
+        return (*head, torch.UntypedStorage, dtype, *(fields[n] for n in _IPC_FIELDS))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise KVTransferError(f"kv descriptor has a bad 'ipc' handle: {e!r}") from e
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(i) == uuid:
+            return i
+    raise KVTransferError(
+        f"the decode worker's GPU {uuid} is not visible here: cuda_ipc needs both workers on one host "
+        "with that GPU visible to both (use nccl or tcp otherwise)"
+    )
+
+
+class CudaIpcKVReceiver(TableReceiver):
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        on_done: DoneCallback | None = None,
+    ) -> None:
+        if not pool.is_cuda:
+            raise KVTransferError(f"cuda_ipc needs the decode pool on a CUDA device, got {pool.device}")
+        super().__init__(pool, on_done)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self._ipc = encode_ipc_args(reduce_tensor(pool)[1])  # pool must outlive the receiver
+        index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+        self._uuid = _device_uuid(index)
+        self._host = advertise_host or host
+        self._server = ControlServer(host, port, self._serve, "kv-cuda-ipc")
+
+    def descriptor(self) -> Descriptor:
+        return {
+            "transport": "cuda_ipc",
+            "host": self._host,
+            "port": self._server.port,
+            "layout": self.layout.to_dict(),
+            "device_uuid": self._uuid,
+            "ipc": self._ipc,
+        }
+
+    def _shutdown(self) -> None:
+        self._server.close()
+
+    def _serve(self, ch: Channel) -> None:
+        hello = ch.expect(Kind.HELLO)
+        try:
+            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
+        except KVTransferError as e:
+            ch.send(Kind.WELCOME, {"error": str(e)})
+            return
+        ch.send(Kind.WELCOME, {})
+        while True:
+            ch.settimeout(None)  # idle between transfers
+            meta = ch.expect(Kind.BEGIN)
+            ch.settimeout(IO_TIMEOUT_S)
+            self._receive(ch, meta)
+
+    def _receive(self, ch: Channel, meta: dict[str, Any]) -> None:
+        rid, nbytes = str(meta.get("request_id")), meta.get("nbytes")
+        try:
+            self.begin(rid, meta.get("dst"), nbytes if isinstance(nbytes, int) else -1)
+        except KVTransferError as e:
+            ch.send(Kind.READY, {"request_id": rid, "error": str(e)})
+            return
+        ch.send(Kind.READY, {"request_id": rid})
+        try:
+            done = ch.expect(Kind.DONE)  # the sender copies now; EOF here = it died mid-copy
+        except KVTransferError as e:
+            self.finish(rid, f"sender gone before completing the copy: {e}")
+            raise
+        error = done.get("error")
+        if error is None and (done.get("request_id") != rid or done.get("nbytes") != nbytes):
+            error = f"sender reported {done.get('nbytes')} bytes for {done.get('request_id')!r}"
+        error = self.finish(rid, error)
+        ch.send(Kind.ACK, {"request_id": rid, **({"error": error} if error else {})})
+
+
+class CudaIpcKVSender(KVSender):
+    def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
+        self._layout = PoolLayout.of(local_pool)
+        self._remote_layout = PoolLayout.from_dict(field(descriptor, "layout", dict))
+        self._layout.check_peer(self._remote_layout)
+        ipc, uuid = field(descriptor, "ipc", dict), field(descriptor, "device_uuid", str)
+        host, port = field(descriptor, "host", str), field(descriptor, "port", int)
+        if not local_pool.is_cuda:
+            raise KVTransferError(
+                f"cuda_ipc needs the prefill pool on a CUDA device, got {local_pool.device}"
+            )
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        index = _local_index(uuid)
+        try:
+            self._remote = rebuild_cuda_tensor(*decode_ipc_args(ipc, index))
+        except RuntimeError as e:
+            raise KVTransferError(f"cannot map the decode worker's kv pool over CUDA IPC: {e}") from e
+        if PoolLayout.of(self._remote) != self._remote_layout:
+            raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
+        self._pool = local_pool
+        self._stream = torch.cuda.Stream(local_pool.device)
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._ch = Channel.connect(host, port, timeout)
+        self._ch.settimeout(max(timeout, IO_TIMEOUT_S))
+        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict()})
+        welcome = self._ch.expect(Kind.WELCOME)
+        if "error" in welcome:
+            self._ch.close()
+            raise KVTransferError(
+                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
+            )
+
+    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        check_pair(src_block_ids, dst_block_ids)
+        self._layout.check_ids(src_block_ids, "source")
+        self._remote_layout.check_ids(dst_block_ids, "destination")
+        nbytes = len(src_block_ids) * self._layout.block_nbytes
+        src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
+        with self._lock:
+            if self._broken:
+                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
+            try:
+                self._ch.send(Kind.BEGIN, {"request_id": request_id, "dst": dst, "nbytes": nbytes})
+                staged, error = self._prestage(src, dst)  # local work while the receiver answers
+                reply = self._ch.expect(Kind.READY)
+                if "error" not in reply:  # refused: nothing was written, the connection stays usable
+                    error = error or self._copy(src, dst, staged)
+                    self._ch.send(Kind.DONE, {"request_id": request_id, "nbytes": nbytes, **error})
+                    reply = self._ch.expect(Kind.ACK)
+            except KVTransferError as e:
+                self._broken = str(e)
+                raise
+        if "error" in reply and "error" not in error:
+            raise KVTransferError(f"kv receiver refused request {request_id!r}: {reply['error']}")
+        if error:
+            raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
+
+    def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
+        """Gather the source blocks ahead when the copy cannot be one pass (or crosses GPUs)."""
+        try:
+            self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))  # after the forward pass
+            if self._remote.device == self._pool.device and not needs_staging(src, dst):
+                return None, {}
+            with torch.cuda.stream(self._stream):
+                return gather(self._pool, src), {}
+        except RuntimeError as e:
+            return None, {"error": f"{type(e).__name__}: {e}"}
+
+    def _copy(self, src: list[int], dst: list[int], staged: torch.Tensor | None) -> dict[str, str]:
+        """Write the mapped pool on the transfer stream and wait for it; {} or {"error": why}."""
+        try:
+            with torch.cuda.stream(self._stream):
+                if self._remote.device == self._pool.device:
+                    copy_blocks(self._pool, src, self._remote, dst, staged)
+                else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
+                    assert staged is not None
+                    scatter(self._remote, dst, staged.to(self._remote.device))
+                    torch.cuda.synchronize(self._remote.device)
+            self._stream.synchronize()
+            return {}
+        except RuntimeError as e:
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    def close(self) -> None:
+        self._ch.close()
+        self._remote = None  # type: ignore[assignment]

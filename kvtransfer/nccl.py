@@ -1,0 +1,289 @@
+"""nccl: torch.distributed point-to-point, one world of 2 per (prefill, decode) pair; gloo on CPU.
+
+The decode worker hosts one TCPStore and a TCP control server. Each prefill worker that connects gets
+its own process group of two (rank 0 = decode, rank 1 = prefill) on a PrefixStore keyed by a random
+pair id, built from the backend classes directly, so one decode process holds any number of groups
+and never touches torch.distributed's global default group:
+
+    prefill P1 --control TCP--> decode D  <--control TCP-- prefill P2
+    P1 <==== group "pair/<id1>" ====> D <==== group "pair/<id2>" ====> P2
+
+    sender                                      receiver (thread per pair)
+    HELLO {layout, pair_id}          ->         check layout
+                                     <-  WELCOME
+    both build ProcessGroupNCCL / ProcessGroupGloo(PrefixStore(pair_id, store), rank, 2)
+    gather src blocks -> one buffer (L, 2, n, bs, h, d)
+    BEGIN {request_id, dst, nbytes}  ->         begin(); recv into a staging buffer on the pool's device
+    pg.send(buffer)                  ==>        (a refused request is still received, then dropped,
+                                                 so both sides stay in step)
+                                                scatter into the pool, synchronise
+                                     <-  ACK {request_id[, error]}
+
+While data moves, both sides watch the control socket (EOF = the peer died or hung up): gloo's
+blocking wait runs on a helper thread, NCCL's event is polled; an NCCL group whose peer vanished is
+aborted. A sender's close() drops its group, which closes gloo's connections too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import select
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
+from kvtransfer.layout import PoolLayout, check_pair, field, gather, scatter
+from kvtransfer.registry import TableReceiver
+from kvtransfer.wire import Channel, ControlServer, Kind
+
+TIMEOUT_S = 60.0  # group setup and one transfer's data
+
+
+def _backend_for(pool: torch.Tensor) -> str:
+    return "nccl" if pool.is_cuda else "gloo"
+
+
+def _make_group(backend: str, store: Any, rank: int, local_addr: str, timeout: float) -> Any:
+    """A standalone 2-rank backend (no global default group): ProcessGroupGloo or ProcessGroupNCCL."""
+    td = datetime.timedelta(seconds=timeout)
+    try:
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts._timeout = td
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_addr)]
+            return dist.ProcessGroupGloo(store, rank, 2, opts)
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = td
+        return dist.ProcessGroupNCCL(store, rank, 2, nccl_opts)
+    except (RuntimeError, AttributeError) as e:
+        raise KVTransferError(f"cannot build the {backend} group (rank {rank}): {e}") from e
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _complete(work: Any, pg: Any, ch: Channel, cuda: bool, timeout: float) -> None:
+    """Wait for a send/recv; raise KVTransferError if it fails, times out, or the peer disappears.
+
+    The control socket is watched while waiting: EOF there means the peer is gone or gave up. gloo's
+    wait blocks (and a group cannot be woken from another thread), so it runs on a helper thread that
+    also holds the last reference to `pg`; NCCL's wait only orders the stream, so its event is polled.
+    """
+    if cuda:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise KVTransferError(f"kv transfer with {ch.peer} failed: {e}") from e
+        event = torch.cuda.Event()
+        event.record()
+        finished = event.query
+    else:
+        done, errors = threading.Event(), []
+
+        def waiter(work: Any = work, pg: Any = pg) -> None:
+            try:
+                work.wait()
+            except RuntimeError as e:
+                errors.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=waiter, name="kv-gloo-wait", daemon=True).start()
+        finished = done.is_set
+    deadline = time.monotonic() + timeout
+    while not finished():
+        if _peer_gone(ch.sock):
+            raise KVTransferError(f"kv peer {ch.peer} disconnected mid-transfer")
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"kv transfer with {ch.peer} timed out after {timeout:g} s")
+        time.sleep(20e-6 if cuda else 1e-3)
+    if not cuda and errors:
+        raise KVTransferError(f"kv transfer with {ch.peer} failed: {errors[0]}") from errors[0]
+
+
+def _abort(pg: Any) -> None:
+    """Tear down an NCCL group (a pending NCCL op never ends by itself when its peer vanished), so no
+    NCCL thread outlives the pair. gloo groups close their connections when dropped."""
+    abort = getattr(pg, "abort", None) if isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())) else None
+    if abort is not None:
+        with contextlib.suppress(RuntimeError):
+            abort()
+
+
+class NcclKVReceiver(TableReceiver):
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        on_done: DoneCallback | None = None,
+    ) -> None:
+        super().__init__(pool, on_done)
+        self._backend = _backend_for(pool)
+        self._host = advertise_host or host
+        td = datetime.timedelta(seconds=TIMEOUT_S)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=td)
+        self._server = ControlServer(host, port, self._serve, "kv-nccl")
+
+    def descriptor(self) -> Descriptor:
+        return {
+            "transport": "nccl",
+            "backend": self._backend,
+            "host": self._host,
+            "port": self._server.port,
+            "store_port": self._store.port,
+            "layout": self.layout.to_dict(),
+        }
+
+    def _shutdown(self) -> None:
+        self._server.close()
+
+    def _serve(self, ch: Channel) -> None:
+        hello = ch.expect(Kind.HELLO)
+        pair_id = hello.get("pair_id")
+        try:
+            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
+            if not isinstance(pair_id, str) or not pair_id.isalnum():
+                raise KVTransferError(f"bad pair id {pair_id!r}")
+        except KVTransferError as e:
+            ch.send(Kind.WELCOME, {"error": str(e)})
+            return
+        ch.send(Kind.WELCOME, {})
+        store = dist.PrefixStore(f"pdserve-kv/{pair_id}", self._store)
+        pg = _make_group(self._backend, store, 0, ch.sock.getsockname()[0], TIMEOUT_S)
+        if self.pool.is_cuda:
+            torch.cuda.set_device(self.pool.device)
+        stream = torch.cuda.Stream(self.pool.device) if self.pool.is_cuda else None
+        try:
+            while True:
+                ch.settimeout(None)  # idle between transfers
+                msg = ch.recv()
+                ch.settimeout(TIMEOUT_S)
+                if msg.kind != Kind.BEGIN:
+                    raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name}, expected BEGIN")
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self._receive(ch, pg, msg.meta)
+        finally:  # the pair ends: the sender hung up, failed, or the receiver closed
+            _abort(pg)
+
+    def _receive(self, ch: Channel, pg: Any, meta: dict[str, Any]) -> None:
+        rid, nbytes = str(meta.get("request_id")), meta.get("nbytes")
+        if (
+            not isinstance(nbytes, int)
+            or not 0 <= nbytes <= self.layout.num_blocks * self.layout.block_nbytes
+        ):
+            raise KVTransferError(f"kv peer {ch.peer} announced a bad size {nbytes!r}")
+        try:
+            dst: tuple[int, ...] | None = self.begin(rid, meta.get("dst"), nbytes)
+            refusal = None
+        except KVTransferError as e:
+            dst, refusal = None, str(e)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
+        try:
+            if nbytes:
+                _complete(pg.recv([buf], 1, 0), pg, ch, self.pool.is_cuda, TIMEOUT_S)
+        except KVTransferError as e:
+            if dst is not None:
+                self.finish(rid, str(e))
+            raise
+        if dst is not None:
+            if not self.is_cancelled(rid):
+                scatter(self.pool, dst, buf)
+                if self.pool.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+            refusal = self.finish(rid, None)
+        ch.send(Kind.ACK, {"request_id": rid, **({"error": refusal} if refusal else {})})
+
+
+class NcclKVSender(KVSender):
+    def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
+        self._layout = PoolLayout.of(local_pool)
+        self._remote = PoolLayout.from_dict(field(descriptor, "layout", dict))
+        self._layout.check_peer(self._remote)
+        backend = field(descriptor, "backend", str)
+        if backend != _backend_for(local_pool):
+            raise KVTransferError(
+                f"the receiver uses {backend!r}, which needs the prefill pool on "
+                f"{'CUDA' if backend == 'nccl' else 'the CPU'}; this pool is on {local_pool.device}"
+            )
+        host = field(descriptor, "host", str)
+        store_port = field(descriptor, "store_port", int)
+        self._pool = local_pool
+        self._ch = Channel.connect(host, field(descriptor, "port", int), timeout)
+        self._ch.settimeout(max(timeout, TIMEOUT_S))
+        pair_id = uuid.uuid4().hex
+        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict(), "pair_id": pair_id})
+        welcome = self._ch.expect(Kind.WELCOME)
+        if "error" in welcome:
+            self._ch.close()
+            raise KVTransferError(
+                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
+            )
+        td = datetime.timedelta(seconds=timeout)
+        try:
+            store = dist.TCPStore(host, store_port, is_master=False, timeout=td)
+        except RuntimeError as e:
+            self._ch.close()
+            raise KVTransferError(f"cannot reach the kv receiver's store at {host}:{store_port}: {e}") from e
+        prefixed = dist.PrefixStore(f"pdserve-kv/{pair_id}", store)
+        self._pg = _make_group(backend, prefixed, 1, self._ch.sock.getsockname()[0], timeout)
+        self._stream = torch.cuda.Stream(local_pool.device) if local_pool.is_cuda else None
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+
+    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        check_pair(src_block_ids, dst_block_ids)
+        self._layout.check_ids(src_block_ids, "source")
+        self._remote.check_ids(dst_block_ids, "destination")
+        nbytes = len(src_block_ids) * self._layout.block_nbytes
+        meta = {"request_id": request_id, "dst": [int(b) for b in dst_block_ids], "nbytes": nbytes}
+        with self._lock:
+            if self._broken:
+                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
+            try:
+                self._ch.send(Kind.BEGIN, meta)
+                if nbytes:
+                    self._push(src_block_ids)
+                ack = self._ch.expect(Kind.ACK)
+            except KVTransferError as e:
+                self._broken = str(e)
+                _abort(self._pg)
+                self._pg = None
+                raise
+        if "error" in ack:
+            raise KVTransferError(f"kv receiver refused request {request_id!r}: {ack['error']}")
+
+    def _push(self, src: Sequence[int]) -> None:
+        if self._stream is None:
+            buf = gather(self._pool, src)
+            _complete(
+                self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0), self._pg, self._ch, False, TIMEOUT_S
+            )
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+        with torch.cuda.stream(self._stream):
+            buf = gather(self._pool, src)
+            _complete(
+                self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0), self._pg, self._ch, True, TIMEOUT_S
+            )
+
+    def close(self) -> None:
+        self._ch.close()
+        self._pg = None  # dropping the group closes its connections (gloo's abort() does not)

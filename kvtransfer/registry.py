@@ -1,0 +1,162 @@
+"""The receiver's table of announced requests, shared by every transport.
+
+    expect()           -> EXPECTED
+    begin()  (by a transport thread, once the sender's header arrived and matched)
+                       -> IN_FLIGHT
+    finish() (by the same thread: every byte in the pool, or the error)
+                       -> DONE | FAILED
+    wait() / cancel()  -> forgotten
+
+Only `begin` admits writes to a request's blocks, and only for the exact blocks announced, so a late or
+stray sender can never write into blocks that were freed and handed to another request.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtransfer.base import DoneCallback, KVReceiver, KVTransferError
+from kvtransfer.layout import PoolLayout
+
+CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
+
+
+class State(enum.IntEnum):
+    EXPECTED = 0
+    IN_FLIGHT = 1
+    DONE = 2
+    FAILED = 3
+
+
+@dataclass
+class _Entry:
+    dst: tuple[int, ...]
+    state: State = State.EXPECTED
+    error: str | None = None
+    cancelled: bool = False
+    abort: Callable[[], None] | None = None  # stops an in-flight write (closes its connection)
+
+
+class TableReceiver(KVReceiver):
+    """KVReceiver's request bookkeeping; a transport adds `descriptor`, its threads and `_shutdown`."""
+
+    def __init__(self, pool: torch.Tensor, on_done: DoneCallback | None) -> None:
+        self.pool = pool
+        self.layout = PoolLayout.of(pool)
+        self._on_done = on_done
+        self._entries: dict[str, _Entry] = {}
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # -- decode worker side -------------------------------------------------------------------------
+    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        dst = tuple(int(b) for b in dst_block_ids)
+        self.layout.check_ids(dst, "destination")
+        if len(set(dst)) != len(dst):
+            raise KVTransferError(f"request {request_id!r}: destination block ids repeat")
+        with self._cond:
+            if self._closed:
+                raise KVTransferError("kv receiver is closed")
+            if request_id in self._entries:
+                raise KVTransferError(f"request {request_id!r} is already expected")
+            self._entries[request_id] = _Entry(dst)
+
+    def wait(self, request_id: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                raise KVTransferError(f"request {request_id!r} was never expected (or already waited for)")
+            while entry.state < State.DONE and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if entry.state >= State.DONE:
+                del self._entries[request_id]
+                if entry.state == State.FAILED:
+                    raise KVTransferError(f"kv transfer of request {request_id!r} failed: {entry.error}")
+                return
+        self.cancel(request_id)
+        raise KVTransferError(f"kv transfer of request {request_id!r} timed out after {timeout:g} s")
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return
+            entry.cancelled = True
+            if entry.state != State.IN_FLIGHT:
+                del self._entries[request_id]
+                return
+            abort = entry.abort
+        if abort is not None:
+            abort()
+        with self._cond:
+            ended = self._cond.wait_for(lambda: entry.state != State.IN_FLIGHT, timeout=CANCEL_GRACE_S)
+            self._entries.pop(request_id, None)
+        if not ended:
+            raise KVTransferError(
+                f"request {request_id!r}: a transfer still writes its blocks {CANCEL_GRACE_S:g} s after "
+                "cancel; do not reuse them"
+            )
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        self._shutdown()
+        with self._cond:
+            pending = [rid for rid, e in self._entries.items() if e.state < State.DONE]
+        for rid in pending:
+            self.finish(rid, "kv receiver closed")
+
+    def _shutdown(self) -> None:
+        """Stop the transport's threads and sockets."""
+
+    # -- transport threads --------------------------------------------------------------------------
+    def begin(
+        self, request_id: str, dst_block_ids: object, nbytes: int, abort: Callable[[], None] | None = None
+    ) -> tuple[int, ...]:
+        """Admit a sender's transfer; returns the destination blocks, or raises with the refusal."""
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if self._closed or entry is None or entry.cancelled:
+                raise KVTransferError(
+                    f"receiver does not expect request {request_id!r} (unknown or cancelled)"
+                )
+            if entry.state != State.EXPECTED:
+                raise KVTransferError(f"request {request_id!r} is already {entry.state.name.lower()}")
+            if not isinstance(dst_block_ids, list) or tuple(dst_block_ids) != entry.dst:
+                raise KVTransferError(
+                    f"request {request_id!r}: destination blocks differ from the ones the receiver reserved"
+                )
+            want = len(entry.dst) * self.layout.block_nbytes
+            if nbytes != want:
+                raise KVTransferError(f"request {request_id!r}: {nbytes} bytes announced, {want} expected")
+            entry.state, entry.abort = State.IN_FLIGHT, abort
+            return entry.dst
+
+    def is_cancelled(self, request_id: str) -> bool:
+        with self._cond:
+            entry = self._entries.get(request_id)
+            return entry is None or entry.cancelled
+
+    def finish(self, request_id: str, error: str | None) -> str | None:
+        """Record the outcome of a begun transfer; returns the error the sender is told (None: complete)."""
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.state >= State.DONE:
+                return error or f"request {request_id!r} was forgotten by the receiver"
+            if entry.cancelled and error is None:
+                error = f"request {request_id!r} was cancelled by the receiver"
+            entry.state = State.DONE if error is None else State.FAILED
+            entry.error, entry.abort = error, None
+            self._cond.notify_all()
+        if self._on_done is not None:
+            self._on_done(request_id, None if error is None else KVTransferError(error))
+        return error

@@ -1,0 +1,182 @@
+"""tcp: host bytes over one TCP connection per (prefill, decode) pair; works between any two hosts.
+
+sender                                              receiver (thread per connection)
+HELLO {layout}                   ->                 check layout
+                                 <-  WELCOME
+gather src blocks into one contiguous buffer (L, 2, n, bs, h, d); on CUDA, copied to pinned host
+BEGIN {request_id, dst} + payload ->                begin(): dst must be the announced blocks;
+                                                    CPU pool: recv_into each (layer, K/V, dst run) slice
+                                                    of the pool; CUDA pool: pinned staging, one H2D copy
+                                                    and scatter
+                                 <-  ACK {request_id[, error]}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
+from kvtransfer.layout import PoolLayout, byte_view, check_pair, field, gather, runs, scatter
+from kvtransfer.registry import TableReceiver
+from kvtransfer.wire import Channel, ControlServer, Kind, Message
+
+IO_TIMEOUT_S = 60.0  # a transfer whose bytes stop flowing this long fails
+_DRAIN_CHUNK = 1 << 20
+
+
+def _pinned(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """A pinned host byte buffer of at least nbytes (reused while large enough)."""
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+    return buf
+
+
+class TcpKVReceiver(TableReceiver):
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        on_done: DoneCallback | None = None,
+    ) -> None:
+        super().__init__(pool, on_done)
+        self._host = advertise_host or host
+        self._server = ControlServer(host, port, self._serve, "kv-tcp")
+
+    def descriptor(self) -> Descriptor:
+        return {
+            "transport": "tcp",
+            "host": self._host,
+            "port": self._server.port,
+            "layout": self.layout.to_dict(),
+        }
+
+    def _shutdown(self) -> None:
+        self._server.close()
+
+    def _serve(self, ch: Channel) -> None:
+        hello = ch.expect(Kind.HELLO)
+        try:
+            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
+        except KVTransferError as e:
+            ch.send(Kind.WELCOME, {"error": str(e)})
+            return
+        ch.send(Kind.WELCOME, {})
+        staging: torch.Tensor | None = None
+        while True:
+            ch.settimeout(None)  # idle between transfers
+            msg = ch.recv()
+            ch.settimeout(IO_TIMEOUT_S)
+            if msg.kind != Kind.BEGIN:
+                raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name}, expected BEGIN")
+            staging = self._receive(ch, msg, staging)
+
+    def _receive(self, ch: Channel, msg: Message, staging: torch.Tensor | None) -> torch.Tensor | None:
+        rid = str(msg.meta.get("request_id"))
+        try:
+            dst = self.begin(rid, msg.meta.get("dst"), msg.payload_len, abort=ch.close)
+        except KVTransferError as e:
+            self._drain(ch, msg.payload_len)
+            ch.send(Kind.ACK, {"request_id": rid, "error": str(e)})
+            return staging
+        try:
+            if self.pool.is_cuda:
+                staging = self._read_staged(ch, dst, msg.payload_len, staging)
+            else:
+                self._read_direct(ch, dst)
+        except Exception as e:
+            self.finish(rid, f"{type(e).__name__}: {e}")
+            raise KVTransferError(str(e)) from e
+        error = self.finish(rid, None)
+        ch.send(Kind.ACK, {"request_id": rid, **({"error": error} if error else {})})
+        return staging
+
+    def _read_direct(self, ch: Channel, dst: Sequence[int]) -> None:
+        """Payload order is (layer, K/V, block): each run of consecutive dst blocks is one pool slice."""
+        dst_runs = runs(dst)
+        for layer in range(self.layout.num_layers):
+            for kv in range(2):
+                for _, first, n in dst_runs:
+                    ch.recv_into(byte_view(self.pool[layer, kv, first : first + n]))
+
+    def _read_staged(
+        self, ch: Channel, dst: Sequence[int], nbytes: int, staging: torch.Tensor | None
+    ) -> torch.Tensor:
+        staging = _pinned(staging, nbytes)
+        ch.recv_into(byte_view(staging[:nbytes]))
+        stream = torch.cuda.Stream(self.pool.device)
+        with torch.cuda.stream(stream):
+            scatter(self.pool, dst, staging[:nbytes].to(self.pool.device, non_blocking=True))
+        stream.synchronize()
+        return staging
+
+    def _drain(self, ch: Channel, nbytes: int) -> None:
+        """Read and drop a refused transfer's payload, so the connection stays usable."""
+        if nbytes > self.layout.num_blocks * self.layout.block_nbytes:
+            raise KVTransferError(f"kv peer {ch.peer} announced {nbytes} bytes, more than the whole pool")
+        scratch = bytearray(min(nbytes, _DRAIN_CHUNK))
+        view = memoryview(scratch)
+        while nbytes > 0:
+            n = min(nbytes, len(scratch))
+            ch.recv_into(view[:n])
+            nbytes -= n
+
+
+class TcpKVSender(KVSender):
+    def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
+        self._layout = PoolLayout.of(local_pool)
+        self._remote = PoolLayout.from_dict(field(descriptor, "layout", dict))
+        self._layout.check_peer(self._remote)
+        self._pool = local_pool
+        self._ch = Channel.connect(field(descriptor, "host", str), field(descriptor, "port", int), timeout)
+        self._ch.settimeout(max(timeout, IO_TIMEOUT_S))
+        self._lock = threading.Lock()
+        self._staging: torch.Tensor | None = None
+        self._broken: str | None = None
+        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict()})
+        welcome = self._ch.expect(Kind.WELCOME)
+        if "error" in welcome:
+            self._ch.close()
+            raise KVTransferError(
+                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
+            )
+
+    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        check_pair(src_block_ids, dst_block_ids)
+        self._layout.check_ids(src_block_ids, "source")
+        self._remote.check_ids(dst_block_ids, "destination")
+        with self._lock:
+            if self._broken:
+                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
+            payload = byte_view(self._stage(src_block_ids))
+            meta = {"request_id": request_id, "dst": [int(b) for b in dst_block_ids]}
+            try:
+                self._ch.send(Kind.BEGIN, meta, payload)
+                ack = self._ch.expect(Kind.ACK)
+            except KVTransferError as e:
+                self._broken = str(e)
+                raise
+        if "error" in ack:
+            raise KVTransferError(f"kv receiver refused request {request_id!r}: {ack['error']}")
+
+    def _stage(self, src: Sequence[int]) -> torch.Tensor:
+        """The source blocks as one contiguous host tensor (L, 2, n, bs, h, d)."""
+        if not self._pool.is_cuda:
+            return gather(self._pool, src)
+        nbytes = len(src) * self._layout.block_nbytes
+        self._staging = _pinned(self._staging, nbytes)
+        stream = torch.cuda.Stream(self._pool.device)
+        stream.wait_stream(torch.cuda.current_stream(self._pool.device))
+        with torch.cuda.stream(stream):
+            staged = gather(self._pool, src)
+            self._staging[:nbytes].copy_(staged.view(-1).view(torch.uint8), non_blocking=True)
+        stream.synchronize()
+        return self._staging[:nbytes]
+
+    def close(self) -> None:
+        self._ch.close()

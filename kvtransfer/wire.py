@@ -1,0 +1,175 @@
+"""Framed messages over TCP: the control channel of every transport, and tcp's data path.
+
+    frame: | magic "PDKV" | version u8 | kind u8 | meta_len u32 | payload_len u64 | meta (JSON) | payload |
+
+A payload of payload_len bytes follows the frame's meta; the reader reads it with `recv_into`, so
+bytes land where the caller points them (a pool block, a staging buffer), never in a Python object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtransfer.base import KVTransferError
+
+MAGIC = b"PDKV"
+VERSION = 1
+_FRAME = struct.Struct("!4sBBIQ")
+MAX_META = 1 << 24
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1  # sender -> receiver: {layout, ...}
+    WELCOME = 2  # receiver -> sender: {} or {error}
+    BEGIN = 3  # sender -> receiver: {request_id, dst, nbytes}, tcp: payload follows
+    READY = 4  # receiver -> sender (cuda_ipc): {request_id} or {error}
+    DONE = 5  # sender -> receiver (cuda_ipc): {request_id, nbytes}
+    ACK = 6  # receiver -> sender: {request_id} or {request_id, error}
+
+
+@dataclass
+class Message:
+    kind: Kind
+    meta: dict[str, Any]
+    payload_len: int
+
+
+class Channel:
+    """One TCP connection. Not thread-safe: one thread reads, one writes (or one does both)."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float) -> Channel:
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise KVTransferError(f"cannot connect to kv receiver at {host}:{port}: {e}") from e
+        return cls(sock, f"{host}:{port}")
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.sock.settimeout(timeout)
+
+    def send(self, kind: Kind, meta: dict[str, Any], payload: memoryview | None = None) -> None:
+        body = json.dumps(meta, separators=(",", ":")).encode()
+        n = payload.nbytes if payload is not None else 0
+        try:
+            self.sock.sendall(_FRAME.pack(MAGIC, VERSION, kind, len(body), n) + body)
+            if payload is not None:
+                self.sock.sendall(payload)
+        except OSError as e:
+            raise KVTransferError(f"kv connection to {self.peer} broke while sending: {e}") from e
+
+    def recv(self) -> Message:
+        """The next frame's header and meta; its payload, if any, is left for `recv_into`."""
+        head = self._exact(_FRAME.size)
+        magic, version, kind, meta_len, payload_len = _FRAME.unpack(head)
+        if magic != MAGIC or version != VERSION or meta_len > MAX_META or kind not in Kind._value2member_map_:
+            raise KVTransferError(
+                f"kv peer {self.peer} sent a bad frame (magic {magic!r}, version {version})"
+            )
+        try:
+            meta = json.loads(self._exact(meta_len)) if meta_len else {}
+        except ValueError as e:
+            raise KVTransferError(f"kv peer {self.peer} sent bad JSON: {e}") from e
+        return Message(Kind(kind), meta, payload_len)
+
+    def expect(self, kind: Kind) -> dict[str, Any]:
+        msg = self.recv()
+        if msg.kind != kind or msg.payload_len:
+            raise KVTransferError(f"kv peer {self.peer} sent {msg.kind.name}, expected {kind.name}")
+        return msg.meta  # may hold "error": the peer's refusal, for the caller to raise
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill `view` completely or raise KVTransferError (closed early, timeout)."""
+        got, total = 0, view.nbytes
+        try:
+            while got < total:
+                n = self.sock.recv_into(view[got:], total - got)
+                if n == 0:
+                    raise KVTransferError(
+                        f"kv peer {self.peer} closed the connection after {got} of {total} bytes"
+                    )
+                got += n
+        except OSError as e:
+            raise KVTransferError(
+                f"kv connection to {self.peer} broke after {got} of {total} bytes: {e}"
+            ) from e
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class ControlServer:
+    """Accepts connections on host:port; runs `handler(channel)` on a daemon thread per connection."""
+
+    def __init__(self, host: str, port: int, handler: Callable[[Channel], None], name: str) -> None:
+        self._handler = handler
+        self._name = name
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self.port: int = self._listener.getsockname()[1]
+        self._channels: set[Channel] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            ch = Channel(sock, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                if self._closed:
+                    ch.close()
+                    return
+                self._channels.add(ch)
+                thread = threading.Thread(
+                    target=self._serve, args=(ch,), name=f"{self._name}-{ch.peer}", daemon=True
+                )
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, ch: Channel) -> None:
+        try:
+            self._handler(ch)
+        except KVTransferError:
+            pass  # the handler failed its request already; the peer is gone or misbehaved
+        finally:
+            with self._lock:
+                self._channels.discard(ch)
+            ch.close()
+
+    def close(self, join_timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection, and wait (bounded) for the handler threads to end."""
+        with self._lock:
+            self._closed = True
+            channels, threads = list(self._channels), list(self._threads)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        self._listener.close()
+        for ch in channels:
+            ch.close()
+        for t in threads:
+            if t is not threading.current_thread():  # close() may come from an on_done callback
+                t.join(join_timeout)
