@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve test lint typecheck unit venv clean
+.PHONY: serve test lint typecheck unit venv clean protos
 
 venv: $(STAMP)
 
@@ -32,6 +32,9 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
 test: lint typecheck unit
+
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

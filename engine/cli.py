@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API and in block hashes"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -97,15 +100,54 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from engine.roles import add_worker_args, cmd_router, cmd_worker
+
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, help=f"run a {role} worker (gRPC)")
+        add_engine_args(w)
+        add_worker_args(w)
+        w.set_defaults(func=cmd_worker)
+    r = sub.add_parser("router", help="run the router (gRPC)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--prefill", required=True, help="prefill worker addresses, comma separated")
+    r.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
+    r.add_argument("--model", default=None, help="for the tokenizer and chat template (default: bundled)")
+    r.add_argument("--served-model-name", default=None)
+    r.add_argument("--policy", default="least_loaded", help="prefix_aware, least_loaded, round_robin, random")
+    r.set_defaults(func=cmd_router)
+    up = sub.add_parser(
+        "up",
+        help="start router + prefill and decode workers locally, in one command; "
+        "other flags go to the workers",
+    )
+    up.add_argument("--prefill", type=int, default=1)
+    up.add_argument("--decode", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051)
+    up.add_argument("--model", default=None)
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--kv-transport", default="tcp", choices=["tcp", "nccl", "cuda_ipc"])
+    up.add_argument("--policy", default="least_loaded")
+    up.add_argument("--startup-timeout", type=float, default=600.0)
+    up.set_defaults(func=None)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "up":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if args.command == "up":
+            from engine.roles import cmd_up
+
+            return cmd_up(args, extra)
         return args.func(args)
     except ValueError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)

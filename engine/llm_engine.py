@@ -1,170 +1,24 @@
-"""The engine: requests in, a step at a time (schedule -> run -> postprocess), outputs out."""
+"""The offline engine: requests in, a step at a time, vLLM-shaped outputs out (detokenized, stop strings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-
-from engine.block_hash import extra_keys
-from engine.block_manager import BlockManager
-from engine.config import CacheConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from engine.engine_core import EngineConfig, EngineCore
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "float": torch.float32,
-}
+__all__ = ["EngineConfig", "LLMEngine"]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # HF model dir, GGUF file, or a dummy shape name; None: the bundled model
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's own
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
-            )
-
-
-def resolve_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type != "cuda":
-        return torch.float32
-    return torch.float16 if config_dtype == "float16" else torch.bfloat16
-
-
-class LLMEngine:
+class LLMEngine(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
-        from engine.bundled import bundled_model_dir, gguf_model_dir
-
-        self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model_path = config.model or str(bundled_model_dir())
-        if config.load_format in ("auto", "gguf") and Path(model_path).is_file():
-            model_path = str(
-                gguf_model_dir(model_path)
-            )  # converted once, tokenizer and chat template included
-        self.model_id = model_path
-        model, self.model_config = self._load(model_path)
-        self.tokenizer = self._load_tokenizer(config.tokenizer or model_path)
-        self.max_model_len = self._max_model_len(config)
-        sched_cfg = SchedulerConfig(**{**config.scheduler.__dict__, "max_model_len": self.max_model_len})
-        self.runner = ModelRunner(
-            model,
-            self.model_config,
-            config.cache,
-            sched_cfg.max_num_batched_tokens,
-            self.device,
-            self.dtype,
-            seed=config.seed,
-        )
-        self._check_pool(self.runner.num_blocks, config.cache.block_size)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids())
+        super().__init__(config)
         self.requests: dict[str, RequestState] = {}
         self._counter = itertools.count()
-
-    def _load(self, model_path: str):
-        from engine.model_config import ModelConfig
-        from engine.weights import load_model
-
-        probe: ModelConfig | None = None
-        if (
-            self.config.dtype == "auto"
-            and self.device.type == "cuda"
-            and Path(model_path, "config.json").exists()
-        ):
-            probe = ModelConfig.from_dir(model_path)
-        self.dtype = resolve_dtype(self.config.dtype, self.device, getattr(probe, "torch_dtype", None))
-        return load_model(
-            model_path, dtype=self.dtype, load_format=self.config.load_format, device=self.device
-        )
-
-    @staticmethod
-    def _load_tokenizer(path: str) -> Tokenizer | None:
-        if Path(path, "tokenizer.json").exists():
-            return Tokenizer.from_dir(path)
-        return None  # dummy shapes and bare weights: prompts must be token ids
-
-    def _max_model_len(self, config: EngineConfig) -> int:
-        native = self.model_config.max_position_embeddings
-        if config.max_model_len is None:
-            return native
-        if config.max_model_len > native:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} is longer than the model's {native} positions"
-            )
-        return config.max_model_len
-
-    def _check_pool(self, num_blocks: int, block_size: int) -> None:
-        need = -(-self.max_model_len // block_size)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens), fewer than one "
-                f"sequence of max_model_len {self.max_model_len} needs; lower max_model_len or give the cache "
-                "more memory (gpu_memory_utilization / cpu_kv_cache_space / num_gpu_blocks_override)"
-            )
-
-    def _eos_ids(self) -> set[int]:
-        if self.tokenizer is not None:
-            return set(self.tokenizer.eos_token_ids)
-        eos = self.model_config.eos_token_id
-        return set(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
-
-    # ---- requests -------------------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
-
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: it must hold at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long, but max_model_len is {self.max_model_len}: "
-                "it must be shorter to leave room for at least one output token"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
 
     def add_request(
         self,
@@ -181,20 +35,12 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        keys = extra_keys(self.model_id, cache_salt)
         seqs: list[Sequence] = []
         for i in range(params.n):
             child = params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
+            parent = seqs[0] if seqs else None
             seqs.append(
-                Sequence(
-                    f"{request_id}#{i}",
-                    prompt_ids,
-                    child,
-                    self.block_manager.block_size,
-                    keys,
-                    priority=priority,
-                    parent=seqs[0] if seqs else None,
-                )
+                self.make_sequence(f"{request_id}#{i}", prompt_ids, child, priority, cache_salt, parent)
             )
         self.requests[request_id] = RequestState(
             request_id, prompt if isinstance(prompt, str) else None, seqs, self.tokenizer
@@ -205,9 +51,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
-        for c in state.completions if state else []:
-            if not c.seq.is_finished:
-                self.scheduler.finish(c.seq, SequenceStatus.FINISHED_ABORTED)
+        for seq in state.seqs if state else []:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -215,19 +61,10 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        sampled = self.runner.run(sched) if not sched.is_empty else {}
-        updated = self.scheduler.postprocess(sched, {rid: tok for rid, (tok, _) in sampled.items()})
-        return self._process(updated, sampled)
-
-    def _process(self, updated: list[Sequence], sampled) -> list[RequestOutput]:
+        updated, _ = self.step_core()
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self.requests[seq.request_id.rsplit("#", 1)[0]]
-            logprobs = sampled[seq.request_id][1]
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[seq.output_token_ids[-1]]
             if state.update(seq) and not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
@@ -239,6 +76,4 @@ class LLMEngine:
 
 
 def _reseeded(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None)

@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass
-class _Completion:
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    stop_hit: bool = False
+class TextStream:
+    """One completion's text, built a token at a time, cut at the first stop string.
+
+    Used by the offline engine and by the router, which sees only token ids from the decode workers."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        self.stops = params.stop_strings
+        self.keep_stop = params.include_stop_str_in_output
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""
+        self.stop: str | None = None  # the stop string that ended the text
+
+    def add(self, token_id: int, last: bool = False) -> bool:
+        """Add a token (last: the completion ends here); True if a stop string now ends the text."""
+        if self.stop is not None:
+            return False
+        delta = self.detok.add(token_id) + (self.detok.flush() if last else "")
+        start = max(0, len(self.text) - self.longest + 1)  # a stop string may straddle the old text
+        self.text += delta
+        hits = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        at, self.stop = min(hits)
+        self.text = self.text[: at + len(self.stop)] if self.keep_stop else self.text[:at]
+        return True
+
+    def visible(self, finished: bool) -> str:
+        """The text safe to show: while running, hold back what could still grow into a stop string."""
+        if finished or self.stop is not None or not self.longest:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.longest + 1)]
 
 
 class RequestState:
@@ -26,65 +53,43 @@ class RequestState:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = seqs[0].prompt_token_ids
-        self.completions = [_Completion(s, _detokenizer(tokenizer, s)) for s in seqs]
+        self.seqs = seqs
+        self.texts = [
+            TextStream(tokenizer, s.prompt_token_ids, s.params) if tokenizer else None for s in seqs
+        ]
 
     @property
     def finished(self) -> bool:
-        return all(c.seq.is_finished for c in self.completions)
+        return all(s.is_finished for s in self.seqs)
 
     def update(self, seq: Sequence) -> bool:
         """Detokenize the sequence's newest token; True if a stop string now ends it."""
-        c = next(c for c in self.completions if c.seq is seq)
-        if c.detok is None:
+        text = self.texts[self.seqs.index(seq)]
+        if text is None or not text.add(seq.output_token_ids[-1], last=seq.is_finished):
             return False
-        c.text += c.detok.add(seq.output_token_ids[-1])
-        stops = seq.params.stop_strings
-        if not stops or c.stop_hit:
-            return False
-        window = len(c.text) - max(len(s) for s in stops) - 8  # only new text can complete a stop string
-        for stop in stops:
-            at = c.text.find(stop, max(0, window))
-            if at >= 0:
-                c.text = c.text[: at + len(stop)] if seq.params.include_stop_str_in_output else c.text[:at]
-                seq.stop_reason = stop
-                c.stop_hit = True
-                return True
-        return False
+        seq.stop_reason = text.stop
+        return True
 
     def output(self) -> RequestOutput:
-        outs = [self._completion_output(i, c) for i, c in enumerate(self.completions)]
-        first = self.completions[0].seq
+        outs = [self._completion(i, s, t) for i, (s, t) in enumerate(zip(self.seqs, self.texts))]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outs,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
             finished=self.finished,
         )
 
     @staticmethod
-    def _completion_output(index: int, c: _Completion) -> CompletionOutput:
-        seq = c.seq
-        text = c.text
-        if not seq.is_finished and seq.params.stop_strings:
-            # hold back what could still grow into a stop string, so streamed text never takes it back
-            text = text[: max(0, len(text) - max(len(s) for s in seq.params.stop_strings) + 1)]
+    def _completion(index: int, seq: Sequence, text: TextStream | None) -> CompletionOutput:
         wants_logprobs = seq.params.logprobs is not None
         return CompletionOutput(
             index=index,
-            text=text,
+            text=text.visible(seq.is_finished) if text else "",
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             logprobs=list(seq.logprobs) if wants_logprobs else None,
-            finish_reason=seq.status.finish_reason if seq.status >= SequenceStatus.FINISHED_STOPPED else None,
+            finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason,
         )
-
-
-def _detokenizer(tokenizer: Tokenizer | None, seq: Sequence) -> IncrementalDetokenizer | None:
-    if tokenizer is None:
-        return None  # token ids only
-    return IncrementalDetokenizer(
-        tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
-    )

@@ -122,7 +122,7 @@ def test_n_outputs_share_the_prompt_blocks(llm, prompts):
     engine = llm.engine
     prompt = prompts[-2]  # 170 tokens: 10 full blocks
     rid = engine.add_request(prompt, SamplingParams(n=3, temperature=1.5, seed=5, max_tokens=8))
-    seqs = [c.seq for c in engine.requests[rid].completions]
+    seqs = engine.requests[rid].seqs
     tables, final = None, None
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,0 +1,200 @@
+"""The decode worker's engine (runs in the engine process; see engine/engine_proc.py).
+
+A request's life here:
+  add        -> pending: waits until its prompt's blocks can be reserved (bounded queue)
+  reserve    -> the prompt's blocks are taken and announced to the KV receiver; ("prefill", rid, block_ids)
+                goes out so the server asks the prefill worker to fill them
+  kv_done    -> every byte arrived: the prompt counts as computed, the first token (sampled by the prefill
+                worker) is appended, and the sequence joins the running batch
+  step       -> continuous batching as in the offline engine; ("tokens", rid, ...) per new token
+Short prompts (up to local_prefill_threshold tokens) skip the transfer and are prefilled here.
+Preempted sequences recompute locally. Every path ends in `_end`, which frees the blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+from engine.worker_config import WorkerConfig
+from kvtransfer import KVTransferError, create_receiver
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCore:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine = EngineCore(config.engine)
+        self.scheduler = self.engine.scheduler
+        self.blocks = self.engine.block_manager
+        self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
+        self.pending: deque[Sequence] = deque()
+        self.awaiting_kv: dict[str, Sequence] = {}
+        self.outbox: list[tuple] = []
+
+    def info(self) -> dict:
+        e = self.engine
+        return {
+            "role": "decode",
+            "worker_id": self.config.worker_id,
+            "model": e.model_id,
+            "max_model_len": e.max_model_len,
+            "vocab_size": e.model_config.vocab_size,
+            "block_size": self.blocks.block_size,
+            "num_blocks": self.blocks.num_blocks,
+            "kv_descriptor": self.receiver.descriptor(),
+        }
+
+    def load(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running) + len(self.awaiting_kv),
+            "num_waiting": len(self.scheduler.waiting) + len(self.pending),
+            "num_free_blocks": self.blocks.num_free_blocks,
+            "num_total_blocks": self.blocks.num_blocks,
+        }
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.scheduler.has_unfinished() or self.outbox)
+
+    # ---- inbound ------------------------------------------------------------------------------------
+
+    def handle(self, msg: tuple) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind == "add":
+            self._add(rid, *msg[2:])
+        elif kind == "kv_done":
+            self._kv_done(rid, *msg[2:])
+        elif kind == "kv_failed":
+            self._kv_failed(rid, msg[2])
+        elif kind == "abort":
+            self._abort(rid)
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        salt: str | None,
+        remote: bool,
+    ) -> None:
+        try:
+            self.engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
+            return
+        seq = self.engine.make_sequence(rid, prompt_ids, params, priority, salt)
+        if not remote or len(prompt_ids) <= self.config.local_prefill_threshold:
+            self.scheduler.add(seq)
+        elif len(self.pending) >= self.config.max_pending:
+            self.outbox.append(
+                (
+                    "error",
+                    rid,
+                    "RESOURCE_EXHAUSTED",
+                    f"decode worker {self.config.worker_id} has {len(self.pending)} requests queued",
+                )
+            )
+        else:
+            self.pending.append(seq)
+
+    def _kv_done(
+        self, rid: str, first_token: int, logprobs: dict[int, float] | None, num_cached: int
+    ) -> None:
+        seq = self.awaiting_kv.pop(rid, None)
+        if seq is None:
+            return  # aborted meanwhile
+        try:
+            self.receiver.wait(rid, timeout=self.config.kv_timeout_s)
+        except KVTransferError as exc:
+            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            self.outbox.append(("error", rid, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+            return
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = num_cached
+        self.blocks.cache_computed_blocks(seq)
+        _skip_first_draw(seq, self.engine.model_config.vocab_size)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        seq.append_token(first_token)
+        self.scheduler.seqs[rid] = seq
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        status = self.scheduler._stop_status(seq)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+        self._emit(seq, logprobs)
+
+    def _kv_failed(self, rid: str, reason: str) -> None:
+        seq = self.awaiting_kv.pop(rid, None)
+        if seq is not None:
+            self.receiver.cancel(rid)
+            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            self.outbox.append(("error", rid, "UNAVAILABLE", reason))
+
+    def _abort(self, rid: str) -> None:
+        seq = self.awaiting_kv.pop(rid, None)
+        if seq is not None:
+            self.receiver.cancel(rid)
+            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            return
+        for seq in list(self.pending):
+            if seq.request_id == rid:
+                self.pending.remove(seq)
+                return
+        seq = self.scheduler.seqs.get(rid)
+        if seq is not None:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def _end(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.blocks.free(seq)
+        seq.status = status
+
+    # ---- the step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple]:
+        self._reserve()
+        if self.scheduler.has_unfinished():
+            updated, logprobs = self.engine.step_core()
+            for seq in updated:
+                self._emit(seq, logprobs.get(seq.request_id))
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _reserve(self) -> None:
+        """Reserve blocks for pending prompts in arrival order, while the pool allows."""
+        while self.pending:
+            seq = self.pending[0]
+            if not self.blocks.allocate(seq, seq.num_prompt_tokens):
+                break
+            self.pending.popleft()
+            self.receiver.expect(seq.request_id, list(seq.block_table))
+            self.awaiting_kv[seq.request_id] = seq
+            self.outbox.append(("prefill", seq.request_id, list(seq.block_table)))
+
+    def _emit(self, seq: Sequence, logprobs: dict[int, float] | None) -> None:
+        self.outbox.append(
+            (
+                "tokens",
+                seq.request_id,
+                seq.output_token_ids[-1],
+                logprobs,
+                seq.status.finish_reason,
+                None if seq.stop_reason is None else str(seq.stop_reason),
+                max(seq.num_cached_tokens, 0),
+            )
+        )
+
+
+def _skip_first_draw(seq: Sequence, vocab: int) -> None:
+    """The prefill worker drew the first token from this seed's generator; draw once here to stay in step."""
+    if seq.generator is not None and not seq.params.greedy:
+        torch.empty(vocab).exponential_(generator=seq.generator)

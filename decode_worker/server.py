@@ -1,0 +1,130 @@
+"""gRPC Decode service: admits a request, gets its prompt's KV from the prefill worker, streams tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+
+from engine.engine_proc import EngineProcess
+from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from engine.serving import STATUS
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Decode"
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, engine: EngineProcess, prefill_timeout_s: float = 600.0) -> None:
+        self.engine = engine
+        self.prefill_timeout_s = prefill_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        try:
+            params = params_from_proto(request.sampling)
+            if params.n != 1:
+                raise ValueError(
+                    "a decode worker serves one completion per request (n=1); the router fans out"
+                )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
+        stream = self.engine.open(rid)
+        prefill: asyncio.Task | None = None
+        finished = False
+        self.engine.send(
+            (
+                "add",
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                request.priority,
+                request.cache_salt or None,
+                bool(request.prefill_address),
+            )
+        )
+        try:
+            while not finished:
+                msg = await stream.get()
+                kind = msg[0]
+                if kind == "prefill":
+                    prefill = asyncio.create_task(self._prefill(request, params, msg[2]))
+                elif kind == "tokens":
+                    _, _, token, logprobs, finish, stop_reason, cached = msg
+                    finished = finish is not None
+                    yield pb.DecodeChunk(
+                        token_ids=[token],
+                        finish_reason=finish or "",
+                        stop_reason=stop_reason or "",
+                        logprobs=[logprobs_to_proto(token, logprobs)] if logprobs is not None else [],
+                        num_cached_tokens=cached,
+                    )
+                elif kind == "error":
+                    finished = True
+                    await context.abort(STATUS[msg[2]], msg[3])
+        finally:
+            if not finished:  # cancelled by the caller, or this server is stopping
+                self.engine.send(("abort", rid))
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+            self.engine.close(rid)
+
+    async def _prefill(self, request: pb.DecodeRequest, params, dst_block_ids: list[int]) -> None:
+        """Ask the prefill worker to fill our reserved blocks; tell the engine how it went."""
+        rid = request.request_id
+        channel = self._channel(request.prefill_address)
+        call = pb_grpc.PrefillStub(channel).Prefill(
+            pb.PrefillRequest(
+                request_id=rid,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=request.sampling,
+                cache_salt=request.cache_salt,
+                kv_descriptor=json.dumps(self.engine.info["kv_descriptor"]),
+                dst_block_ids=dst_block_ids,
+            ),
+            timeout=self.prefill_timeout_s,
+        )
+        try:
+            reply = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().name if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED else "UNAVAILABLE"
+            reason = f"prefill worker {request.prefill_address}: {exc.code().name}: {exc.details()}"
+            self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
+            return
+        logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
+        self.engine.send(("kv_done", rid, reply.first_token_id, logprobs, reply.num_cached_tokens))
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
+        load = self.engine.load
+        info = self.engine.info
+        return pb.WorkerLoad(
+            worker_id=info["worker_id"],
+            role="decode",
+            block_size=info["block_size"],
+            model=info["model"],
+            max_model_len=info["max_model_len"],
+            vocab_size=info["vocab_size"],
+            **load,
+        )
+
+
+def add_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:
+    pb_grpc.add_DecodeServicer_to_server(servicer, server)

@@ -1,0 +1,100 @@
+"""What every pdserve gRPC server and client shares: proto <-> SamplingParams, health, reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.sampling_params import SamplingParams
+from protos import pdserve_pb2 as pb
+
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "n")
+
+# Small messages, long streams: no message size surprises, keepalive so dead peers are noticed.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> SamplingParams:
+    """Build SamplingParams; raises ValueError naming the bad field."""
+    kwargs: dict = dict(defaults or {})
+    for name in _OPTIONAL:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(
+        **kwargs,
+        stop=list(msg.stop) or None,
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+    )
+
+
+def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        n=p.n,
+        stop=p.stop_strings,
+        stop_token_ids=p.stop_token_ids or [],
+        ignore_eos=p.ignore_eos,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+    )
+    if p.max_tokens is not None:
+        msg.max_tokens = p.max_tokens
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> pb.TokenLogprobs:
+    entry = entry or {}
+    return pb.TokenLogprobs(
+        token_id=token_id,
+        logprob=entry.get(token_id, 0.0),
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()],
+    )
+
+
+def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float]:
+    out = {t.token_id: t.logprob for t in msg.top}
+    out[msg.token_id] = msg.logprob
+    return out
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
+    """Serve grpc.health.v1 (NOT_SERVING until the caller marks it ready) and server reflection."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        [*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME], server
+    )
+    return servicer
+
+
+def mark_serving(servicer: health.HealthServicer, service_names: list[str], serving: bool = True) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        servicer.set(name, status)
+
+
+async def check_health(address: str, timeout: float = 1.0) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,26 @@
+"""The config a prefill or decode worker's engine process is built from (picklable, frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.engine_core import EngineConfig
+
+KV_TRANSPORTS = ("tcp", "nccl", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    engine: EngineConfig
+    worker_id: str
+    kv_transport: str = "tcp"
+    kv_host: str = "127.0.0.1"
+    local_prefill_threshold: int = 0  # decode: prompts up to this many tokens are prefilled locally
+    max_pending: int = 256  # decode: requests waiting for blocks before new ones get RESOURCE_EXHAUSTED
+    kv_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be non-negative")

@@ -1,0 +1,145 @@
+"""The prefill worker's engine (runs in the engine process; see engine/engine_proc.py).
+
+Each request is "compute the prompt, sample one token": it reuses this worker's prefix cache, is batched
+and chunked with other prompts by the ordinary scheduler, and when its last chunk has run, its blocks go
+to the decode worker's reserved blocks through kvtransfer before the scheduler lets go of them. The
+blocks then stay here as prefix cache. A failed transfer fails only that request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from engine.sequence import SequenceStatus
+from engine.worker_config import WorkerConfig
+from kvtransfer import KVSender, KVTransferError, connect
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Job:
+    descriptor: dict
+    dst_block_ids: list[int]
+    error: str | None = None
+
+
+class PrefillCore:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine = EngineCore(config.engine)
+        self.scheduler = self.engine.scheduler
+        self.blocks = self.engine.block_manager
+        self.jobs: dict[str, _Job] = {}
+        self.senders: dict[str, KVSender] = {}
+        self.outbox: list[tuple] = []
+
+    def info(self) -> dict:
+        e = self.engine
+        return {
+            "role": "prefill",
+            "worker_id": self.config.worker_id,
+            "model": e.model_id,
+            "max_model_len": e.max_model_len,
+            "vocab_size": e.model_config.vocab_size,
+            "block_size": self.blocks.block_size,
+            "num_blocks": self.blocks.num_blocks,
+        }
+
+    def load(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_free_blocks": self.blocks.num_free_blocks,
+            "num_total_blocks": self.blocks.num_blocks,
+        }
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_unfinished() or self.outbox)
+
+    def handle(self, msg: tuple) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind == "prefill":
+            self._add(rid, *msg[2:])
+        elif kind == "abort":
+            seq = self.scheduler.seqs.get(rid)
+            if seq is not None:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            self.jobs.pop(rid, None)
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        descriptor_json: str,
+        dst_block_ids: list[int],
+    ) -> None:
+        first_only = dataclasses.replace(params, n=1, max_tokens=1, stop=None, ignore_eos=True)
+        need = -(-len(prompt_ids) // self.blocks.block_size)
+        try:
+            self.engine.validate(prompt_ids, first_only)
+            if len(dst_block_ids) != need:
+                raise ValueError(
+                    f"{len(prompt_ids)} prompt tokens need {need} blocks, got {len(dst_block_ids)}"
+                )
+            descriptor = json.loads(descriptor_json)
+        except ValueError as exc:
+            self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
+            return
+        self.jobs[rid] = _Job(descriptor, list(dst_block_ids))
+        self.scheduler.add(self.engine.make_sequence(rid, prompt_ids, first_only, 0, salt))
+
+    def step(self) -> list[tuple]:
+        if self.scheduler.has_unfinished():
+            updated, logprobs = self.engine.step_core(after_run=self._ship)
+            for seq in updated:
+                job = self.jobs.pop(seq.request_id, None)
+                if job is None:
+                    continue
+                if job.error is not None:
+                    self.outbox.append(("error", seq.request_id, "UNAVAILABLE", job.error))
+                else:
+                    self.outbox.append(
+                        (
+                            "prefilled",
+                            seq.request_id,
+                            seq.output_token_ids[-1],
+                            logprobs.get(seq.request_id),
+                            max(seq.num_cached_tokens, 0),
+                        )
+                    )
+        out, self.outbox = self.outbox, []
+        return out
+
+    def _ship(self, sched: SchedulerOutput, sampled: dict) -> None:
+        """Send every prompt finished this step into its decode worker's blocks (the blocks are still held)."""
+        for item in sched.scheduled:
+            job = self.jobs.get(item.request_id)
+            if not item.sample or job is None:
+                continue
+            try:
+                self._sender(job.descriptor).send(item.request_id, item.block_table, job.dst_block_ids)
+            except KVTransferError as exc:
+                job.error = f"KV transfer to the decode worker failed: {exc}"
+                self._drop_sender(job.descriptor)
+
+    def _sender(self, descriptor: dict) -> KVSender:
+        key = json.dumps(descriptor, sort_keys=True)
+        sender = self.senders.get(key)
+        if sender is None:
+            sender = self.senders[key] = connect(descriptor, self.engine.runner.kv_cache)
+        return sender
+
+    def _drop_sender(self, descriptor: dict) -> None:
+        sender = self.senders.pop(json.dumps(descriptor, sort_keys=True), None)
+        if sender is not None:
+            sender.close()

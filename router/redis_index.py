@@ -1,0 +1,351 @@
+"""The prefix index in Redis, so several routers share one view and a restarted router recovers it.
+
+Every operation is one Lua script (one round trip, atomic), with the same rules as the in-memory index
+(see `PrefixIndex`). Keys, under a prefix (default "pdserve:kv:"); hashes are raw 32-byte strings:
+
+    workers            set      registered worker ids
+    w:<id>:meta        hash     epoch (decimal string), seq (last batch applied), pending (1: resync needed)
+    w:<id>:blocks      set      hashes the worker holds
+    w:<id>:spec        zset     speculative hash -> expiry (ms, Redis clock)
+    w:<id>:retired     list     the worker's last 8 epochs, whose messages are stale
+    w:<id>:log         list     "<seq>:<events>" batches applied while a resync is pending, for replay
+    w:<id>:hb          string   last load (JSON), expiring after the heartbeat TTL: the worker is live
+                                while it exists
+    h:<hash>           set      worker ids holding the hash (for real or speculatively)
+    spec               zset     <hash><id> -> expiry, to sweep expired speculation
+
+Time comes from Redis (TIME, PEXPIRE), so routers on different hosts agree on TTLs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+
+from engine.block_hash import BlockHash
+from router.events import EventBatch, WorkerLoad, encode_events
+from router.index import ApplyResult, Lookup, PrefixIndex
+
+_LIB = r"""
+local P, W = ARGV[1], ARGV[2]
+local function wkey(w, part) return P .. 'w:' .. w .. ':' .. part end
+local function now_ms() local t = redis.call('TIME'); return t[1] * 1000 + math.floor(t[2] / 1000) end
+
+local function unset(h, w) redis.call('SREM', P .. 'h:' .. h, w) end
+
+local function clear(w)
+  for _, h in ipairs(redis.call('SMEMBERS', wkey(w, 'blocks'))) do unset(h, w) end
+  for _, h in ipairs(redis.call('ZRANGE', wkey(w, 'spec'), 0, -1)) do
+    unset(h, w); redis.call('ZREM', P .. 'spec', h .. w)
+  end
+  redis.call('DEL', wkey(w, 'blocks'), wkey(w, 'spec'))
+end
+
+local function drop(w)
+  clear(w)
+  redis.call('DEL', wkey(w, 'meta'), wkey(w, 'retired'), wkey(w, 'log'), wkey(w, 'hb'))
+  redis.call('SREM', P .. 'workers', w)
+end
+
+-- The worker's {seq, pending} under epoch (a new epoch clears it), or nil for a retired epoch.
+local function current(w, epoch)
+  local meta = wkey(w, 'meta')
+  local cur = redis.call('HGET', meta, 'epoch')
+  if not cur then
+    redis.call('HSET', meta, 'epoch', epoch, 'seq', 0, 'pending', 0)
+    redis.call('SADD', P .. 'workers', w)
+    return {0, 0}
+  end
+  if redis.call('LPOS', wkey(w, 'retired'), epoch) then return nil end
+  if cur ~= epoch then
+    redis.call('LPUSH', wkey(w, 'retired'), cur)
+    redis.call('LTRIM', wkey(w, 'retired'), 0, 7)
+    clear(w)
+    redis.call('DEL', wkey(w, 'log'))
+    redis.call('HSET', meta, 'epoch', epoch, 'seq', 0, 'pending', 0)
+    return {0, 0}
+  end
+  local v = redis.call('HMGET', meta, 'seq', 'pending')
+  return {tonumber(v[1]), tonumber(v[2])}
+end
+
+local function touch(w, ttl)
+  if redis.call('PEXPIRE', wkey(w, 'hb'), ttl) == 0 then redis.call('SET', wkey(w, 'hb'), '', 'PX', ttl) end
+  redis.call('SADD', P .. 'workers', w)
+end
+
+-- events: (op u8 | count u32 little-endian | count x 32-byte hash)*, as router.events encodes them.
+local function apply_events(w, ev)
+  local pos, blocks, spec = 1, wkey(w, 'blocks'), wkey(w, 'spec')
+  while pos <= #ev do
+    local op = string.sub(ev, pos, pos)
+    local b1, b2, b3, b4 = string.byte(ev, pos + 1, pos + 4)
+    local n = b1 + b2 * 256 + b3 * 65536 + b4 * 16777216
+    pos = pos + 5
+    if op == 'C' then clear(w) end
+    for _ = 1, n do
+      local h = string.sub(ev, pos, pos + 31)
+      pos = pos + 32
+      if op == 'S' then
+        redis.call('SADD', blocks, h); redis.call('SADD', P .. 'h:' .. h, w)
+      else
+        redis.call('SREM', blocks, h); redis.call('ZREM', spec, h); redis.call('ZREM', P .. 'spec', h .. w)
+        unset(h, w)
+      end
+    end
+  end
+end
+
+local function sweep(now)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'spec', '-inf', now)) do
+    local h, w = string.sub(m, 1, 32), string.sub(m, 33)
+    redis.call('ZREM', P .. 'spec', m)
+    redis.call('ZREM', wkey(w, 'spec'), h)
+    if redis.call('SISMEMBER', wkey(w, 'blocks'), h) == 0 then unset(h, w) end
+  end
+end
+"""
+
+# ARGV: prefix, worker, epoch, seq, events, ttl_ms, max_log
+_APPLY = r"""
+local st = current(W, ARGV[3])
+if not st then return 'stale' end
+touch(W, ARGV[6])
+local seq, pending = tonumber(ARGV[4]), st[2]
+if seq <= st[1] then return 'stale' end
+if seq ~= st[1] + 1 and pending == 0 then pending = 1; redis.call('DEL', wkey(W, 'log')) end
+apply_events(W, ARGV[5])
+redis.call('HSET', wkey(W, 'meta'), 'seq', seq, 'pending', pending)
+if pending == 1 then
+  redis.call('RPUSH', wkey(W, 'log'), ARGV[4] .. ':' .. ARGV[5])
+  redis.call('LTRIM', wkey(W, 'log'), -tonumber(ARGV[7]), -1)
+  return 'resync'
+end
+return 'applied'
+"""
+
+# ARGV: prefix, worker, epoch, seq, concatenated hashes, ttl_ms
+_RESYNC = r"""
+local st = current(W, ARGV[3])
+local seq = tonumber(ARGV[4])
+if not st or (seq < st[1] and st[2] == 0) then return 'stale' end
+touch(W, ARGV[6])
+local blocks, spec, blob, new = wkey(W, 'blocks'), wkey(W, 'spec'), ARGV[5], {}
+for pos = 1, #blob, 32 do new[string.sub(blob, pos, pos + 31)] = true end
+for _, h in ipairs(redis.call('SMEMBERS', blocks)) do
+  if not new[h] then
+    redis.call('SREM', blocks, h)
+    if not redis.call('ZSCORE', spec, h) then unset(h, W) end
+  end
+end
+for h in pairs(new) do redis.call('SADD', blocks, h); redis.call('SADD', P .. 'h:' .. h, W) end
+local expected = seq
+for _, entry in ipairs(redis.call('LRANGE', wkey(W, 'log'), 0, -1)) do
+  local colon = string.find(entry, ':', 1, true)
+  local s = tonumber(string.sub(entry, 1, colon - 1))
+  if s > seq then
+    apply_events(W, string.sub(entry, colon + 1))
+    if s == expected + 1 then expected = s else expected = -1 end
+  end
+end
+local last = math.max(st[1], seq)
+local pending = (expected < last) and 1 or 0
+redis.call('HSET', wkey(W, 'meta'), 'seq', last, 'pending', pending)
+if pending == 0 then redis.call('DEL', wkey(W, 'log')); return 'applied' end
+return 'resync'
+"""
+
+# ARGV: prefix, worker, epoch, load, ttl_ms, seq or ''
+_HEARTBEAT = r"""
+local st = current(W, ARGV[3])
+if not st then return 'stale' end
+redis.call('SET', wkey(W, 'hb'), ARGV[4], 'PX', ARGV[5])
+redis.call('SADD', P .. 'workers', W)
+if st[2] == 0 and ARGV[6] ~= '' and tonumber(ARGV[6]) > st[1] then
+  redis.call('HSET', wkey(W, 'meta'), 'pending', 1)
+  redis.call('DEL', wkey(W, 'log'))
+  return 'resync'
+end
+return st[2] == 1 and 'resync' or 'applied'
+"""
+
+# ARGV: prefix, worker, ttl_ms, hash...
+_SPECULATE = r"""
+local now = now_ms()
+sweep(now)
+if redis.call('EXISTS', wkey(W, 'hb')) == 0 then return 0 end
+local expiry, blocks, spec = now + tonumber(ARGV[3]), wkey(W, 'blocks'), wkey(W, 'spec')
+for i = 4, #ARGV do
+  local h = ARGV[i]
+  if redis.call('SISMEMBER', blocks, h) == 0 then
+    redis.call('ZADD', spec, expiry, h); redis.call('ZADD', P .. 'spec', expiry, h .. W)
+    redis.call('SADD', P .. 'h:' .. h, W)
+  end
+end
+return 1
+"""
+
+# ARGV: prefix, '', hash... -> {{worker, depth, ...}, "worker\tload\n..." for the live workers}
+_LOOKUP = r"""
+sweep(now_ms())
+local ids, keys = redis.call('SMEMBERS', P .. 'workers'), {}
+for i, w in ipairs(ids) do keys[i] = wkey(w, 'hb') end
+local live, loads = {}, {}
+if #ids > 0 then
+  for i, load in ipairs(redis.call('MGET', unpack(keys))) do
+    if load then live[ids[i]] = true; loads[#loads + 1] = ids[i] .. '\t' .. load end
+  end
+end
+local cand, n, res = {}, 0, {}
+for i = 3, #ARGV do
+  local here = {}
+  for _, w in ipairs(redis.call('SMEMBERS', P .. 'h:' .. ARGV[i])) do here[w] = true end
+  if i == 3 then
+    for w in pairs(here) do if live[w] then cand[w] = true; n = n + 1 end end
+  else
+    for w in pairs(cand) do
+      if not here[w] then res[#res + 1] = w; res[#res + 1] = i - 3; cand[w] = nil; n = n - 1 end
+    end
+  end
+  if n == 0 then break end
+end
+for w in pairs(cand) do res[#res + 1] = w; res[#res + 1] = #ARGV - 2 end
+return {res, table.concat(loads, '\n')}
+"""
+
+_REAP = r"""
+local dead = {}
+for _, w in ipairs(redis.call('SMEMBERS', P .. 'workers')) do
+  if redis.call('EXISTS', wkey(w, 'hb')) == 0 then drop(w); dead[#dead + 1] = w end
+end
+return dead
+"""
+
+_REMOVE = "drop(W) return 1"
+
+_NUM_ENTRIES = r"""
+local n = 0
+for _, w in ipairs(redis.call('SMEMBERS', P .. 'workers')) do n = n + redis.call('SCARD', wkey(w, 'blocks')) end
+return n
+"""
+
+
+class RedisPrefixIndex(PrefixIndex):
+    """`PrefixIndex` on a Redis server. Thread-safe (redis-py's client is); every call is one round trip.
+
+    `reap` runs at most every `reap_interval_s` from `heartbeat`; between reaps a dead worker's entries
+    are still stored but every query leaves out workers whose heartbeat key has expired.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis | str,
+        *,
+        prefix: str = "pdserve:kv:",
+        heartbeat_ttl: float = 5.0,
+        reap_interval_s: float = 1.0,
+        max_log: int = 4096,
+    ) -> None:
+        self.redis = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.prefix = prefix
+        self.heartbeat_ttl = heartbeat_ttl
+        self.reap_interval_s = reap_interval_s
+        self.max_log = max_log
+        self._next_reap = 0.0
+        self._loads_cache: dict[bytes, tuple[str, WorkerLoad]] = {}
+        self._scripts = {
+            name: self.redis.register_script(_LIB + body)
+            for name, body in (
+                ("apply", _APPLY),
+                ("resync", _RESYNC),
+                ("heartbeat", _HEARTBEAT),
+                ("speculate", _SPECULATE),
+                ("lookup", _LOOKUP),
+                ("reap", _REAP),
+                ("remove", _REMOVE),
+                ("num_entries", _NUM_ENTRIES),
+            )
+        }
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, round(self.heartbeat_ttl * 1000))
+
+    def _run(self, name: str, worker_id: str, *args: Any) -> Any:
+        return self._scripts[name](args=[self.prefix, worker_id, *args])
+
+    def apply(self, batch: EventBatch) -> ApplyResult:
+        out = self._run(
+            "apply",
+            batch.worker_id,
+            str(batch.epoch),
+            batch.seq,
+            encode_events(batch.events),
+            self._ttl_ms,
+            self.max_log,
+        )
+        return _result(out)
+
+    def resync(self, worker_id: str, epoch: int, seq: int, all_hashes: Iterable[BlockHash]) -> ApplyResult:
+        blob = b"".join(all_hashes)
+        return _result(self._run("resync", worker_id, str(epoch), seq, blob, self._ttl_ms))
+
+    def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad, seq: int | None = None) -> ApplyResult:
+        out = self._run(
+            "heartbeat", worker_id, str(epoch), load.to_json(), self._ttl_ms, "" if seq is None else seq
+        )
+        if time.monotonic() >= self._next_reap:
+            self._next_reap = time.monotonic() + self.reap_interval_s
+            self.reap()
+        return _result(out)
+
+    def speculate(self, worker_id: str, hashes: Sequence[BlockHash], ttl: float) -> None:
+        if hashes:
+            self._run("speculate", worker_id, max(1, round(ttl * 1000)), *hashes)
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        return self.lookup(block_hashes).matches
+
+    def workers(self) -> dict[str, WorkerLoad]:
+        return self.lookup(()).workers
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> Lookup:
+        matches, loads = self._run("lookup", "", *block_hashes)
+        return Lookup(
+            {matches[i].decode(): int(matches[i + 1]) for i in range(0, len(matches), 2)},
+            self._parse_loads(loads),
+        )
+
+    def _parse_loads(self, blob: bytes) -> dict[str, WorkerLoad]:
+        """Worker -> load from "id\tjson" lines, sorted by id; lines parsed before come from a cache."""
+        cache = self._loads_cache
+        if len(cache) > 4096:
+            cache.clear()
+        workers: dict[str, WorkerLoad] = {}
+        for line in sorted(blob.split(b"\n")) if blob else ():
+            parsed = cache.get(line)
+            if parsed is None:
+                wid, _, load = line.partition(b"\t")
+                parsed = cache[line] = (wid.decode(), WorkerLoad.from_json(load))
+            workers[parsed[0]] = parsed[1]
+        return workers
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._run("remove", worker_id)
+
+    def reap(self) -> list[str]:
+        return [w.decode() for w in self._run("reap", "")]
+
+    def num_entries(self) -> int:
+        return int(self._run("num_entries", ""))
+
+
+def _result(out: bytes) -> ApplyResult:
+    return {
+        b"applied": ApplyResult.APPLIED,
+        b"stale": ApplyResult.STALE,
+        b"resync": ApplyResult.RESYNC_NEEDED,
+    }[out]

@@ -1,0 +1,296 @@
+"""gRPC Router service: tokenize, pick a prefill and a decode worker, stream detokenized tokens back.
+
+Workers are found by address (flags); a poller asks each for its load every `poll_s` and heartbeats the
+prefix index with it, so a worker that stops answering drops out of routing within the index's TTL, and a
+decode worker whose stream breaks is dropped at once. `n > 1` fans out into n decode requests (seeds
+seed, seed+1, ...); the prefill worker's prefix cache makes the copies of the prompt cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from engine.block_hash import extra_keys, hash_prompt_blocks
+from engine.grpc_common import CHANNEL_OPTIONS, params_from_proto, params_to_proto
+from engine.output_processor import TextStream
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from router.events import WorkerLoad
+from router.index import InMemoryPrefixIndex, PrefixIndex
+from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdserve.v1.Router"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    model_dir: str
+    served_model_name: str
+    policy: str = "least_loaded"
+    poll_s: float = 0.5
+    heartbeat_ttl_s: float = 3.0
+
+
+class _Stop(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        self.index = index or InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
+        self.router: PrefixRouter | None = None
+        self.channels = {
+            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+            for a in (*config.prefill, *config.decode)
+        }
+        self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
+        self.model_info: pb.ModelInfo | None = None
+        self._ids = itertools.count()
+
+    # ---- workers -----------------------------------------------------------------------------------
+
+    async def poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(a) for a in self.channels))
+            self.index.reap()
+            await asyncio.sleep(self.config.poll_s)
+
+    async def _poll(self, address: str) -> None:
+        stub = pb_grpc.DecodeStub if self.roles[address] == "decode" else pb_grpc.PrefillStub
+        try:
+            load = await stub(self.channels[address]).GetLoad(pb.LoadRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return  # no heartbeat: the index drops the worker after its TTL
+        if self.router is None:
+            self.router = PrefixRouter(
+                self.index, make_policy(self.config.policy), block_size=load.block_size
+            )
+            self.model_info = pb.ModelInfo(
+                model=self.config.served_model_name,
+                max_model_len=load.max_model_len,
+                vocab_size=load.vocab_size,
+                block_size=load.block_size,
+            )
+        self.index.heartbeat(
+            address,
+            0,
+            WorkerLoad(
+                role=load.role,
+                running_requests=load.num_running + load.num_waiting,
+                free_blocks=load.num_free_blocks,
+                total_blocks=load.num_total_blocks,
+            ),
+        )
+
+    # ---- the public API ----------------------------------------------------------------------------
+
+    async def GetModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        if self.model_info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet")
+            raise AssertionError("abort raises")
+        return self.model_info
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+        try:
+            prompt_ids, params = await self._admit(request)
+            async for chunk in self._fan_out(rid, request, prompt_ids, params):
+                yield chunk
+        except _Stop as stop:
+            await context.abort(stop.code, stop.details)
+
+    async def _admit(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        info = self.model_info
+        if self.router is None or info is None:
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, "no worker is up yet")
+        if request.model and request.model != self.config.served_model_name:
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown model {request.model!r}; this server serves {self.config.served_model_name!r}",
+            )
+        try:
+            params = params_from_proto(request.sampling)
+            prompt_ids = await asyncio.to_thread(self._tokenize, request)  # long prompts stay off the loop
+        except ValueError as exc:
+            raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        if not prompt_ids:
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: it must hold at least one token"
+            )
+        if len(prompt_ids) >= info.max_model_len:
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt is {len(prompt_ids)} tokens long, but max_model_len is {info.max_model_len}",
+            )
+        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt token ids out of the vocabulary [0, {info.vocab_size})",
+            )
+        return prompt_ids, params
+
+    def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "token_ids":
+            return list(request.token_ids.ids)
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.chat.add_generation_prompt
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if which == "text":
+            return self.tokenizer.encode(request.text)
+        raise ValueError("the request has no prompt: set text, chat or token_ids")
+
+    async def _fan_out(
+        self, rid: str, request: pb.GenerateRequest, prompt_ids: list[int], params: SamplingParams
+    ):
+        """Run the n completions concurrently and interleave their chunks; usage comes last."""
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._completion(rid, i, request, prompt_ids, params, out))
+            for i in range(params.n)
+        ]
+        usage = pb.Usage(prompt_tokens=len(prompt_ids))
+        try:
+            for _ in range(params.n):
+                while (item := await out.get()) is not None:
+                    if isinstance(item, _Stop):
+                        raise item
+                    usage.completion_tokens += len(item.token_ids)
+                    if item.index == 0 and item.HasField("usage"):
+                        usage.cached_tokens = item.usage.cached_tokens
+                    item.ClearField("usage")
+                    yield item
+            yield pb.GenerateResponse(request_id=rid, usage=usage)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _completion(
+        self,
+        rid: str,
+        index: int,
+        request: pb.GenerateRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        out: asyncio.Queue,
+    ) -> None:
+        try:
+            await self._decode(rid, index, request, prompt_ids, params, out)
+        except _Stop as stop:
+            out.put_nowait(stop)
+        except Exception as exc:  # never leave the client waiting
+            logger.exception("completion %s/%d failed", rid, index)
+            out.put_nowait(_Stop(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            out.put_nowait(None)
+
+    def _route(self, prompt_ids: list[int], salt: str | None) -> RoutingDecision:
+        assert self.router is not None
+        hashes = hash_prompt_blocks(
+            prompt_ids, self.router.block_size, extra_keys(self.config.served_model_name, salt)
+        )
+        try:
+            decision = self.router.route(hashes, len(prompt_ids))
+        except NoWorkersError as exc:
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        if decision.decode_worker is None:
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+        return decision
+
+    async def _decode(
+        self,
+        rid: str,
+        index: int,
+        request: pb.GenerateRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        out: asyncio.Queue,
+    ) -> None:
+        child = params if params.seed is None else _replace_seed(params, params.seed + index)
+        sub_id = f"{rid}.{index}" if params.n > 1 else rid
+        decision = self._route(prompt_ids, request.cache_salt or None)
+        assert self.router is not None and decision.decode_worker is not None
+        sampling = params_to_proto(child)
+        sampling.n = 1
+        call = pb_grpc.DecodeStub(self.channels[decision.decode_worker]).Generate(
+            pb.DecodeRequest(
+                request_id=sub_id,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                prefill_address=decision.prefill_worker,
+            )
+        )
+        text = TextStream(self.tokenizer, prompt_ids, child)
+        shown, first = 0, True
+        try:
+            async for chunk in call:
+                if first:
+                    self.router.prefill_done(decision)
+                    first = False
+                token = chunk.token_ids[0]
+                stopped = text.add(token, last=bool(chunk.finish_reason))
+                finish = "stop" if stopped else chunk.finish_reason
+                stop_reason = text.stop if stopped else chunk.stop_reason
+                visible = text.visible(bool(finish))
+                resp = pb.GenerateResponse(
+                    request_id=rid,
+                    index=index,
+                    token_ids=[token],
+                    text=visible[shown:],
+                    logprobs=chunk.logprobs,
+                    finish_reason=finish,
+                    stop_reason=stop_reason,
+                )
+                if chunk.num_cached_tokens:
+                    resp.usage.cached_tokens = chunk.num_cached_tokens
+                shown = len(visible)
+                out.put_nowait(resp)
+                if finish:
+                    if stopped:
+                        call.cancel()  # the decode worker frees the request's blocks
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.index.remove_worker(decision.decode_worker)  # routed around until it heartbeats again
+            raise _Stop(exc.code(), exc.details() or exc.code().name) from exc
+        finally:
+            if first:
+                self.router.prefill_done(decision)
+            self.router.request_done(decision)
+            call.cancel()
+        raise _Stop(
+            grpc.StatusCode.UNAVAILABLE, f"decode worker {decision.decode_worker} ended the stream early"
+        )
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None)
+
+
+def add_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    pb_grpc.add_RouterServicer_to_server(servicer, server)

@@ -1,0 +1,1 @@
+"""Fleet simulator for studying routing policies at scale."""

@@ -1,0 +1,104 @@
+"""RedisPrefixIndex against a real redis-server that the tests start on a free port (and stop)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from router.events import WorkerLoad
+from router.policy import PrefixRouter, make_policy
+from router.redis_index import RedisPrefixIndex
+from tests.test_router_index import APPLIED, H, IndexContract, stored
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail(
+            "redis-server is not installed: the Redis index tests need it (apt-get install redis-server)"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None:
+                    pytest.fail(f"redis-server exited with code {proc.returncode}")
+                time.sleep(0.05)
+        else:
+            pytest.fail("redis-server did not answer within 5 s")
+        client.close()
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    c.flushdb()
+    yield c
+    c.close()
+
+
+class TestRedisIndex(IndexContract):
+    TTL = 0.6  # real seconds: Redis keeps time itself
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, client: redis.Redis) -> None:
+        self.make = lambda ttl: RedisPrefixIndex(client, heartbeat_ttl=ttl, reap_interval_s=3600)
+
+    def advance(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_restarted_router_recovers_the_index_and_routers_share_it(client: redis.Redis) -> None:
+    first = RedisPrefixIndex(client)
+    first.heartbeat("a", 1, WorkerLoad(queued_tokens=3))
+    first.heartbeat("b", 2, WorkerLoad())
+    assert first.apply(stored("a", 1, 1, *H[:6])) is APPLIED
+    assert first.apply(stored("b", 2, 1, *H[:2])) is APPLIED
+    del first  # the router process goes away; Redis keeps the index
+
+    second = RedisPrefixIndex(client)
+    assert second.match(H) == {"a": 6, "b": 2}
+    assert second.workers() == {"a": WorkerLoad(queued_tokens=3), "b": WorkerLoad()}
+    assert second.apply(stored("a", 1, 2, H[6])) is APPLIED  # numbering carries on: no resync needed
+    router = PrefixRouter(second, make_policy("prefix_aware"), block_size=16)
+    decision = router.route(H[:7], 7 * 16 + 5)
+    assert (decision.prefill_worker, decision.matched_blocks) == ("a", 7)
+
+    third = RedisPrefixIndex(client)  # another router, sharing the same view and the speculation
+    router.route(H[:9] + [H[11]], 10 * 16)
+    assert third.match(H[:9] + [H[11]]) == {"a": 10, "b": 2}
+
+
+def test_index_holds_raw_hashes_and_worker_ids_only(client: redis.Redis) -> None:
+    index = RedisPrefixIndex(client, prefix="t:")
+    index.heartbeat("a", 1, WorkerLoad())
+    index.apply(stored("a", 1, 1, *H[:3]))
+    hash_keys = sorted(k for k in client.keys("t:h:*"))
+    assert hash_keys == sorted(b"t:h:" + h for h in H[:3])
+    assert client.smembers(b"t:h:" + H[0]) == {b"a"}
+    assert client.smembers("t:w:a:blocks") == set(H[:3])
+    index.remove_worker("a")
+    assert client.keys("t:*") == []

@@ -1,0 +1,53 @@
+"""Stop strings and streamed text: cut at the first stop, never show text that is later taken back."""
+
+import pytest
+
+from engine.output_processor import TextStream
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(bundled_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(bundled_model_dir)
+
+
+def stream(tok, text, **kw):
+    ts = TextStream(tok, [], SamplingParams(**kw))
+    ids = tok.encode(text, add_special_tokens=False)
+    shown = []
+    for i, t in enumerate(ids):
+        hit = ts.add(t, last=i == len(ids) - 1)
+        shown.append(ts.visible(finished=hit or i == len(ids) - 1))
+        if hit:
+            break
+    return ts, shown
+
+
+def test_stop_string_cuts_text_before_it(tok):
+    ts, _ = stream(tok, "Paris is the capital. Berlin is another.", stop=[". Berlin", "zzz"])
+    assert ts.text == "Paris is the capital" and ts.stop == ". Berlin"
+
+
+def test_stop_string_kept_when_asked(tok):
+    ts, _ = stream(tok, "one two three four", stop=["three"], include_stop_str_in_output=True)
+    assert ts.text == "one two three"
+
+
+def test_earliest_stop_wins(tok):
+    ts, _ = stream(tok, "alpha beta gamma", stop=["gamma", "beta"])
+    assert ts.text == "alpha " and ts.stop == "beta"
+
+
+def test_streamed_text_only_grows_and_ends_as_the_final_text(tok):
+    ts, shown = stream(tok, "The answer is 42. Done here.", stop=["Done"])
+    for a, b in zip(shown, shown[1:]):
+        assert b.startswith(a)
+    assert shown[-1] == ts.text == "The answer is 42. "
+
+
+def test_without_stop_strings_text_is_the_decode(tok):
+    text = "Héllo wörld — naïve café ☕ 123"
+    ts, _ = stream(tok, text)
+    assert ts.text == text and ts.stop is None
