@@ -321,7 +321,9 @@ class InMemoryPrefixIndex(PrefixIndex):
     def _unset(self, hashes: Iterable[BlockHash], bit: int) -> None:
         holders = self._holders
         hashes = list(hashes)  # holders[h] &= ~bit for every h, in C; then drop the emptied entries
-        masks = list(map(operator.and_, map(holders.get, hashes, itertools.repeat(0)), itertools.repeat(~bit)))
+        masks = list(
+            map(operator.and_, map(holders.get, hashes, itertools.repeat(0)), itertools.repeat(~bit))
+        )
         holders.update(zip(hashes, masks))
         for h in itertools.compress(hashes, map(operator.not_, masks)):
             holders.pop(h, None)

@@ -22,8 +22,8 @@ async def serve_router(config: RouterConfig, address: str) -> None:
     port = server.add_insecure_port(address)
     await server.start()
     poller = asyncio.create_task(servicer.poll_forever())
-    while servicer.model_info is None:  # serving once at least one worker has answered
-        await asyncio.sleep(0.2)
+    while not servicer.ready():  # serving once a prefill and a decode worker have answered
+        await asyncio.sleep(0.1)
     mark_serving(health, [SERVICE_NAME])
     logger.info("router ready on port %d", port)
     stop = asyncio.Event()

@@ -13,6 +13,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -52,7 +53,9 @@ class _Stop(Exception):
 class RouterServicer(pb_grpc.RouterServicer):
     def __init__(self, config: RouterConfig, index: PrefixIndex | None = None) -> None:
         self.config = config
-        self.tokenizer = Tokenizer.from_dir(config.model_dir)
+        # a dummy-weights model has no tokenizer: token-id prompts only, no text
+        has_tokenizer = Path(config.model_dir, "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(config.model_dir) if has_tokenizer else None
         self.index = index or InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
         self.router: PrefixRouter | None = None
         self.channels = {
@@ -62,6 +65,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
         self.model_info: pb.ModelInfo | None = None
         self._ids = itertools.count()
+
+    def ready(self) -> bool:
+        """A prefill and a decode worker are live (heartbeating)."""
+        roles = {load.role for load in self.index.workers().values()}
+        return self.model_info is not None and {"prefill", "decode"} <= roles
 
     # ---- workers -----------------------------------------------------------------------------------
 
@@ -131,6 +139,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             prompt_ids = await asyncio.to_thread(self._tokenize, request)  # long prompts stay off the loop
         except ValueError as exc:
             raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        if params.stop_strings and self.tokenizer is None:
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer; this model has none"
+            )
         if not prompt_ids:
             raise _Stop(
                 grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: it must hold at least one token"
@@ -151,15 +163,17 @@ class RouterServicer(pb_grpc.RouterServicer):
         which = request.WhichOneof("prompt")
         if which == "token_ids":
             return list(request.token_ids.ids)
+        if which is None:
+            raise ValueError("the request has no prompt: set text, chat or token_ids")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send token_ids")
         if which == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=request.chat.add_generation_prompt
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
-        if which == "text":
-            return self.tokenizer.encode(request.text)
-        raise ValueError("the request has no prompt: set text, chat or token_ids")
+        return self.tokenizer.encode(request.text)
 
     async def _fan_out(
         self, rid: str, request: pb.GenerateRequest, prompt_ids: list[int], params: SamplingParams
@@ -243,7 +257,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 prefill_address=decision.prefill_worker,
             )
         )
-        text = TextStream(self.tokenizer, prompt_ids, child)
+        text = TextStream(self.tokenizer, prompt_ids, child) if self.tokenizer else None
         shown, first = 0, True
         try:
             async for chunk in call:
@@ -251,10 +265,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                     self.router.prefill_done(decision)
                     first = False
                 token = chunk.token_ids[0]
-                stopped = text.add(token, last=bool(chunk.finish_reason))
+                stopped = text is not None and text.add(token, last=bool(chunk.finish_reason))
                 finish = "stop" if stopped else chunk.finish_reason
-                stop_reason = text.stop if stopped else chunk.stop_reason
-                visible = text.visible(bool(finish))
+                stop_reason = text.stop if text is not None and stopped else chunk.stop_reason
+                visible = text.visible(bool(finish)) if text is not None else ""
                 resp = pb.GenerateResponse(
                     request_id=rid,
                     index=index,

@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run under the interpreter on CPU; set before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch  # noqa: E402
+
+# On CPU, Triton kernels run under the interpreter; set before anything imports triton.
+# On a GPU machine (tests/gpu) they must run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402

@@ -1,0 +1,156 @@
+"""TTFT of the disaggregated cluster (router + prefill + decode over cuda_ipc, two processes on one GPU)
+against the single-process engine, side by side, on the same GPU and the same dummy weights.
+
+    python3 -m bench.disagg --out-dir $OUT            # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.record import record
+
+COMMAND = "python3 -m bench.disagg"
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(10, vocab - 10, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def single_process_ttft(model: str, lengths: list[int], runs: int, util: float) -> dict[int, list[float]]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        load_format="dummy",
+        dtype="bfloat16",
+        device="cuda",
+        max_model_len=8192,
+        gpu_memory_utilization=util,
+        enable_prefix_caching=False,
+    )
+    engine, vocab = llm.engine, llm.engine.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1)
+    out: dict[int, list[float]] = {}
+    for n in lengths:
+        times = []
+        for i in range(runs + 1):  # the first is a warm-up
+            engine.add_request(random_prompt(n, vocab, 1000 * n + i), params)
+            t0 = time.perf_counter()
+            while not any(o.outputs[0].token_ids for o in engine.step()):
+                pass
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            while engine.has_unfinished_requests():
+                engine.step()
+        out[n] = times[1:]
+    del llm, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def cluster_ttft(
+    model: str, lengths: list[int], runs: int, util: float, vocab: int, *extra: str
+) -> dict[int, list[float]]:
+    from tests.cluster import greedy_request, start_cluster
+
+    cluster = start_cluster(
+        1,
+        1,
+        "cuda_ipc",
+        "--model",
+        model,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cuda",
+        "--gpu-memory-utilization",
+        str(util),
+        "--max-model-len",
+        "8192",
+        "--no-enable-prefix-caching",
+        *extra,
+        timeout=600,
+    )
+    try:
+        stub = cluster.stub()
+        out: dict[int, list[float]] = {}
+        for n in lengths:
+            times = []
+            for i in range(runs + 1):
+                req = greedy_request(random_prompt(n, vocab, 7000 * n + i), 1)
+                t0 = time.perf_counter()
+                stream = stub.Generate(req)
+                next(iter(stream))
+                times.append(time.perf_counter() - t0)
+                for _ in stream:
+                    pass
+            out[n] = times[1:]
+        return out
+    finally:
+        cluster.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="Llama-3-8B")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--out-dir", type=Path, default=None)
+    args = ap.parse_args()
+    from engine.model_config import dummy_config
+
+    vocab = dummy_config(args.model).vocab_size
+    single = single_process_ttft(args.model, args.lengths, args.runs, util=0.4)
+    disagg = cluster_ttft(args.model, args.lengths, args.runs, 0.3, vocab)
+    # the same stack with the decode worker prefilling locally: the serving overhead without the prefill hop
+    local = cluster_ttft(
+        args.model, args.lengths, args.runs, 0.3, vocab, "--local-prefill-threshold", "100000"
+    )
+    print(f"{'prompt':>8} {'single ms':>10} {'disagg ms':>10} {'ratio':>7} {'local-prefill ms':>17}")
+    for n in args.lengths:
+        s, d = statistics.median(single[n]) * 1e3, statistics.median(disagg[n]) * 1e3
+        lp = statistics.median(local[n]) * 1e3
+        print(f"{n:>8} {s:>10.2f} {d:>10.2f} {d / s:>7.3f} {lp:>17.2f}")
+        record(
+            f"served_local_prefill_ttft_{args.model}_{n}",
+            lp,
+            "ms",
+            baseline=s,
+            baseline_name="single-process engine TTFT",
+            ratio=lp / s,
+            out_dir=args.out_dir,
+            command=COMMAND,
+            extra={"ms": [x * 1e3 for x in local[n]], "what": "router + decode worker prefilling locally"},
+        )
+        record(
+            f"disagg_ttft_{args.model}_{n}",
+            d,
+            "ms",
+            baseline=s,
+            baseline_name="single-process engine TTFT",
+            ratio=d / s,
+            goal="<= 1.05 at 4096 tokens" if n == 4096 else None,
+            out_dir=args.out_dir,
+            command=COMMAND,
+            extra={
+                "single_ms": [x * 1e3 for x in single[n]],
+                "disagg_ms": [x * 1e3 for x in disagg[n]],
+                "transport": "cuda_ipc",
+                "dtype": "bfloat16",
+                "weights": "dummy",
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()
