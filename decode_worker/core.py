@@ -14,6 +14,7 @@ Preempted sequences recompute locally. Every path ends in `_end`, which frees th
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import deque
 
 import torch
@@ -37,6 +38,7 @@ class DecodeCore:
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
         self.outbox: list[tuple] = []
+        self.epoch = secrets.randbits(63) + 1  # a restarted worker is a new worker to the router
 
     def info(self) -> dict:
         e = self.engine
@@ -47,6 +49,7 @@ class DecodeCore:
             "max_model_len": e.max_model_len,
             "vocab_size": e.model_config.vocab_size,
             "block_size": self.blocks.block_size,
+            "epoch": self.epoch,
             "num_blocks": self.blocks.num_blocks,
             "kv_descriptor": self.receiver.descriptor(),
         }

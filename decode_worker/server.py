@@ -122,6 +122,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             model=info["model"],
             max_model_len=info["max_model_len"],
             vocab_size=info["vocab_size"],
+            epoch=info["epoch"],
             **load,
         )
 

@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
     r.add_argument("--model", default=None, help="for the tokenizer and chat template (default: bundled)")
     r.add_argument("--served-model-name", default=None)
-    r.add_argument("--policy", default="least_loaded", help="prefix_aware, least_loaded, round_robin, random")
+    r.add_argument("--policy", default="prefix_aware", help="prefix_aware, least_loaded, round_robin, random")
+    r.add_argument(
+        "--redis-url", default=None, help="share the prefix index through Redis (default: in memory)"
+    )
     r.set_defaults(func=cmd_router)
     up = sub.add_parser(
         "up",
@@ -129,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None)
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--kv-transport", default="tcp", choices=["tcp", "nccl", "cuda_ipc"])
-    up.add_argument("--policy", default="least_loaded")
+    up.add_argument("--policy", default="prefix_aware")
+    up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=None)
     return parser

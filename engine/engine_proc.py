@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class EngineProcess:
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
+        self.handlers: dict[str, Callable[[tuple], None]] = {}  # by message kind, run on the server's loop
         self.alive = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -145,6 +147,10 @@ class EngineProcess:
         for msg in batch:
             if msg[0] == "load":
                 self.load = msg[2]
+                continue
+            handler = self.handlers.get(msg[0])
+            if handler is not None:  # messages for the whole worker, not one request
+                handler(msg)
                 continue
             q = self.streams.get(msg[1])
             if q is not None:

@@ -109,6 +109,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         model_dir=directory,
         served_model_name=args.served_model_name or Path(directory).name,
         policy=args.policy,
+        redis_url=args.redis_url,
     )
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
     return 0
@@ -160,6 +161,7 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
                     ",".join(decode),
                     "--policy",
                     args.policy,
+                    *(["--redis-url", args.redis_url] if args.redis_url else []),
                     *model,
                 ],
                 start_new_session=True,

@@ -18,6 +18,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import SequenceStatus
 from engine.worker_config import WorkerConfig
 from kvtransfer import KVSender, KVTransferError, connect
+from router.events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class PrefillCore:
         self.jobs: dict[str, _Job] = {}
         self.senders: dict[str, KVSender] = {}
         self.outbox: list[tuple] = []
+        # prefix-cache events for the router's index: every block hashed or evicted here
+        self.events = KVEventPublisher(config.worker_id, lambda: list(self.blocks.cached))
+        self.blocks.on_event = self.events.on_block_event
 
     def info(self) -> dict:
         e = self.engine
@@ -49,6 +53,7 @@ class PrefillCore:
             "vocab_size": e.model_config.vocab_size,
             "block_size": self.blocks.block_size,
             "num_blocks": self.blocks.num_blocks,
+            "epoch": self.events.epoch,
         }
 
     def load(self) -> dict:
@@ -71,6 +76,8 @@ class PrefillCore:
             if seq is not None:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self.jobs.pop(rid, None)
+        elif kind == "snapshot":
+            self.outbox.append(("snapshot", rid, self.events.snapshot().to_bytes()))
         else:
             raise ValueError(f"unknown message {kind!r}")
 
@@ -117,6 +124,9 @@ class PrefillCore:
                             max(seq.num_cached_tokens, 0),
                         )
                     )
+        batch = self.events.flush()
+        if batch is not None:
+            self.outbox.append(("kv_events", "", batch.to_bytes()))
         out, self.outbox = self.outbox, []
         return out
 

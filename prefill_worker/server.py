@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
+from collections import deque
 
 import grpc
 
@@ -11,6 +14,7 @@ from engine.grpc_common import logprobs_to_proto, params_from_proto
 from engine.serving import STATUS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.events import EventBatch
 
 logger = logging.getLogger(__name__)
 
@@ -18,8 +22,37 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, engine: EngineProcess) -> None:
+    def __init__(self, engine: EngineProcess, keep_batches: int = 4096) -> None:
         self.engine = engine
+        self.events: deque[tuple[int, bytes]] = deque(maxlen=keep_batches)  # (seq, EventBatch bytes)
+        self._snapshots = itertools.count()
+        engine.handlers["kv_events"] = self._on_events
+
+    def _on_events(self, msg: tuple) -> None:
+        data = msg[2]
+        self.events.append((EventBatch.from_bytes(data).seq, data))
+
+    async def GetKVEvents(
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.KVEventsResponse:
+        if not self.engine.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
+        epoch = self.engine.info["epoch"]
+        kept_from = self.events[0][0] if self.events else None
+        if request.epoch == epoch and (kept_from is None or kept_from <= request.after_seq + 1):
+            return pb.KVEventsResponse(
+                epoch=epoch, batches=[d for seq, d in self.events if seq > request.after_seq]
+            )
+        rid = f"snapshot-{next(self._snapshots)}"
+        stream = self.engine.open(rid)
+        try:
+            self.engine.send(("snapshot", rid))
+            msg = await asyncio.wait_for(stream.get(), timeout=30)
+        finally:
+            self.engine.close(rid)
+        if msg[0] != "snapshot":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"snapshot failed: {msg[-1]}")
+        return pb.KVEventsResponse(epoch=epoch, snapshot=msg[2])
 
     async def Prefill(
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -71,6 +104,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             model=info["model"],
             max_model_len=info["max_model_len"],
             vocab_size=info["vocab_size"],
+            epoch=info["epoch"],
             **load,
         )
 

@@ -203,7 +203,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "model", "max_model_len", "vocab_size")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "model", "max_model_len", "vocab_size", "epoch")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class WorkerLoad(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -224,4 +225,23 @@ class WorkerLoad(_message.Message):
     model: str
     max_model_len: int
     vocab_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class KVEventsRequest(_message.Message):
+    __slots__ = ("epoch", "after_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    after_seq: int
+    def __init__(self, epoch: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class KVEventsResponse(_message.Message):
+    __slots__ = ("epoch", "batches", "snapshot")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    batches: _containers.RepeatedScalarFieldContainer[bytes]
+    snapshot: bytes
+    def __init__(self, epoch: _Optional[int] = ..., batches: _Optional[_Iterable[bytes]] = ..., snapshot: _Optional[bytes] = ...) -> None: ...

@@ -306,6 +306,11 @@ class PrefillStub:
                 request_serializer=protos_dot_pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.GetKVEvents = channel.unary_unary(
+                '/pdserve.v1.Prefill/GetKVEvents',
+                request_serializer=protos_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.KVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -325,6 +330,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVEvents(self, request, context):
+        """The worker's prefix-cache events since `after_seq` (router/events.py wire format), or a full
+        snapshot when the caller's epoch is not the worker's or the events it missed are no longer kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -337,6 +350,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_pdserve__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.WorkerLoad.SerializeToString,
+            ),
+            'GetKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVEvents,
+                    request_deserializer=protos_dot_pdserve__pb2.KVEventsRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.KVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +411,33 @@ class Prefill:
             '/pdserve.v1.Prefill/GetLoad',
             protos_dot_pdserve__pb2.LoadRequest.SerializeToString,
             protos_dot_pdserve__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/GetKVEvents',
+            protos_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
+            protos_dot_pdserve__pb2.KVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,6 +9,7 @@ seed, seed+1, ...); the prefill worker's prefix cache makes the copies of the pr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import uuid
@@ -24,8 +25,8 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.events import WorkerLoad
-from router.index import InMemoryPrefixIndex, PrefixIndex
+from router.events import EventBatch, Snapshot, WorkerLoad
+from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class RouterConfig:
     decode: tuple[str, ...]
     model_dir: str
     served_model_name: str
-    policy: str = "least_loaded"
+    policy: str = "prefix_aware"
+    redis_url: str | None = None  # None: the in-memory index
     poll_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
 
@@ -56,7 +58,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         # a dummy-weights model has no tokenizer: token-id prompts only, no text
         has_tokenizer = Path(config.model_dir, "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model_dir) if has_tokenizer else None
-        self.index = index or InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
+        self.index = index or _make_index(config)
         self.router: PrefixRouter | None = None
         self.channels = {
             a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
@@ -64,6 +66,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         }
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
         self.model_info: pb.ModelInfo | None = None
+        self._event_pos: dict[str, tuple[int, int]] = {}  # prefill address -> (epoch, last seq applied)
         self._ids = itertools.count()
 
     def ready(self) -> bool:
@@ -97,7 +100,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             )
         self.index.heartbeat(
             address,
-            0,
+            load.epoch,
             WorkerLoad(
                 role=load.role,
                 running_requests=load.num_running + load.num_waiting,
@@ -105,6 +108,29 @@ class RouterServicer(pb_grpc.RouterServicer):
                 total_blocks=load.num_total_blocks,
             ),
         )
+        if load.role == "prefill":
+            await self._pull_events(address)
+
+    async def _pull_events(self, address: str) -> None:
+        """Apply the prefill worker's new prefix-cache events; a gap or a new epoch brings a full snapshot."""
+        epoch, after = self._event_pos.get(address, (0, 0))
+        try:
+            reply = await pb_grpc.PrefillStub(self.channels[address]).GetKVEvents(
+                pb.KVEventsRequest(epoch=epoch, after_seq=after), timeout=5.0
+            )
+        except grpc.aio.AioRpcError:
+            return
+        if reply.snapshot:
+            snap = Snapshot.from_bytes(reply.snapshot)
+            self.index.resync(address, snap.epoch, snap.seq, snap.hashes)
+            self._event_pos[address] = (snap.epoch, snap.seq)
+            return
+        for data in reply.batches:
+            batch = dataclasses.replace(EventBatch.from_bytes(data), worker_id=address)
+            if self.index.apply(batch) == ApplyResult.RESYNC_NEEDED:
+                self._event_pos[address] = (0, 0)  # the next poll asks for a snapshot
+                return
+            self._event_pos[address] = (batch.epoch, batch.seq)
 
     # ---- the public API ----------------------------------------------------------------------------
 
@@ -298,6 +324,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         raise _Stop(
             grpc.StatusCode.UNAVAILABLE, f"decode worker {decision.decode_worker} ended the stream early"
         )
+
+
+def _make_index(config: RouterConfig) -> PrefixIndex:
+    if config.redis_url:
+        from router.redis_index import RedisPrefixIndex
+
+        return RedisPrefixIndex(config.redis_url, heartbeat_ttl=config.heartbeat_ttl_s)
+    return InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
