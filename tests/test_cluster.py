@@ -180,3 +180,13 @@ def test_killed_decode_worker_ends_stream_unavailable_and_cluster_serves_on(gloo
     outs = run_batch(gloo_2x2, prompts[:4])
     done.set()
     assert outs == expected[:4]
+
+
+@pytest.mark.parametrize("transport, n_prefill, n_decode", [("tcp", 2, 2), ("nccl", 1, 1)])
+def test_other_shapes_match_transformers(transport, n_prefill, n_decode, prompts, expected):
+    cluster = start_cluster(n_prefill, n_decode, transport)
+    try:
+        assert run_batch(cluster, prompts) == expected
+        cluster.wait_all_blocks_free()
+    finally:
+        cluster.stop()
