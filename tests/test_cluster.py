@@ -190,3 +190,22 @@ def test_other_shapes_match_transformers(transport, n_prefill, n_decode, prompts
         cluster.wait_all_blocks_free()
     finally:
         cluster.stop()
+
+
+def test_every_server_answers_health_and_reflection(tcp_1x1):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    addresses = {tcp_1x1.router: "pdserve.v1.Router"}
+    addresses.update({w["address"]: f"pdserve.v1.{w['role'].capitalize()}" for w in tcp_1x1.workers})
+    for address, service in addresses.items():
+        with grpc.insecure_channel(address) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+            names = {s.name for s in next(stream).list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
