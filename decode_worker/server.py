@@ -10,7 +10,7 @@ import grpc
 
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
-from engine.serving import STATUS
+from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -113,18 +113,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
-        load = self.engine.load
-        info = self.engine.info
-        return pb.WorkerLoad(
-            worker_id=info["worker_id"],
-            role="decode",
-            block_size=info["block_size"],
-            model=info["model"],
-            max_model_len=info["max_model_len"],
-            vocab_size=info["vocab_size"],
-            epoch=info["epoch"],
-            **load,
-        )
+        return worker_load(self.engine)
 
 
 def add_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:

@@ -12,6 +12,7 @@ import grpc
 
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
+from protos import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,21 @@ STATUS = {
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "INTERNAL": grpc.StatusCode.INTERNAL,
 }
+
+
+def worker_load(engine: EngineProcess) -> pb.WorkerLoad:
+    """The worker's identity and limits (fixed at start) with its engine's latest load report."""
+    info = engine.info
+    return pb.WorkerLoad(
+        worker_id=info["worker_id"],
+        role=info["role"],
+        block_size=info["block_size"],
+        model=info["model"],
+        max_model_len=info["max_model_len"],
+        vocab_size=info["vocab_size"],
+        epoch=info["epoch"],
+        **engine.load,
+    )
 
 
 async def run_worker(

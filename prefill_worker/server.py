@@ -11,7 +11,7 @@ import grpc
 
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import logprobs_to_proto, params_from_proto
-from engine.serving import STATUS
+from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.events import EventBatch
@@ -95,18 +95,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
-        load = self.engine.load
-        info = self.engine.info
-        return pb.WorkerLoad(
-            worker_id=info["worker_id"],
-            role="prefill",
-            block_size=info["block_size"],
-            model=info["model"],
-            max_model_len=info["max_model_len"],
-            vocab_size=info["vocab_size"],
-            epoch=info["epoch"],
-            **load,
-        )
+        return worker_load(self.engine)
 
 
 def add_servicer(servicer: PrefillServicer, server: grpc.aio.Server) -> None:
