@@ -164,14 +164,6 @@ class WorkerLoad:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
 
-    @property
-    def prefills(self) -> bool:
-        return self.role != "decode"
-
-    @property
-    def decodes(self) -> bool:
-        return self.role != "prefill"
-
     def to_json(self) -> bytes:
         return json.dumps(
             [self.role, self.queued_tokens, self.running_requests, self.free_blocks, self.total_blocks]
@@ -180,6 +172,12 @@ class WorkerLoad:
     @classmethod
     def from_json(cls, data: bytes | str) -> WorkerLoad:
         return cls(*json.loads(data)) if data else cls()
+
+
+def _event(kind: str, hashes: list[BlockHash]) -> KVEvent:
+    if kind == "cleared":
+        return AllBlocksCleared()
+    return BlockStored(tuple(hashes)) if kind == "stored" else BlockRemoved(tuple(hashes))
 
 
 class KVEventPublisher:
@@ -207,49 +205,47 @@ class KVEventPublisher:
         self._full_snapshot = full_snapshot
         self._sink = sink
         self._clock = clock
-        self._pending: list[KVEvent] = []
+        self._pending: list[tuple[str, list[BlockHash]]] = []  # (kind, hashes), in order
         self._lock = threading.Lock()  # guards _pending and seq
         self._flush_lock = threading.Lock()  # keeps batches reaching the sink in seq order
 
     def stored(self, hashes: Iterable[BlockHash]) -> None:
-        self._add(BlockStored, tuple(hashes))
+        self._add("stored", hashes)
 
     def removed(self, hashes: Iterable[BlockHash]) -> None:
-        self._add(BlockRemoved, tuple(hashes))
+        self._add("removed", hashes)
 
     def cleared(self) -> None:
         with self._lock:
-            self._pending = [AllBlocksCleared()]  # nothing before a clear matters any more
+            self._pending = [("cleared", [])]  # nothing before a clear matters any more
 
     def on_block_event(self, kind: str, hashes: list[BlockHash]) -> None:
-        if kind == "stored":
-            self.stored(hashes)
-        elif kind == "removed":
-            self.removed(hashes)
-        elif kind == "cleared":
+        if kind not in ("stored", "removed", "cleared"):
+            raise ValueError(f"unknown block event kind {kind!r}")
+        if kind == "cleared":
             self.cleared()
         else:
-            raise ValueError(f"unknown block event kind {kind!r}")
+            self._add(kind, hashes)
 
-    def _add(self, kind: type[BlockStored] | type[BlockRemoved], hashes: tuple[BlockHash, ...]) -> None:
-        if not hashes:
-            return
+    def _add(self, kind: str, hashes: Iterable[BlockHash]) -> None:
         with self._lock:
-            last = self._pending[-1] if self._pending else None
-            if type(last) is kind:  # coalesce runs of the same kind; order between kinds is kept
-                self._pending[-1] = kind(last.hashes + hashes)  # type: ignore[union-attr]
+            if self._pending and self._pending[-1][0] == kind:  # a run of one kind merges
+                self._pending[-1][1].extend(hashes)
             else:
-                self._pending.append(kind(hashes))
+                self._pending.append((kind, list(hashes)))
 
     def flush(self) -> EventBatch | None:
         """Close the pending events into the next batch, give it to the sink and return it."""
         with self._flush_lock:
             with self._lock:
-                if not self._pending:
+                events = tuple(
+                    _event(kind, hashes) for kind, hashes in self._pending if hashes or kind == "cleared"
+                )
+                self._pending = []
+                if not events:
                     return None
                 self.seq += 1
-                batch = EventBatch(self.worker_id, self.epoch, self.seq, tuple(self._pending), self._clock())
-                self._pending = []
+                batch = EventBatch(self.worker_id, self.epoch, self.seq, events, self._clock())
             if self._sink is not None:
                 self._sink(batch)
             return batch

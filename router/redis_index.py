@@ -99,12 +99,25 @@ local function apply_events(w, ev)
   end
 end
 
+-- Drop the speculation that expired: per worker, one ZREM and one SMISMEMBER per 1000 hashes.
 local function sweep(now)
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', P .. 'spec', '-inf', now)) do
-    local h, w = string.sub(m, 1, 32), string.sub(m, 33)
-    redis.call('ZREM', P .. 'spec', m)
-    redis.call('ZREM', wkey(w, 'spec'), h)
-    if redis.call('SISMEMBER', wkey(w, 'blocks'), h) == 0 then unset(h, w) end
+  local due = redis.call('ZRANGEBYSCORE', P .. 'spec', '-inf', now)
+  if #due == 0 then return end
+  redis.call('ZREMRANGEBYSCORE', P .. 'spec', '-inf', now)
+  local by_worker = {}
+  for _, m in ipairs(due) do
+    local w = string.sub(m, 33)
+    by_worker[w] = by_worker[w] or {}
+    table.insert(by_worker[w], string.sub(m, 1, 32))
+  end
+  for w, hashes in pairs(by_worker) do
+    for start = 1, #hashes, 1000 do  -- unpack() takes a few thousand values at most
+      local part = {unpack(hashes, start, math.min(start + 999, #hashes))}
+      redis.call('ZREM', wkey(w, 'spec'), unpack(part))
+      for i, held in ipairs(redis.call('SMISMEMBER', wkey(w, 'blocks'), unpack(part))) do
+        if held == 0 then unset(part[i], w) end
+      end
+    end
   end
 end
 """
@@ -172,23 +185,33 @@ end
 return st[2] == 1 and 'resync' or 'applied'
 """
 
-# ARGV: prefix, worker, ttl_ms, hash...
+# ARGV: prefix, worker, ttl_ms, concatenated hashes
 _SPECULATE = r"""
 local now = now_ms()
 sweep(now)
 if redis.call('EXISTS', wkey(W, 'hb')) == 0 then return 0 end
-local expiry, blocks, spec = now + tonumber(ARGV[3]), wkey(W, 'blocks'), wkey(W, 'spec')
-for i = 4, #ARGV do
-  local h = ARGV[i]
-  if redis.call('SISMEMBER', blocks, h) == 0 then
-    redis.call('ZADD', spec, expiry, h); redis.call('ZADD', P .. 'spec', expiry, h .. W)
-    redis.call('SADD', P .. 'h:' .. h, W)
+local expiry, blob, hashes = now + tonumber(ARGV[3]), ARGV[4], {}
+for pos = 1, #blob, 32 do hashes[#hashes + 1] = string.sub(blob, pos, pos + 31) end
+local mine, all = {}, {}
+for start = 1, #hashes, 1000 do  -- unpack() takes a few thousand values at most
+  local part = {unpack(hashes, start, math.min(start + 999, #hashes))}
+  for i, held in ipairs(redis.call('SMISMEMBER', wkey(W, 'blocks'), unpack(part))) do
+    if held == 0 then
+      local h = part[i]
+      redis.call('SADD', P .. 'h:' .. h, W)
+      mine[#mine + 1] = expiry; mine[#mine + 1] = h
+      all[#all + 1] = expiry; all[#all + 1] = h .. W
+    end
+  end
+  if #mine > 0 then
+    redis.call('ZADD', wkey(W, 'spec'), unpack(mine)); redis.call('ZADD', P .. 'spec', unpack(all))
+    mine, all = {}, {}
   end
 end
 return 1
 """
 
-# ARGV: prefix, '', hash... -> {{worker, depth, ...}, "worker\tload\n..." for the live workers}
+# ARGV: prefix, '', concatenated hashes -> {{worker, depth, ...}, "worker\tload\n..." for the live workers}
 _LOOKUP = r"""
 sweep(now_ms())
 local ids, keys = redis.call('SMEMBERS', P .. 'workers'), {}
@@ -199,20 +222,29 @@ if #ids > 0 then
     if load then live[ids[i]] = true; loads[#loads + 1] = ids[i] .. '\t' .. load end
   end
 end
-local cand, n, res = {}, 0, {}
-for i = 3, #ARGV do
-  local here = {}
-  for _, w in ipairs(redis.call('SMEMBERS', P .. 'h:' .. ARGV[i])) do here[w] = true end
-  if i == 3 then
-    for w in pairs(here) do if live[w] then cand[w] = true; n = n + 1 end end
-  else
-    for w in pairs(cand) do
-      if not here[w] then res[#res + 1] = w; res[#res + 1] = i - 3; cand[w] = nil; n = n - 1 end
+-- Holders of the first block are the candidates; then one SMISMEMBER over each candidate's blocks and one
+-- ZMSCORE over its speculative ones cover the rest of the chain: a few calls, not one per block.
+local chain, res = ARGV[3], {}
+local n = #chain / 32
+if n == 0 then return {res, table.concat(loads, '\n')} end
+local rest = {}
+for i = 2, n do rest[i - 1] = string.sub(chain, i * 32 - 31, i * 32) end
+for _, w in ipairs(redis.call('SMEMBERS', P .. 'h:' .. string.sub(chain, 1, 32))) do
+  if live[w] then
+    local depth, done = 1, false
+    for start = 1, #rest, 1000 do  -- unpack() takes a few thousand values at most
+      local part = {unpack(rest, start, math.min(start + 999, #rest))}
+      local real = redis.call('SMISMEMBER', wkey(w, 'blocks'), unpack(part))
+      local spec = redis.call('ZMSCORE', wkey(w, 'spec'), unpack(part))
+      for i = 1, #part do
+        if real[i] == 0 and not spec[i] then done = true; break end
+        depth = depth + 1
+      end
+      if done then break end
     end
+    res[#res + 1] = w; res[#res + 1] = depth
   end
-  if n == 0 then break end
 end
-for w in pairs(cand) do res[#res + 1] = w; res[#res + 1] = #ARGV - 2 end
 return {res, table.concat(loads, '\n')}
 """
 
@@ -304,7 +336,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     def speculate(self, worker_id: str, hashes: Sequence[BlockHash], ttl: float) -> None:
         if hashes:
-            self._run("speculate", worker_id, max(1, round(ttl * 1000)), *hashes)
+            self._run("speculate", worker_id, max(1, round(ttl * 1000)), b"".join(hashes))
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         return self.lookup(block_hashes).matches
@@ -313,7 +345,7 @@ class RedisPrefixIndex(PrefixIndex):
         return self.lookup(()).workers
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> Lookup:
-        matches, loads = self._run("lookup", "", *block_hashes)
+        matches, loads = self._run("lookup", "", b"".join(block_hashes))
         return Lookup(
             {matches[i].decode(): int(matches[i + 1]) for i in range(0, len(matches), 2)},
             self._parse_loads(loads),

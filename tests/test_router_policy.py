@@ -20,10 +20,19 @@ BS = 16
 
 
 def view(
-    matches: dict[str, int], queued: dict[str, int], num_tokens: int = 10 * BS, **kw: object
+    matches: dict[str, int],
+    queued: dict[str, int],
+    num_tokens: int = 10 * BS,
+    *,
+    decode: dict[str, WorkerLoad] | None = None,
+    outstanding: dict[str, int] | None = None,
+    decoding: dict[str, int] | None = None,
+    recent: dict[str, float] | None = None,
 ) -> RoutingView:
     prefill = {w: WorkerLoad(queued_tokens=q) for w, q in queued.items()}
-    return RoutingView(num_tokens, BS, matches, prefill, kw.pop("decode", {}), **kw)  # type: ignore[arg-type]
+    return RoutingView(
+        num_tokens, BS, matches, prefill, decode or {}, outstanding or {}, decoding or {}, recent or {}
+    )
 
 
 def test_prefix_aware_takes_the_longest_prefix() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from router.events import WorkerLoad
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
+from router.index import InMemoryPrefixIndex
 from router.policy import PrefixRouter, make_policy
 from router.redis_index import RedisPrefixIndex
 from tests.test_router_index import APPLIED, H, IndexContract, stored
@@ -102,3 +104,35 @@ def test_index_holds_raw_hashes_and_worker_ids_only(client: redis.Redis) -> None
     assert client.smembers("t:w:a:blocks") == set(H[:3])
     index.remove_worker("a")
     assert client.keys("t:*") == []
+
+
+def test_redis_and_in_memory_answer_alike_under_random_events(client: redis.Redis) -> None:
+    rng = random.Random(7)
+    pool = [bytes([i]) * 32 for i in range(40)]
+    chains = [pool[i : i + 12] for i in range(0, 28, 4)]  # overlapping chains share blocks
+    indexes = [InMemoryPrefixIndex(heartbeat_ttl=60.0), RedisPrefixIndex(client, heartbeat_ttl=60.0)]
+    seqs = {w: 0 for w in "abcd"}
+    for w in seqs:
+        for index in indexes:
+            index.heartbeat(w, 1, WorkerLoad())
+    for step in range(300):
+        w = rng.choice("abcd")
+        chain = rng.choice(chains)[: rng.randint(1, 12)]
+        op = rng.random()
+        if op < 0.15:
+            for index in indexes:
+                index.speculate(w, chain, ttl=60.0)
+        else:
+            seqs[w] += 1
+            if op < 0.65:
+                event: BlockStored | BlockRemoved | AllBlocksCleared = BlockStored(tuple(chain))
+            elif op < 0.97:
+                event = BlockRemoved(tuple(rng.sample(chain, rng.randint(1, len(chain)))))
+            else:
+                event = AllBlocksCleared()
+            batch = EventBatch(w, 1, seqs[w], (event,), 0.0)
+            assert {index.apply(batch) for index in indexes} == {APPLIED}
+        query = rng.choice(chains)[: rng.randint(1, 12)]
+        mem, red = (index.match(query) for index in indexes)
+        assert mem == red, (step, mem, red)
+    assert indexes[0].num_entries() == indexes[1].num_entries()

@@ -1,0 +1,356 @@
+"""Routing: policies side by side in the fleet simulator, and the router's own decision overhead.
+
+    python -m bench.routing              # 8 and 64 workers + overhead; ~15 min on 2 busy CPU cores
+    python -m bench.routing --quick      # a small smoke run into a temporary directory
+
+Writes one JSON record per figure into bench/results/ (bench/record.py) and the `## Routing` section of
+BENCHMARKS.md (other sections are kept as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.record import device_name, record
+from engine.block_hash import hash_prompt_blocks
+from router.events import BlockStored, EventBatch, WorkerLoad
+from router.index import InMemoryPrefixIndex, PrefixIndex
+from router.policy import PrefixRouter, make_policy
+from router.sim.fleet import FleetConfig, SimResult, simulate
+from router.sim.workload import Request, WorkloadConfig, generate
+
+POLICIES = ("prefix_aware", "round_robin", "least_loaded", "random")
+CACHE_BLOCKS = 32_768  # per worker: 512k tokens, 64 GiB of Llama-3-8B bf16 KV (128 KiB per token)
+# Arrival rates put round-robin's workers ~75% busy (its hit rate, so its load, depends on fleet size).
+SETUPS = {8: (25.5, 25_000), 64: (195.0, 100_000)}
+QUICK_SETUPS = {8: (25.5, 3_000)}
+COMMAND = "python -m bench.routing"
+ROOT = Path(__file__).resolve().parent.parent
+
+_requests: list[Request] = []  # shared with forked workers
+
+
+def _simulate(args: tuple[FleetConfig, str]) -> SimResult:
+    return simulate(_requests, *args)
+
+
+def run_fleet(
+    workers: int, rate: float, num_requests: int, jobs: int
+) -> tuple[WorkloadConfig, list[SimResult]]:
+    global _requests
+    wl = WorkloadConfig(num_requests=num_requests, arrival_rate=rate)
+    _requests = generate(wl)
+    cfg = FleetConfig(num_workers=workers, cache_blocks=CACHE_BLOCKS)
+    if jobs > 1:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            results = pool.map(_simulate, [(cfg, p) for p in POLICIES], chunksize=1)
+    else:
+        results = [_simulate((cfg, p)) for p in POLICIES]
+    _requests = []
+    return wl, results
+
+
+def record_fleet(wl: WorkloadConfig, results: list[SimResult], out_dir: Path | None) -> None:
+    rr = next(r for r in results if r.policy == "round_robin")
+    for r in results:
+        tag = f"routing_{r.num_workers}w_{r.policy}"
+        pa = r.policy == "prefix_aware"
+        extra = {
+            "utilisation": r.utilisation,
+            "requests_measured": r.num_requests,
+            "resyncs": r.resyncs,
+            "max_request_share": r.max_request_share,
+            "sim_wall_s": r.wall_s,
+            "workload": dataclasses.asdict(wl),
+            "fleet_cache_blocks": CACHE_BLOCKS,
+        }
+        rec = functools.partial(record, out_dir=out_dir, command=COMMAND, extra=extra)
+        rec(
+            f"{tag}_hit_rate",
+            r.hit_rate,
+            "fraction",
+            ceiling=r.oracle_hit_rate,
+            ceiling_name="oracle: one infinite cache",
+            goal=">= 0.9 x oracle" if pa else None,
+        )
+        rec(
+            f"{tag}_mean_ttft",
+            r.mean_ttft_s,
+            "s",
+            baseline=rr.mean_ttft_s,
+            baseline_name="round_robin",
+        )
+        rec(
+            f"{tag}_p90_ttft",
+            r.p90_ttft_s,
+            "s",
+            baseline=rr.p90_ttft_s,
+            baseline_name="round_robin",
+            goal="<= 1/3 of round_robin" if pa else None,
+        )
+        rec(
+            f"{tag}_max_share",
+            r.max_busy_share,
+            "busiest worker / mean",
+            goal="< 1.5" if pa else None,
+        )
+
+
+def populated_index(index: PrefixIndex, workers: int, blocks_per_worker: int) -> list[list[bytes]]:
+    """Each worker holds a random prefix (64..256 blocks) of 64 chains from a pool shared ~4 ways."""
+    rng = random.Random(0)
+    pool = [[rng.randbytes(32) for _ in range(256)] for _ in range(workers * 16)]
+    for w in range(workers):
+        held: dict[bytes, None] = {}
+        while len(held) < blocks_per_worker:
+            held.update(dict.fromkeys(rng.choice(pool)[: rng.randint(64, 256)]))
+        wid = f"w{w:02d}"
+        index.heartbeat(wid, 1, WorkerLoad(queued_tokens=rng.randint(0, 4000)))
+        index.apply(EventBatch(wid, 1, 1, (BlockStored(tuple(held)[:blocks_per_worker]),), 0.0))
+    return pool
+
+
+def measure_decisions(index: PrefixIndex, pool: list[list[bytes]], n: int, rounds: int) -> dict[str, Any]:
+    """PrefixRouter.route on prompts of a pooled chain cut short plus 8 new blocks; the best of `rounds`.
+
+    This machine is shared: a round in which other processes took the CPU shows their time, not ours, so
+    the round with the lowest p99 is reported and every round's p99 is kept beside it.
+    """
+    router = PrefixRouter(index, make_policy("prefix_aware"), block_size=16, speculate_ttl=5.0)
+    rng = random.Random(1)
+    prompts = [
+        rng.choice(pool)[: rng.randint(1, 248)] + [rng.randbytes(32) for _ in range(8)] for _ in range(n)
+    ]
+    results = []
+    for _ in range(rounds):
+        lat, cpu = np.empty(n), np.empty(n)
+        start = time.perf_counter()
+        for i, chain in enumerate(prompts):
+            t, c = time.perf_counter(), time.thread_time()
+            router.prefill_done(router.route(chain, len(chain) * 16))
+            lat[i], cpu[i] = time.perf_counter() - t, time.thread_time() - c
+        wall = time.perf_counter() - start
+        results.append(
+            {
+                "p50_us": float(np.percentile(lat, 50) * 1e6),
+                "p99_us": float(np.percentile(lat, 99) * 1e6),
+                "p99_cpu_us": float(np.percentile(cpu, 99) * 1e6),  # without time the OS gave to others
+                "per_s": n / wall,
+                "load_avg": os.getloadavg()[0],
+            }
+        )
+    best = min(results, key=lambda r: r["p99_us"])
+    return {**best, "decisions_per_round": n, "rounds_p99_us": [round(r["p99_us"]) for r in results]}
+
+
+def redis_server() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: the Redis figures need it")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def run_overhead(quick: bool, out_dir: Path | None) -> dict[str, dict[str, Any]]:
+    from router.redis_index import RedisPrefixIndex
+
+    workers, per_worker = 64, (2_048 if quick else 16_384)
+    n, rounds = (1_000, 2) if quick else (4_000, 5)
+    figures: dict[str, dict[str, Any]] = {}
+    memory = InMemoryPrefixIndex(heartbeat_ttl=1e9)
+    figures["in-memory"] = measure_decisions(memory, populated_index(memory, workers, per_worker), n, rounds)
+    figures["in-memory"]["entries"] = memory.num_entries()
+    del memory
+    proc, url = redis_server()
+    try:
+        rindex = RedisPrefixIndex(url, heartbeat_ttl=3600)
+        figures["redis"] = measure_decisions(
+            rindex, populated_index(rindex, workers, per_worker), n // 4, rounds
+        )
+        figures["redis"]["entries"] = rindex.num_entries()
+    finally:
+        proc.terminate()
+        proc.wait()
+    tokens = random.Random(2).choices(range(32000), k=4096)
+    t = time.perf_counter()
+    for _ in range(20):
+        hash_prompt_blocks(tokens, 16)
+    figures["hash"] = {"us": (time.perf_counter() - t) / 20 * 1e6}
+    for backend in ("in-memory", "redis"):
+        f, key = figures[backend], backend.replace("-", "")
+        extra = {
+            "workers": workers,
+            "indexed_blocks": f["entries"],
+            "prompt_blocks": "1..256",
+            "load_average_1min": f["load_avg"],
+            "cpu_cores": os.cpu_count(),
+            "rounds_p99_us": f["rounds_p99_us"],
+            "decisions_per_round": f["decisions_per_round"],
+        }
+        rec = functools.partial(record, out_dir=out_dir, command=COMMAND, extra=extra)
+        rec(
+            f"routing_overhead_{key}_p99_us",
+            f["p99_us"],
+            "us",
+            goal="< 1000" if key == "inmemory" else None,
+        )
+        rec(f"routing_overhead_{key}_p50_us", f["p50_us"], "us")
+        rec(f"routing_overhead_{key}_p99_cpu_us", f["p99_cpu_us"], "us of CPU time")
+        rec(
+            f"routing_overhead_{key}_decisions_per_s",
+            f["per_s"],
+            "1/s",
+            goal=">= 2000" if key == "inmemory" else None,
+        )
+    record("routing_hash_4k_prompt_us", figures["hash"]["us"], "us", out_dir=out_dir, command=COMMAND)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small smoke run; results go to a temp dir")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="simulations at once")
+    args = parser.parse_args()
+    out_dir = Path(tempfile.mkdtemp(prefix="routing-bench-")) if args.quick else None
+    overhead = run_overhead(args.quick, out_dir)  # first, before the simulations load the machine
+    print(overhead, flush=True)
+    fleets = []
+    for workers, (rate, num) in (QUICK_SETUPS if args.quick else SETUPS).items():
+        wl, results = run_fleet(workers, rate, num, args.jobs)
+        record_fleet(wl, results, out_dir)
+        fleets.append((workers, wl, results))
+        for r in results:
+            print(
+                f"{workers:3d}w {r.policy:13s} hit {r.hit_rate:.3f}/{r.oracle_hit_rate:.3f} "
+                f"TTFT mean {r.mean_ttft_s:.3f} p90 {r.p90_ttft_s:.3f} s share {r.max_busy_share:.2f} "
+                f"util {r.utilisation:.2f} ({r.wall_s:.0f} s)",
+                flush=True,
+            )
+    path = ROOT / "BENCHMARKS.md" if out_dir is None else out_dir / "BENCHMARKS.md"
+    write_section(path, markdown(fleets, overhead))
+    print(f"wrote {path}")
+
+
+def markdown(
+    fleets: list[tuple[int, WorkloadConfig, list[SimResult]]], overhead: dict[str, dict[str, Any]]
+) -> str:
+    wl, cfg = fleets[0][1], FleetConfig()
+    rates = ", ".join(
+        f"{w.arrival_rate:g} req/s at {n} workers ({w.num_requests:,} requests)" for n, w, _ in fleets
+    )
+    lines = [
+        "## Routing",
+        "",
+        f"`{COMMAND}` on {device_name()}, {date.today().isoformat()}; records: `bench/results/routing_*.json`.",
+        "The fleet simulator (`router/sim/`) runs the real events, index and policies against simulated prefill",
+        "workers. Workload: chat conversations starting as a Poisson process, each opening with one of "
+        f"{wl.num_system_prompts} system prompts ({wl.system_tokens[0]}-{wl.system_tokens[1]} tokens, Zipf "
+        f"s={wl.zipf_s} popularity); user messages {wl.user_tokens[0]}-{wl.user_tokens[1]} tokens, replies "
+        f"{wl.reply_tokens[0]}-{wl.reply_tokens[1]}; {wl.mean_turns:g} turns on average (geometric), "
+        f"{wl.think_time_s:g} s mean think time; each turn's prompt extends the previous one. Block size "
+        f"{wl.block_size}. Workers: FIFO prefill at {cfg.tokens_per_s:,.0f} tokens/s + {cfg.overhead_s * 1e3:g} ms, "
+        f"an LRU cache of {CACHE_BLOCKS:,} blocks each ({CACHE_BLOCKS * wl.block_size // 1024}k tokens, about 64 GiB "
+        "of Llama-3-8B bf16 KV: less than the fleet's working set, which no single worker holds), events "
+        f"{cfg.event_delay_s * 1e3:g} ms late, heartbeats every {cfg.heartbeat_interval_s:g} s, speculation TTL "
+        f"{cfg.speculate_ttl_s:g} s. Arrivals: {rates}, chosen so that round-robin keeps its workers about 75% "
+        f"busy. The first {cfg.warmup_fraction:.0%} of requests warm the caches and are not counted. The oracle is "
+        "one infinite cache that sees every request.",
+        "",
+        "| workers | policy | hit rate | of oracle | mean TTFT | p90 TTFT | p90 vs round-robin "
+        "| busiest worker / mean | utilisation |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    verdicts = []
+    for n, _, results in fleets:
+        rr = next(r for r in results if r.policy == "round_robin")
+        for r in results:
+            lines.append(
+                f"| {n} | {r.policy} | {r.hit_rate:.1%} | {r.hit_rate / r.oracle_hit_rate:.1%} "
+                f"| {r.mean_ttft_s * 1e3:.0f} ms | {r.p90_ttft_s * 1e3:.0f} ms | {rr.p90_ttft_s / r.p90_ttft_s:.1f}x "
+                f"| {r.max_busy_share:.2f} | {r.utilisation:.0%} |"
+            )
+        pa = next(r for r in results if r.policy == "prefix_aware")
+        verdicts.append(
+            f"- {n} workers, prefix_aware: hit rate {pa.hit_rate / pa.oracle_hit_rate:.1%} of the oracle (goal >= 90%: "
+            f"{_met(pa.hit_rate >= 0.9 * pa.oracle_hit_rate)}); p90 TTFT {rr.p90_ttft_s / pa.p90_ttft_s:.1f}x better "
+            f"than round-robin (goal >= 3x: {_met(rr.p90_ttft_s >= 3 * pa.p90_ttft_s)}); busiest worker "
+            f"{pa.max_busy_share:.2f}x the mean (goal < 1.5x: {_met(pa.max_busy_share < 1.5)})."
+        )
+    mem, red = overhead["in-memory"], overhead["redis"]
+    lines += [
+        "",
+        "Goals:",
+        *verdicts,
+        "",
+        "Router overhead: `PrefixRouter.route` (index lookup + prefix_aware + speculation) "
+        f"for 64 workers, prompts of 1-256 blocks, one thread, on a {os.cpu_count()}-core machine shared with "
+        f"other work (1-minute load average {mem['load_avg']:.1f} during the run): wall-clock tails include time the "
+        f"OS gave to other processes, so the CPU time the decision itself took is shown too, and the figures are "
+        f"the best of {len(mem['rounds_p99_us'])} rounds of {mem['decisions_per_round']:,} decisions by p99 (every "
+        f"round's p99, in-memory: {', '.join(f'{v} us' for v in mem['rounds_p99_us'])}). Hashing a 4,096-token "
+        f"prompt's block chain (`engine.block_hash`, once per request before routing) costs "
+        f"{overhead['hash']['us']:.0f} us more.",
+        "",
+        "| index | indexed blocks | p50 | p99 | p99, CPU time | decisions/s |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in (
+        ("in-memory", mem),
+        ("Redis (local server; lookup and speculation one Lua call each)", red),
+    ):
+        lines.append(
+            f"| {name} | {f['entries']:,.0f} | {f['p50_us']:.0f} us | {f['p99_us']:.0f} us "
+            f"| {f['p99_cpu_us']:.0f} us | {f['per_s']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"Goals (in-memory): p99 < 1 ms: {_met(mem['p99_us'] < 1000)} (wall clock; CPU time "
+        f"{_met(mem['p99_cpu_us'] < 1000)}); >= 2,000 decisions/s: {_met(mem['per_s'] >= 2000)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace the `## Routing` section of path (or append it), keeping every other section."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    match = re.search(r"^## Routing\b.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    if match:
+        text = (
+            text[: match.start()] + section + ("\n" if match.end() < len(text) else "") + text[match.end() :]
+        )
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
