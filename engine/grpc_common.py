@@ -9,7 +9,19 @@ from grpc_reflection.v1alpha import reflection
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "logprobs", "n")
+_OPTIONAL = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "seed",
+    "logprobs",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 # Small messages, long streams: no message size surprises, keepalive so dead peers are noticed.
 CHANNEL_OPTIONS = [
@@ -17,6 +29,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 2**20),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),  # servers accept those pings
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 
 
@@ -47,6 +62,10 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos,
         include_stop_str_in_output=p.include_stop_str_in_output,
     )
+    if p.has_penalties:
+        msg.presence_penalty = p.presence_penalty
+        msg.frequency_penalty = p.frequency_penalty
+        msg.repetition_penalty = p.repetition_penalty
     if p.max_tokens is not None:
         msg.max_tokens = p.max_tokens
     if p.seed is not None:

@@ -113,7 +113,10 @@ class ModelRunner:
         last_rows = (meta.query_start_loc[1:].long() - 1)[sampling]  # (num_sampling,)
         logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab) float32
         result: SamplerOutput = self.sampler(
-            logits, [items[i].params for i in sampling], [items[i].generator for i in sampling]
+            logits,
+            [items[i].params for i in sampling],
+            [items[i].generator for i in sampling],
+            [items[i].history for i in sampling],
         )
         return {
             items[i].request_id: (tok, lp) for i, tok, lp in zip(sampling, result.token_ids, result.logprobs)

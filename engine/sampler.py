@@ -2,7 +2,8 @@
 
 Sampling draws with the "exponential race" (argmax of p / q, q ~ Exp(1)), which equals sampling from p;
 each request with a seed owns a torch.Generator, so the same seed gives the same output whatever else
-shares the batch. Logprobs are those of the raw model distribution (before temperature and filters).
+shares the batch. Logprobs are those of the raw model distribution (before penalties, temperature and
+filters). Penalties (repetition, then frequency and presence) adjust the logits first, greedy rows too.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ class Sampler:
         logits: torch.Tensor,  # (num_seqs, vocab) float32
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[tuple[list[int], list[int]] | None] | None = None,  # (prompt ids, output ids)
     ) -> SamplerOutput:
+        raw = logits
+        if histories is not None and any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, params, histories)
         tokens = logits.argmax(dim=-1)  # (num_seqs,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
@@ -38,7 +43,7 @@ class Sampler:
             q = torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]).to(probs.device)
             tokens[idx] = (probs / q).argmax(dim=-1)
         token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, params, token_ids))
+        return SamplerOutput(token_ids, self._logprobs(raw, params, token_ids))
 
     def _exponential(self, vocab: int, generator: torch.Generator | None) -> torch.Tensor:
         return torch.empty(vocab).exponential_(generator=generator or self.generator)
@@ -60,6 +65,33 @@ class Sampler:
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             out[i] = entry
         return out
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # (rows, vocab)
+    params: list[SamplingParams],
+    histories: list[tuple[list[int], list[int]] | None],
+) -> torch.Tensor:
+    """A penalized copy of the logits. Repetition (vLLM/HF): a logit of a token seen in the prompt or the
+    output is divided by the penalty when positive, multiplied when negative. Then OpenAI's
+    `logit -= frequency * count_in_output + presence * (count_in_output > 0)`."""
+    logits = logits.float().clone()
+    vocab = logits.shape[1]
+    for i, p in enumerate(params):
+        history = histories[i]
+        if not p.has_penalties or history is None:
+            continue
+        prompt, output = history
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
+        counts = counts.to(logits.device, torch.float32)  # (vocab,)
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(prompt, dtype=torch.long, device=logits.device)] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

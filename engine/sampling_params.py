@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -19,6 +20,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = (
+        1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of prompt + output tokens
+    )
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always added)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -35,6 +41,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
@@ -48,6 +59,10 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

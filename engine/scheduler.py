@@ -32,6 +32,8 @@ class ScheduledSeq:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     params: SamplingParams
     generator: torch.Generator | None
+    # (prompt ids, output ids) for the sampler's penalties; the sequence's own lists, read before postprocess
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -180,6 +182,7 @@ class Scheduler:
             sample=start + num_new == seq.num_tokens,
             params=seq.params,
             generator=seq.generator,
+            history=(seq.prompt_token_ids, seq.output_token_ids),
         )
 
     def _preempt(self, seq: Sequence) -> None:

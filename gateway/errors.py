@@ -1,0 +1,104 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and where they come from.
+
+A user's mistake is a 4xx: validation errors (FastAPI's 422 becomes 400), bad sampling values or a prompt
+over max_model_len (the router's INVALID_ARGUMENT), an unknown model (404). Load is 429, no router or
+worker is 503. Only the server's own faults are 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
+    code = exc.code()
+    message = exc.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("unknown model"):
+        return APIError(404, message, "model", "model_not_found")
+    status = _GRPC_TO_HTTP.get(code, 500)
+    if status == 500:
+        logger.error("router failed: %s %s", code.name, message)
+    return APIError(status, message, None, code.name.lower())
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'decode error')}", None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def _count(request: Request, status: int) -> None:
+    """Requests refused before the gateway's handler ran still count in the metrics, when they hit an endpoint."""
+    gateway = getattr(request.app.state, "gateway", None)
+    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path)
+    if gateway is not None and endpoint is not None:
+        gateway.metrics.done(endpoint, status)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        _count(request, 400)
+        return APIError(400, message, param, "invalid_request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        _count(request, exc.status_code)
+        return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))

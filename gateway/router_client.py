@@ -1,0 +1,139 @@
+"""The gateway's side of the router: OpenAI request -> GenerateRequest(s), and their merged response streams.
+
+A completions request with several prompts becomes one router call per prompt; choice `i * n + j` is
+completion `j` of prompt `i`. The first message of every call is awaited before any HTTP status is sent,
+so a refused request (bad params, too long, no capacity) gets its own status code, not a broken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from gateway.errors import APIError, from_grpc
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+_PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=max_tokens,
+        n=body.n,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+    for name in _PASSTHROUGH:
+        value = getattr(body, name)
+        if value is not None:
+            setattr(msg, name, value)
+    num = body.num_logprobs()
+    if num is not None:
+        msg.logprobs = num
+    return msg
+
+
+def chat_requests(body: ChatCompletionRequest, max_model_len: int) -> list[pb.GenerateRequest]:
+    messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
+    chat = pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
+    sampling = sampling_proto(body, body.token_limit() or max_model_len)  # OpenAI: up to the context
+    return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model)]
+
+
+def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
+    if body.echo:
+        raise APIError(400, "echo is not supported", "echo", "unsupported")
+    sampling = sampling_proto(body, body.token_limit())
+    out = []
+    for prompt in body.prompts():
+        req = pb.GenerateRequest(sampling=sampling, model=body.model)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        out.append(req)
+    return out
+
+
+def build(make: Callable[[], list[pb.GenerateRequest]]) -> list[pb.GenerateRequest]:
+    """Run a request builder; a value protobuf refuses (say, a lone surrogate in a string) is a 400."""
+    try:
+        return make()
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise APIError(400, f"invalid request: {exc}", None, "invalid_request") from exc
+
+
+class RouterStreams:
+    """The router calls of one HTTP request. `start()` waits for every call's first message (or error);
+    iterating yields (choice offset, response) until all calls end; `cancel()` ends them all."""
+
+    def __init__(self, stub: pb_grpc.RouterStub, requests: list[pb.GenerateRequest]) -> None:
+        self.calls = [stub.Generate(r) for r in requests]
+        self.offsets = [i * max(r.sampling.n, 1) for i, r in enumerate(requests)]
+        self._first: list[pb.GenerateResponse | None] = []
+
+    async def start(self) -> None:
+        try:
+            self._first = list(await asyncio.gather(*(self._read(c) for c in self.calls)))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        if len(self.calls) == 1:
+            async for item in self._drain(0):
+                yield item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.calls))]
+        try:
+            for _ in tasks:
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _pump(self, i: int, queue: asyncio.Queue) -> None:
+        try:
+            async for item in self._drain(i):
+                queue.put_nowait(item)
+        except Exception as exc:  # handed to the consumer
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(None)
+
+    async def _drain(self, i: int) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        msg = self._first[i]
+        while msg is not None:
+            yield self.offsets[i], msg
+            msg = await self._read(self.calls[i])
+
+    @staticmethod
+    async def _read(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse | None:
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc) from exc
+        return None if msg is grpc.aio.EOF else msg

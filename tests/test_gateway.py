@@ -1,0 +1,370 @@
+"""The OpenAI gateway end to end: real cluster (router + prefill + decode over tcp), the gateway in its own
+process, the official `openai` client (sync and async, streaming and not), transformers as the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.roles import free_port
+from tests.cluster import start_cluster
+from tests.hf_reference import hf_greedy, hf_logits
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-key"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Stack:
+    def __init__(self, cluster, proc: subprocess.Popen, url: str, model: str) -> None:
+        self.cluster, self.proc, self.url, self.model = cluster, proc, url, model
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def aclient(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+    def post(self, path: str, body, key: str | None = KEY) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=120)
+
+
+def start_gateway(router: str, *extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "--router", router, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the gateway did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def stack(bundled_model_dir):
+    cluster = start_cluster(1, 1, "tcp")
+    try:
+        proc, url = start_gateway(cluster.router, "--api-key", KEY)
+        try:
+            model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+            yield Stack(cluster, proc, url, model["data"][0]["id"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def tok(bundled_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(bundled_model_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tok):
+    return tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True), add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def chat_expected(bundled_model_dir, chat_ids):
+    return hf_greedy(bundled_model_dir, [chat_ids], [24])[0]
+
+
+def test_chat_greedy_matches_transformers(stack, tok, chat_ids, chat_expected):
+    r = stack.client().chat.completions.create(model=stack.model, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == tok.decode(chat_expected)
+    assert r.choices[0].finish_reason == ("stop" if len(chat_expected) < 24 else "length")
+    assert r.usage.prompt_tokens == len(chat_ids)
+    assert r.usage.completion_tokens == len(chat_expected)
+    assert r.usage.total_tokens == len(chat_ids) + len(chat_expected)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_stream_async_matches_and_reports_usage(stack, tok, chat_ids, chat_expected):
+    async def run():
+        stream = await stack.aclient().chat.completions.create(
+            model=stack.model,
+            messages=CHAT,
+            max_completion_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        parts, usage, finish = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                parts.append(c.delta.content or "")
+                finish = c.finish_reason or finish
+        return "".join(parts), usage, finish
+
+    text, usage, finish = asyncio.run(run())
+    assert text == tok.decode(chat_expected)
+    assert finish in ("stop", "length")
+    assert usage.prompt_tokens == len(chat_ids) and usage.completion_tokens == len(chat_expected)
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran in the test before
+
+
+def test_n3_gives_three_choices(stack):
+    r = stack.client().chat.completions.create(
+        model=stack.model, messages=CHAT, n=3, max_tokens=5, temperature=0.9, seed=7
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 15  # 3 x 5: a sampled 5-token answer rarely hits EOS
+    assert all(c.finish_reason == "length" for c in r.choices)
+
+
+def test_completions_stream_sync_many_prompts(stack, tok, bundled_model_dir):
+    prompts = ["Once upon a time", "Water boils at"]
+    ids = [tok.encode(p) for p in prompts]
+    expected = hf_greedy(bundled_model_dir, ids, [6, 6])
+    stream = stack.client().completions.create(
+        model=stack.model, prompt=ids, max_tokens=6, temperature=0, stream=True
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [tok.decode(e) for e in expected]
+
+
+def test_stop_string_ends_the_text_before_it(stack):
+    client, prompt = stack.client(), "def add(a, b):"
+    full = client.completions.create(model=stack.model, prompt=prompt, max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), text
+    r = client.completions.create(model=stack.model, prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_match_the_models_log_softmax(stack, tok, bundled_model_dir, chat_ids):
+    ref = torch.log_softmax(hf_logits(bundled_model_dir, chat_ids)[-1], -1)
+    top = ref.topk(5)
+    r = stack.client().chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=1, temperature=0, logprobs=True, top_logprobs=5
+    )
+    first = r.choices[0].logprobs.content[0]
+    assert first.logprob == pytest.approx(top.values[0].item(), abs=1e-3)
+    assert [t.logprob for t in first.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-3)
+    assert [t.token for t in first.top_logprobs] == [
+        tok.decode([i], skip_special_tokens=False) for i in top.indices.tolist()
+    ]
+    c = stack.client().completions.create(
+        model=stack.model, prompt=chat_ids, max_tokens=1, temperature=0, logprobs=3
+    )
+    assert c.choices[0].logprobs.token_logprobs[0] == pytest.approx(top.values[0].item(), abs=1e-3)
+
+
+def test_penalties_reach_the_sampler(stack):
+    body = dict(model=stack.model, prompt="one one one one one", max_tokens=12, temperature=0)
+    plain = stack.client().completions.create(**body).choices[0].text
+    penalized = stack.client().completions.create(
+        **body, frequency_penalty=2.0, presence_penalty=2.0, extra_body={"repetition_penalty": 1.5}
+    )
+    assert penalized.choices[0].text != plain
+
+
+def test_64_concurrent_streams_complete(stack):
+    async def one(client, i):
+        stream = await client.completions.create(
+            model=stack.model, prompt=f"Count to {i}:", max_tokens=4, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        finish = None
+        async for chunk in stream:
+            finish = chunk.choices[0].finish_reason or finish if chunk.choices else finish
+        return finish
+
+    async def run():
+        client = stack.aclient()
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    assert asyncio.run(run()) == ["length"] * 64
+    stack.cluster.wait_all_blocks_free()
+
+
+def test_disconnect_mid_stream_frees_blocks(stack):
+    body = {"model": stack.model, "prompt": "Tell a long story.", "max_tokens": 900, "stream": True}
+    body.update(ignore_eos=True, temperature=0)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                break
+        assert any(load.num_running for load in stack.cluster.loads())  # still generating
+    # the connection is closed here
+    stack.cluster.wait_all_blocks_free(timeout=15)  # 900 tokens would take far longer on 2 cores
+
+
+def test_error_statuses(stack):
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=stack.model, prompt=[1] * 1100, max_tokens=1)
+    assert "1100" in err.value.message and "1024" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model=stack.model, prompt="hi", presence_penalty=5)
+    with pytest.raises(openai.AuthenticationError):
+        stack.client(key="wrong").models.list()
+    r = stack.post("/v1/chat/completions", {"model": stack.model, "messages": "nope"})
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert stack.post("/v1/completions", {"model": stack.model, "prompt": "hi"}, key=None).status_code == 401
+
+
+def test_health_models_metrics(stack):
+    assert httpx.get(stack.url + "/health").status_code == 200
+    assert [m.id for m in stack.client().models.list()] == [stack.model]
+    stack.client().completions.create(model=stack.model, prompt="Hi", max_tokens=1)
+    assert stack.post("/v1/chat/completions", {"model": "nope", "messages": CHAT}).status_code == 404
+    assert (
+        stack.post("/v1/chat/completions", {"model": stack.model, "messages": CHAT}, key="x").status_code
+        == 401
+    )
+    text = httpx.get(stack.url + "/metrics").text
+    assert 'pdserve:gateway_requests_total{endpoint="completions",status="200"}' in text
+    assert 'status="404"' in text and 'status="401"' in text
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "prompt_tokens",
+        "generation_tokens",
+    ):
+        assert f"pdserve:{name}" in text
+
+
+# ---- fuzzing: malformed and odd bodies never get a 5xx, and nothing dies ---------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12), st.sampled_from(["", "SmolLM2-135M-Instruct", "user", "text", "\x00", "\ud7ff"]),
+)  # fmt: skip
+_json = st.recursive(
+    _json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+def _mostly(valid):
+    """Well-formed six times out of seven, any JSON value otherwise."""
+    return st.integers(0, 6).flatmap(lambda i: valid if i else _json)
+
+
+_message = st.fixed_dictionaries(
+    {"role": _mostly(st.sampled_from(["user", "system", "assistant", "tool", "robot"]))},
+    optional={"content": _mostly(st.text(max_size=20)), "name": _mostly(st.text(max_size=5))},
+)
+_FIELDS = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "n": st.integers(1, 3),
+    "stop": st.lists(st.text(max_size=3), max_size=3), "seed": st.integers(0, 2**40),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+    "ignore_eos": st.booleans(), "user": st.text(max_size=5), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "logprobs": st.integers(0, 5) | st.booleans(), "top_logprobs": st.integers(0, 5),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+}  # fmt: skip
+_common = st.fixed_dictionaries(
+    {"model": _mostly(st.just("SmolLM2-135M-Instruct"))},
+    optional={**{k: _mostly(v) for k, v in _FIELDS.items()}, "max_tokens": _mostly(st.integers(1, 3))},
+)
+_chat = st.tuples(_common, _mostly(st.lists(_message, max_size=3))).map(lambda t: {**t[0], "messages": t[1]})
+_prompt = _mostly(
+    st.one_of(
+        st.text(max_size=30), st.lists(st.text(max_size=10), max_size=3),
+        st.lists(st.integers(-5, 60000), max_size=8),
+        st.lists(st.lists(st.integers(-5, 60000), max_size=4), max_size=3),
+    )
+)  # fmt: skip
+_completion = st.tuples(_common, _prompt).map(lambda t: {**t[0], "prompt": t[1]})
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _cheap(body):
+    """Keep well-formed requests short: at most 3 tokens and 3 completions each."""
+    for name in ("n", "max_tokens"):
+        value = _number(body.get(name))
+        if (value is not None and value > 3) or (name == "max_tokens" and body.get(name) is None):
+            body[name] = 3
+    return body
+
+
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+)
+@given(
+    st.one_of(
+        st.tuples(st.just("/v1/chat/completions"), _chat.map(_cheap)),
+        st.tuples(st.just("/v1/completions"), _completion.map(_cheap)),
+        st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), _json),
+    )
+)
+def _fuzz_json(stack, statuses, case):
+    path, body = case
+    r = stack.post(path, body)
+    statuses.append(r.status_code)
+    assert r.status_code < 500, (body, r.status_code, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None
+)
+@given(
+    st.binary(max_size=64)
+    | st.text(max_size=64).map(str.encode)
+    | st.sampled_from([b'{"model": NaN}', b"[]", b"null"])
+)
+def _fuzz_bytes(stack, raw):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(stack.url + "/v1/chat/completions", content=raw, headers=headers, timeout=60)
+    assert r.status_code < 500, (raw, r.text)
+
+
+def test_fuzzing_never_gives_5xx_and_nothing_dies(stack):
+    assert httpx.get(stack.url + "/openapi.json").status_code == 200
+    statuses: list[int] = []
+    _fuzz_json(stack, statuses)
+    assert 200 in statuses  # some fuzzed requests were well-formed and ran
+    _fuzz_bytes(stack)
+    assert stack.proc.poll() is None and stack.cluster.proc.poll() is None
+    assert httpx.get(stack.url + "/health").status_code == 200
+    stack.cluster.wait_all_blocks_free(timeout=30)
