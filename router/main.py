@@ -30,6 +30,22 @@ async def serve_router(config: RouterConfig, address: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = asyncio.create_task(_follow_workers(servicer, health))
     await stop.wait()
+    watch.cancel()
     poller.cancel()
     await server.stop(grace=1.0)
+
+
+async def _follow_workers(servicer: RouterServicer, health) -> None:
+    """SERVING while a prefill and a decode worker are live, NOT_SERVING while a role has none."""
+    serving = True
+    while True:
+        await asyncio.sleep(0.25)
+        ready = servicer.ready()
+        if ready != serving:
+            mark_serving(health, [SERVICE_NAME], serving=ready)
+            logger.warning(
+                "router %s", "serving again" if ready else "not serving: a worker role has no live worker"
+            )
+            serving = ready

@@ -209,3 +209,27 @@ def test_every_server_answers_health_and_reflection(tcp_1x1):
             )
             names = {s.name for s in next(stream).list_services_response.service}
             assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_router_health_follows_its_workers():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cluster = start_cluster(1, 1, "tcp")
+    try:
+
+        def status() -> int:
+            with grpc.insecure_channel(cluster.router) as ch:
+                return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        decode = next(w for w in cluster.workers if w["role"] == "decode")
+        os.kill(decode["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while status() == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "the router still says SERVING with no decode worker"
+            time.sleep(0.25)
+        with pytest.raises(grpc.RpcError) as err:
+            list(cluster.stub().Generate(pb.GenerateRequest(text="hi")))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        cluster.stop()
