@@ -359,12 +359,73 @@ def _fuzz_bytes(stack, raw):
     assert r.status_code < 500, (raw, r.text)
 
 
+def from_openapi(schema: dict, components: dict, depth: int = 0) -> st.SearchStrategy:
+    """Bodies drawn from the app's own OpenAPI request schema: every field it declares, in its declared types
+    and bounds (optional fields present or not), so the fuzzing follows the API as it is written."""
+    if "$ref" in schema:
+        return from_openapi(components[schema["$ref"].rsplit("/", 1)[1]], components, depth)
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            return st.one_of([from_openapi(s, components, depth) for s in schema[key]])
+    if "enum" in schema or "const" in schema:
+        return st.sampled_from(schema.get("enum") or [schema["const"]])
+    kind = schema.get("type")
+    if kind == "object" and depth < 4:
+        props = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        sub = {k: from_openapi(v, components, depth + 1) for k, v in props.items()}
+        return st.fixed_dictionaries(
+            {k: sub[k] for k in required}, optional={k: v for k, v in sub.items() if k not in required}
+        )
+    if kind == "array":
+        return st.lists(from_openapi(schema.get("items", {}), components, depth + 1), max_size=3)
+    if kind == "integer":
+        return st.integers(schema.get("minimum", -(2**40)), schema.get("maximum", 2**40))
+    if kind == "number":
+        return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False)
+    simple = {"string": st.text(max_size=20), "boolean": st.booleans(), "null": st.none()}
+    return simple.get(kind, _json_leaf)
+
+
+def _fuzz_schema(stack, statuses):
+    spec = httpx.get(stack.url + "/openapi.json").json()
+    components = spec["components"]["schemas"]
+
+    def bodies(path: str) -> st.SearchStrategy:
+        schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        served = st.tuples(from_openapi(schema, components), st.integers(0, 5)).map(
+            lambda t: {**t[0], "model": "SmolLM2-135M-Instruct"} if t[1] else t[0]
+        )  # mostly the served model, so that schema-shaped bodies also run, not only get 404
+        return st.tuples(st.just(path), served.map(_cheap))
+
+    @settings(
+        max_examples=80,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
+    @given(bodies("/v1/chat/completions") | bodies("/v1/completions"))
+    def run(case):
+        path, body = case
+        r = stack.post(path, body)
+        statuses.append(r.status_code)
+        assert r.status_code < 500, (body, r.status_code, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    run()
+
+
 def test_fuzzing_never_gives_5xx_and_nothing_dies(stack):
     assert httpx.get(stack.url + "/openapi.json").status_code == 200
     statuses: list[int] = []
     _fuzz_json(stack, statuses)
     assert 200 in statuses  # some fuzzed requests were well-formed and ran
     _fuzz_bytes(stack)
+    schema_statuses: list[int] = []
+    _fuzz_schema(stack, schema_statuses)
+    assert 200 in schema_statuses  # bodies drawn from the schema do run
     assert stack.proc.poll() is None and stack.cluster.proc.poll() is None
     assert httpx.get(stack.url + "/health").status_code == 200
     stack.cluster.wait_all_blocks_free(timeout=30)
