@@ -41,16 +41,11 @@ class DecodeCore:
         self.epoch = secrets.randbits(63) + 1  # a restarted worker is a new worker to the router
 
     def info(self) -> dict:
-        e = self.engine
         return {
+            **self.engine.describe(),
             "role": "decode",
             "worker_id": self.config.worker_id,
-            "model": e.model_id,
-            "max_model_len": e.max_model_len,
-            "vocab_size": e.model_config.vocab_size,
-            "block_size": self.blocks.block_size,
             "epoch": self.epoch,
-            "num_blocks": self.blocks.num_blocks,
             "kv_descriptor": self.receiver.descriptor(),
         }
 

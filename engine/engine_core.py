@@ -141,6 +141,16 @@ class EngineCore:
         eos = self.model_config.eos_token_id
         return set(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
 
+    def describe(self) -> dict:
+        """The model and cache limits a worker reports about itself (fixed for the process's life)."""
+        return {
+            "model": self.model_id,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.model_config.vocab_size,
+            "block_size": self.block_manager.block_size,
+            "num_blocks": self.block_manager.num_blocks,
+        }
+
     # ---- requests -------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -44,15 +44,10 @@ class PrefillCore:
         self.blocks.on_event = self.events.on_block_event
 
     def info(self) -> dict:
-        e = self.engine
         return {
+            **self.engine.describe(),
             "role": "prefill",
             "worker_id": self.config.worker_id,
-            "model": e.model_id,
-            "max_model_len": e.max_model_len,
-            "vocab_size": e.model_config.vocab_size,
-            "block_size": self.blocks.block_size,
-            "num_blocks": self.blocks.num_blocks,
             "epoch": self.events.epoch,
         }
 
