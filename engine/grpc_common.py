@@ -32,6 +32,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),  # servers accept those pings
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.max_ping_strikes", 0),  # servers never GOAWAY a peer for pinging (too_many_pings)
 ]
 
 
@@ -41,6 +42,8 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> S
     for name in _OPTIONAL:
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if kwargs.get("max_tokens") == 0:
+        kwargs["max_tokens"] = None  # as many as the context allows
     return SamplingParams(
         **kwargs,
         stop=list(msg.stop) or None,

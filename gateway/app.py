@@ -107,7 +107,7 @@ class Gateway:
                 msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
                 raise APIError(404, msg, "model", "model_not_found")
             if isinstance(body, ChatCompletionRequest):
-                reqs = build(lambda: chat_requests(body, info.max_model_len))
+                reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
             assert self.stub is not None

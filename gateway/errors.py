@@ -51,11 +51,16 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+_CONTEXT_WORDS = ("this model's maximum context length", "but max_model_len is")  # router/server.py's words
+
+
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
     code = exc.code()
     message = exc.details() or code.name
     if code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("unknown model"):
         return APIError(404, message, "model", "model_not_found")
+    if code == grpc.StatusCode.INVALID_ARGUMENT and any(w in message for w in _CONTEXT_WORDS):
+        return APIError(400, message, None, "context_length_exceeded")  # OpenAI's code for it
     status = _GRPC_TO_HTTP.get(code, 500)
     if status == 500:
         logger.error("router failed: %s %s", code.name, message)

@@ -48,10 +48,10 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     return msg
 
 
-def chat_requests(body: ChatCompletionRequest, max_model_len: int) -> list[pb.GenerateRequest]:
+def chat_requests(body: ChatCompletionRequest) -> list[pb.GenerateRequest]:
     messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
     chat = pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
-    sampling = sampling_proto(body, body.token_limit() or max_model_len)  # OpenAI: up to the context
+    sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
     return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model)]
 
 

@@ -178,6 +178,16 @@ class RouterServicer(pb_grpc.RouterServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the prompt is {len(prompt_ids)} tokens long, but max_model_len is {info.max_model_len}",
             )
+        room = info.max_model_len - len(prompt_ids)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=room)
+        elif params.max_tokens > room:
+            raise _Stop(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this model's maximum context length is {info.max_model_len} tokens, but "
+                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens",
+            )
         if any(not 0 <= t < info.vocab_size for t in prompt_ids):
             raise _Stop(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -335,8 +345,6 @@ def _make_index(config: RouterConfig) -> PrefixIndex:
 
 
 def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None)
 
 

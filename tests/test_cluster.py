@@ -119,7 +119,11 @@ def test_repeated_prompt_hits_the_prefill_cache(tcp_1x1, prompts):
         ({}, "has no prompt"),
         ({"text": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
         ({"text": "hi", "sampling": pb.SamplingParams(top_p=2)}, "top_p"),
-        ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=-1)}, "max_tokens"),
+        (
+            {"token_ids": pb.TokenIds(ids=[5] * 1000), "sampling": pb.SamplingParams(max_tokens=25)},
+            "maximum context length is 1024 tokens, but 1025 were requested",
+        ),
         ({"text": "hi", "model": "no-such-model"}, "unknown model"),
     ],
 )
@@ -128,6 +132,16 @@ def test_bad_requests_get_invalid_argument(tcp_1x1, request_kwargs, words):
         list(tcp_1x1.stub().Generate(pb.GenerateRequest(**request_kwargs)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert words in err.value.details()
+
+
+def test_max_tokens_zero_runs_up_to_the_context(tcp_1x1):
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[5] * 1000), sampling=pb.SamplingParams(max_tokens=0, ignore_eos=True)
+    )
+    chunks = list(tcp_1x1.stub().Generate(request))
+    assert sum(len(c.token_ids) for c in chunks) == 24  # max_model_len 1024 - the prompt
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    assert chunks[-1].usage.prompt_tokens == 1000 and chunks[-1].usage.completion_tokens == 24
 
 
 def test_cancelled_stream_frees_blocks_everywhere(tcp_1x1, prompts):

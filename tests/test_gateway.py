@@ -227,6 +227,11 @@ def test_error_statuses(stack):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=stack.model, prompt=[1] * 1100, max_tokens=1)
     assert "1100" in err.value.message and "1024" in err.value.message
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=stack.model, messages=CHAT, max_completion_tokens=1024)
+    assert "maximum context length is 1024" in err.value.message
+    assert err.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
@@ -319,7 +324,7 @@ def _number(value) -> float | None:
 
 def _cheap(body):
     """Keep well-formed requests short: at most 3 tokens and 3 completions each."""
-    for name in ("n", "max_tokens"):
+    for name in ("n", "max_tokens", "max_completion_tokens"):
         value = _number(body.get(name))
         if (value is not None and value > 3) or (name == "max_tokens" and body.get(name) is None):
             body[name] = 3
