@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
-from kvtransfer import connect, create_receiver, layout  # noqa: E402
+from kvtransfer import connect, create_receiver  # noqa: E402
 from kvtransfer.layout import copy_blocks  # noqa: E402
 
 GPU_SHAPE: dict[str, Any] = dict(layers=32, heads=8, dim=128, block=16, blocks=256, dtype="bfloat16")
@@ -157,6 +157,11 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU with a small shape")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tcp-reps", type=int, default=3)
+    ap.add_argument(
+        "--ablate",
+        action="store_true",
+        help="cuda_ipc also with the copy kernel, and torch's copies, for every id pattern",
+    )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda:0"
     shape = CPU_SHAPE if args.cpu else GPU_SHAPE
@@ -170,7 +175,8 @@ def main() -> None:
     ceilings, in_process = measure_ceilings(pool, n, args.reps) if not args.cpu else ({}, {})
 
     ctx = mp.get_context("spawn")
-    results = []
+    results: list[dict] = []
+    ablations: list[dict] = []
     for decode_device, transports in plan.items():
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=decode_main, args=(shape, decode_device, transports, child), daemon=True)
@@ -181,9 +187,30 @@ def main() -> None:
                 reps = args.tcp_reps if transport == "tcp" else args.reps
                 for case in ("one", "contiguous", "scattered", "random"):
                     results.append(run_case(transport, case, sender, pool, parent, reps))
+            if transport == "cuda_ipc" and args.ablate:
+                ablations.extend(ablate(descriptors[transport], pool, parent, args.reps))
         parent.send(("stop",))
         proc.join(30)
-    report(results, ceilings, in_process, nbytes, args.out, shape)
+    for r in ablations:
+        print(f"ablation {r['variant']:<22} {r['case']:<11} {r['seconds'] * 1e3:9.3f} ms  exact {r['exact']}")
+    report(results, ceilings, in_process, nbytes, args.out, shape, ablations)
+
+
+def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[dict]:
+    """The cuda_ipc send with the block-copy kernel for every id pattern, and with torch's copies for every
+    pattern, against copy_blocks' choice (torch for one slice, else the kernel)."""
+    import kvtransfer.layout as lay
+
+    chooser = lay.uses_kernel
+    out = []
+    for kernel in (True, False):
+        lay.uses_kernel = lambda *args, k=kernel: k  # type: ignore[assignment]
+        with connect(descriptor, pool) as sender:
+            for case in ("one", "contiguous", "scattered", "random"):
+                variant = "kernel always" if kernel else "torch always"
+                out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": variant})
+    lay.uses_kernel = chooser
+    return out
 
 
 def measure_ceilings(pool: torch.Tensor, n: int, reps: int) -> tuple[dict, dict]:
@@ -197,14 +224,12 @@ def measure_ceilings(pool: torch.Tensor, n: int, reps: int) -> tuple[dict, dict]
         del c
     local = torch.empty((*pool.shape[:2], 4 * n, *pool.shape[3:]), dtype=pool.dtype, device=pool.device)
     in_process = {}
-    default = layout.WORDS
-    for suffix, words in (("", default), ("_int64", (torch.int64,)), ("_int16", (torch.int16,))):
-        layout.WORDS = words  # the element width that copy_blocks moves (16 bytes by default)
+    # "": the block-copy kernel (copy_blocks' CUDA path); "_torch": torch's slice/index copies in 16-byte words
+    for suffix, kernel in (("", True), ("_torch", False)):
         for case in ("contiguous", "scattered", "random"):
             src, dst = block_ids(case, n, random.Random(case))
-            t = time_gpu(lambda src=src, dst=dst: copy_blocks(pool, src, local, dst), reps)
-            in_process[case + suffix] = nbytes / t / 1e9
-    layout.WORDS = default
+            fn = lambda src=src, dst=dst, k=kernel: copy_blocks(pool, src, local, dst, kernel=k)  # noqa: E731
+            in_process[case + suffix] = nbytes / time_gpu(fn, reps) / 1e9
     return ceilings, in_process
 
 
@@ -220,14 +245,20 @@ def ceiling_of(transport: str, ceilings: dict) -> str | None:
 
 
 def report(
-    results: list[dict], ceilings: dict, in_process: dict, nbytes: int, out: Path | None, shape: dict
+    results: list[dict],
+    ceilings: dict,
+    in_process: dict,
+    nbytes: int,
+    out: Path | None,
+    shape: dict,
+    ablations: list[dict],
 ) -> None:
     cpu = not ceilings
     print(f"\npayload {nbytes / 2**20:.0f} MiB per transfer; ceilings (GB/s): {ceilings}")
     if in_process:
         d2d = ceilings["d2d"]
         print(
-            "same-process copy_blocks, GB/s (of d2d): "
+            "same-process copy_blocks (kernel; _torch: torch copies), GB/s (of d2d): "
             + ", ".join(f"{k} {v:.0f} ({v / d2d:.0%})" for k, v in in_process.items())
         )
     print(f"{'transport':<10} {'block ids':<11} {'ms':>9} {'GB/s':>8} {'of ceil':>8}  exact  copy-only GB/s")
@@ -262,13 +293,17 @@ def report(
                 exact=r["exact"],
                 reps=r["reps"],
                 ceilings_gbps=ceilings,
-                same_process_copy_blocks_gbps=in_process.get(r["case"]),
-                same_process_copy_blocks_int64_gbps=in_process.get(r["case"] + "_int64"),
-                same_process_copy_blocks_int16_gbps=in_process.get(r["case"] + "_int16"),
+                same_process_block_copy_kernel_gbps=in_process.get(r["case"]),
+                same_process_torch_copy_gbps=in_process.get(r["case"] + "_torch"),
                 copy_only_into_mapped_pool_gbps=r["copy_gbps"],
                 one_block_send_seconds=fixed.get(r["transport"]),
                 tcp_all_cases_gbps={x["case"]: x["gbps"] for x in results if x["transport"] == "tcp"},
                 timed="sender.send() wall clock: control round trips + copy + sync, median",
+                ablation_send_seconds={
+                    a["variant"]: a["seconds"] for a in ablations if a["case"] == r["case"]
+                }
+                if r["transport"] == "cuda_ipc"
+                else None,
             ),
             out_dir=out,
             command="python bench/kvtransfer.py" + (" --cpu" if cpu else ""),

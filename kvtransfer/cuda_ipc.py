@@ -2,8 +2,8 @@
 
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
 prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
-its own stream (one pass when either side's block ids form a few contiguous runs, else gather +
-scatter), synchronises, and tells the receiver over a small TCP control channel:
+its own stream (layout.copy_blocks: one slice copy when both sides are one run of ids, else the
+one-pass block-copy kernel), synchronises, and tells the receiver over a small TCP control channel:
 
     sender                                      receiver (thread per connection)
     HELLO {layout}                   ->         check layout
@@ -14,7 +14,8 @@ scatter), synchronises, and tells the receiver over a small TCP control channel:
     DONE {request_id, nbytes}        ->         finish(): length check
                                      <-  ACK
 
-A sender that dies between READY and DONE closes the control socket: the request fails.
+`dst` travels packed (wire.pack_ids). A sender that dies between READY and DONE closes the control
+socket: the request fails.
 """
 
 from __future__ import annotations
@@ -33,11 +34,10 @@ from kvtransfer.layout import (
     copy_blocks,
     field,
     gather,
-    needs_staging,
     scatter,
 )
 from kvtransfer.registry import TableReceiver
-from kvtransfer.wire import Channel, ControlServer, Kind
+from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
 
 IO_TIMEOUT_S = 60.0
 
@@ -154,7 +154,7 @@ class CudaIpcKVReceiver(TableReceiver):
     def _receive(self, ch: Channel, meta: dict[str, Any]) -> None:
         rid, nbytes = str(meta.get("request_id")), meta.get("nbytes")
         try:
-            self.begin(rid, meta.get("dst"), nbytes if isinstance(nbytes, int) else -1)
+            self.begin(rid, unpack_ids(meta.get("dst")), nbytes if isinstance(nbytes, int) else -1)
         except KVTransferError as e:
             ch.send(Kind.READY, {"request_id": rid, "error": str(e)})
             return
@@ -215,7 +215,8 @@ class CudaIpcKVSender(KVSender):
             if self._broken:
                 raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
             try:
-                self._ch.send(Kind.BEGIN, {"request_id": request_id, "dst": dst, "nbytes": nbytes})
+                begin = {"request_id": request_id, "dst": pack_ids(dst), "nbytes": nbytes}
+                self._ch.send(Kind.BEGIN, begin)
                 staged, error = self._prestage(src, dst)  # local work while the receiver answers
                 reply = self._ch.expect(Kind.READY)
                 if "error" not in reply:  # refused: nothing was written, the connection stays usable
@@ -231,10 +232,10 @@ class CudaIpcKVSender(KVSender):
             raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
 
     def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        """Gather the source blocks ahead when the copy cannot be one pass (or crosses GPUs)."""
+        """Gather the source blocks ahead when the copy crosses GPUs (one GPU: one pass, no staging)."""
         try:
             self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))  # after the forward pass
-            if self._remote.device == self._pool.device and not needs_staging(src, dst):
+            if self._remote.device == self._pool.device:
                 return None, {}
             with torch.cuda.stream(self._stream):
                 return gather(self._pool, src), {}

@@ -8,6 +8,7 @@ bytes land where the caller points them (a pool block, a staging buffer), never 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import enum
 import json
@@ -18,12 +19,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvtransfer.base import KVTransferError
 
 MAGIC = b"PDKV"
 VERSION = 1
 _FRAME = struct.Struct("!4sBBIQ")
 MAX_META = 1 << 24
+_READ_AHEAD = 1 << 16
+
+
+def pack_ids(ids: list[int]) -> str:
+    """Block ids as base64 of little-endian int32: a 256-id list costs ~2 us to encode, JSON's ints ~15."""
+    return base64.b64encode(np.asarray(ids, dtype="<i4").tobytes()).decode()
+
+
+def unpack_ids(text: object) -> list[int] | None:
+    """pack_ids' inverse; None when `text` is not such a string (the caller refuses the request)."""
+    if not isinstance(text, str):
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        return None
+    if len(raw) % 4:
+        return None
+    return np.frombuffer(raw, dtype="<i4").tolist()
 
 
 class Kind(enum.IntEnum):
@@ -49,6 +71,9 @@ class Channel:
         self.sock = sock
         self.peer = peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # read-ahead: one recv usually brings a whole control frame (header + meta), not two
+        self._ahead = bytearray(_READ_AHEAD)
+        self._lo = self._hi = 0
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float) -> Channel:
@@ -94,6 +119,10 @@ class Channel:
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely or raise KVTransferError (closed early, timeout)."""
         got, total = 0, view.nbytes
+        if self._hi > self._lo:  # bytes read ahead come first
+            got = min(total, self._hi - self._lo)
+            view[:got] = self._ahead[self._lo : self._lo + got]
+            self._lo += got
         try:
             while got < total:
                 n = self.sock.recv_into(view[got:], total - got)
@@ -108,9 +137,27 @@ class Channel:
             ) from e
 
     def _exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        self.recv_into(memoryview(buf))
-        return bytes(buf)
+        """n bytes of frame (header or meta), through the read-ahead buffer."""
+        if n > _READ_AHEAD:
+            buf = bytearray(n)
+            self.recv_into(memoryview(buf))
+            return bytes(buf)
+        if self._hi - self._lo < n:
+            if self._lo:  # keep what is left at the front
+                left = self._hi - self._lo
+                self._ahead[:left] = self._ahead[self._lo : self._hi]
+                self._lo, self._hi = 0, left
+            try:
+                while self._hi < n:
+                    got = self.sock.recv_into(memoryview(self._ahead)[self._hi :])
+                    if got == 0:
+                        raise KVTransferError(f"kv peer {self.peer} closed the connection mid-frame")
+                    self._hi += got
+            except OSError as e:
+                raise KVTransferError(f"kv connection to {self.peer} broke mid-frame: {e}") from e
+        out = bytes(self._ahead[self._lo : self._lo + n])
+        self._lo += n
+        return out
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

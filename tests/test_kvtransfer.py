@@ -291,11 +291,12 @@ def test_cuda_ipc_handle_round_trips_through_json() -> None:
         (list(range(30)), random.Random(1).sample(range(64), 30)),  # many runs: gather + scatter
     ],
 )
-def test_copy_blocks_matches_indexing(src: list[int], dst: list[int]) -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])  # triton: the CUDA path
+def test_copy_blocks_matches_indexing(src: list[int], dst: list[int], kernel: bool) -> None:
     source, target = make_pool(PREFILL_BLOCKS, 1), make_pool(DECODE_BLOCKS, 2)
     expected = target.clone()
     expected[:, :, dst] = source[:, :, src]
-    copy_blocks(source, src, target, dst)
+    copy_blocks(source, src, target, dst, kernel=kernel)
     assert torch.equal(target, expected)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtransfer import KVTransferError, connect, create_receiver
-from kvtransfer.wire import Kind
+from kvtransfer.wire import Kind, pack_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,7 +58,8 @@ def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any) -
 def dying_prefill_main(descriptor: dict, q: Any) -> None:
     """Get READY for request "doomed", then die before copying or reporting DONE."""
     sender: Any = connect(descriptor, make_pool(PREFILL_BLOCKS, 0, "cuda:0"))
-    sender._ch.send(Kind.BEGIN, {"request_id": "doomed", "dst": [1, 2], "nbytes": 2 * block_nbytes()})
+    begin = {"request_id": "doomed", "dst": pack_ids([1, 2]), "nbytes": 2 * block_nbytes()}
+    sender._ch.send(Kind.BEGIN, begin)
     assert "error" not in sender._ch.expect(Kind.READY)
     q.put("started")
     q.close()
@@ -71,15 +72,15 @@ def block_nbytes() -> int:
 
 
 def plan_jobs() -> list:
-    """One-pass and two-pass shapes of block lists, into disjoint destination blocks."""
+    """Block lists contiguous, scattered on either side, random and small, into disjoint destination blocks."""
     rng = random.Random(3)
     fixed = set(range(100, 116)) | set(range(140, 148))
     free = [b for b in rng.sample(range(DECODE_BLOCKS), DECODE_BLOCKS) if b not in fixed]
     jobs = [
-        ("contiguous", list(range(0, 16)), list(range(100, 116))),  # one slice copy
-        ("scattered-dst", list(range(16, 28)), [free.pop() for _ in range(12)]),  # one index_copy_
-        ("scattered-src", rng.sample(range(PREFILL_BLOCKS), 8), list(range(140, 148))),  # index_select out=
-        ("random", rng.sample(range(PREFILL_BLOCKS), 40), [free.pop() for _ in range(40)]),  # 2 passes
+        ("contiguous", list(range(0, 16)), list(range(100, 116))),
+        ("scattered-dst", list(range(16, 28)), [free.pop() for _ in range(12)]),
+        ("scattered-src", rng.sample(range(PREFILL_BLOCKS), 8), list(range(140, 148))),
+        ("random", rng.sample(range(PREFILL_BLOCKS), 40), [free.pop() for _ in range(40)]),
     ]
     jobs += [
         (f"small-{i}", rng.sample(range(PREFILL_BLOCKS), 3), [free.pop() for _ in range(3)]) for i in range(6)
@@ -109,7 +110,8 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str) -> 
     with create_receiver(transport, pool) as receiver:
         for rid, _, dst in jobs:
             receiver.expect(rid, dst)
-        proc = SPAWN.Process(target=prefill_main, args=(receiver.descriptor(), 5, prefill_device, jobs, q))
+        args = (receiver.descriptor(), 5, prefill_device, jobs, q)
+        proc = SPAWN.Process(target=prefill_main, args=args)
         proc.start()
         outcomes = collect(q, len(jobs), proc)
         for rid, _, _ in jobs:
