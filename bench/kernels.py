@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.record import record
-from kernels.decode_reduce import decode_reduce_triton
-from kernels.paged_decode_attention import paged_decode_attention_triton
+from kernels.decode_reduce import decode_reduce_triton, decode_workspace_size
+from kernels.paged_decode_attention import paged_decode_attention_triton, plan_num_splits
 from kernels.paged_prefill_attention import paged_prefill_attention_triton
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (q heads, kv heads, head_dim)
@@ -133,6 +133,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def decode_fns(sets, config=None, num_splits=None):
+    """One decode call per set; all share one zeroed workspace (as the engine's CUDA graphs would), so no
+    call allocates or zero-fills inside the timed graph."""
+    batch, num_heads, _, dim = sets[0]["q"].shape
+    num_kv, seq_len = sets[0]["k"].shape[1], sets[0]["k"].shape[2]
+    splits = num_splits or plan_num_splits(batch, num_kv, seq_len, torch.device("cuda"))
+    ws = torch.zeros(decode_workspace_size(batch, num_heads, splits, dim, num_kv), device="cuda")
     return [
         lambda s=s: paged_decode_attention_triton(
             s["q"][:, :, 0],
@@ -143,6 +149,7 @@ def decode_fns(sets, config=None, num_splits=None):
             max_seq_len=s["k"].shape[2],
             config=config,
             num_splits=num_splits,
+            workspace=ws,
         )  # fmt: skip
         for s in sets
     ]
@@ -165,6 +172,10 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
     per_set = 2 * batch * seq_len * heads[1] * heads[2] * 2 + 2 * batch * heads[0] * heads[2] * 2
     sets = [paged_set(batch, seq_len, heads, 1) for _ in range(math.ceil(ROTATE_BYTES / per_set))]
     t = time_us(decode_fns(sets))
+    splits = plan_num_splits(batch, heads[1], seq_len, torch.device("cuda"))
+    # the same split decode with the merge fused into the decode launch (off by default: slower here)
+    t_fused = time_us(decode_fns(sets, {"fused_merge": True})) if splits > 1 else None
+    print(f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us; with the fused merge: {t_fused}")
     sdpa_t, sdpa_name, sdpa_all = time_sdpa(sets, None)
     err = rel_err(decode_fns(sets[:1])[0](), sdpa_fn(sets[0], None)().squeeze(2))
     gbs = per_set / t / 1e3
@@ -174,7 +185,8 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
         f"kernels_decode_{model}_b{batch}x{seq_len}", gbs, "GB/s", ceiling=copy_gbs, ceiling_name="d2d copy",
         baseline=sdpa_t, baseline_name=f"SDPA {sdpa_name} (us)", goal=">=0.8 copy bw and <= SDPA time" if goal else None,
         extra={"time_us": t, "sdpa_us": sdpa_t, "sdpa_all": sdpa_all, "rel_err_vs_sdpa": err, "input_sets": len(sets),
-               "goal_met": met if goal else None, "bytes": per_set}, out_dir=out_dir,
+               "goal_met": met if goal else None, "bytes": per_set, "num_splits": splits,
+               "time_fused_merge_us": t_fused}, out_dir=out_dir,
     )  # fmt: skip
     return ("decode", f"{model} {batch} x {seq_len}", t, gbs, gbs / copy_gbs, sdpa_t, sdpa_name, t / sdpa_t,
             ("yes" if met else "NO") if goal else "-", err, rec)  # fmt: skip
@@ -218,8 +230,14 @@ def sweep(log, seconds: float) -> list[dict]:
         return [{"block_n": n, "num_warps": w, "num_stages": s} for n, w, s in product(ns, ws, ss)]
 
     plan = [
-        ("llama3-8b", 1, 32768, tiles((64, 128), (2, 4), (2, 3)), (None, 32, 48)),
-        ("llama3-8b", 64, 4096, tiles((64,), (2, 4), (2, 3)), (None,)),
+        (
+            "llama3-8b",
+            1,
+            32768,
+            [{**c, "merge_splits": m} for c in tiles((64,), (2, 4), (2,)) for m in (8, 16, 32)],
+            (None, 32, 48, 96),
+        ),
+        ("llama3-8b", 64, 4096, tiles((64, 128), (2, 4), (2, 3)), (None, 2)),
         ("llama3-8b", 256, 1024, tiles((32, 64), (1, 2), (2, 3)), (None,)),
         ("smollm2", 64, 4096, tiles((64, 128), (2, 4), (2, 3)), (None, 4, 6)),
         ("smollm2", 256, 1024, tiles((32, 64, 128), (2, 4), (2, 3)), (None,)),

@@ -15,6 +15,7 @@ import torch
 from engine.attention import PagedAttention
 from engine.attention_metadata import AttentionMetadata
 from kernels import _backend
+from kernels.decode_reduce import decode_workspace_size, workspace_counters
 from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
 from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
@@ -75,19 +76,67 @@ def test_decode_dtypes(heads, dtype):
     run_decode(heads, 16, DECODE_BATCHES["edges"] + ragged(40, 3000, 2), dtype)
 
 
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_kernel"])
 @pytest.mark.parametrize("num_splits", [2, 7, 64, 300])
-def test_decode_forced_splits(num_splits):
-    run_decode((32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits)
+def test_decode_forced_splits(num_splits, fused_merge):
+    run_decode(
+        (32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits,
+        config={"fused_merge": fused_merge},
+    )  # fmt: skip
 
 
-def test_decode_cuda_graph_replay_with_new_lengths():
+def test_decode_fused_merge_no_stale_partials():
+    """The fused merge reads partials other programs wrote during the same launch. The partial
+    region is NaN-poisoned before every call and the queries alternate, so a partial read before
+    its store is visible gives NaN or the other query's answer; the merge order is fixed, so a
+    correct call reproduces its first answer bit for bit. seq_len 0 gives zeros (split 0 writes
+    them); the counters end at zero."""
+    (num_heads, num_kv_heads, head_dim), splits = (32, 8, 128), 64
+    seq_lens = [8191, 1, 0, 5000, 32768]
+    kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, 16, torch.bfloat16, DEV)
+    queries = [
+        torch.randn(len(seq_lens), num_heads, head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(2)
+    ]
+    size = decode_workspace_size(len(seq_lens), num_heads, splits, head_dim, num_kv_heads)
+    workspace = torch.zeros(size, device=DEV)
+    partials = workspace[: len(seq_lens) * num_heads * splits * (head_dim + 2)]
+    scale = head_dim**-0.5
+    run = lambda q: paged_decode_attention_triton(
+        q,
+        kv_cache,
+        lens,
+        tables,
+        scale,
+        max_seq_len=32768,
+        num_splits=splits,
+        workspace=workspace,
+        config={"fused_merge": True},
+    )
+    first = [run(q).clone() for q in queries]
+    keep = torch.tensor([i for i, n in enumerate(seq_lens) if n > 0], device=DEV)  # SDPA gets no empty rows
+    for q, out in zip(queries, first, strict=True):
+        assert torch.equal(out[2], torch.zeros_like(out[2])), "seq_len 0 must give zeros"
+        ref = paged_decode_attention_reference(
+            q[keep].float(), kv_cache.float(), lens[keep], tables[keep], scale
+        )
+        check(out[keep], ref, torch.bfloat16)
+    for i in range(200):
+        partials.fill_(float("nan"))
+        assert torch.equal(run(queries[i % 2]), first[i % 2]), f"call {i} differs from the first"
+    assert not workspace_counters(workspace, len(seq_lens), num_kv_heads).any()
+
+
+@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_kernel"])
+def test_decode_cuda_graph_replay_with_new_lengths(fused_merge):
     """Preallocated out + workspace, fixed splits: one captured graph serves a growing batch."""
     num_heads, num_kv_heads, head_dim, bs = 32, 8, 128, 16
     kv_cache, tables, lens = make_paged_kv([3000, 17, 900], num_kv_heads, head_dim, bs, torch.bfloat16, DEV)
     query = torch.randn(3, num_heads, head_dim, device=DEV, dtype=torch.bfloat16)
     out = nan_like(query)
-    workspace = torch.empty(3 * num_heads * 16 * (head_dim + 2), device=DEV)
-    kwargs = dict(max_seq_len=3008, num_splits=16, workspace=workspace, out=out)
+    workspace = torch.zeros(decode_workspace_size(3, num_heads, 16, head_dim, num_kv_heads), device=DEV)
+    kwargs = dict(
+        max_seq_len=3008, num_splits=16, workspace=workspace, out=out, config={"fused_merge": fused_merge}
+    )
     run = lambda: paged_decode_attention_triton(query, kv_cache, lens, tables, 0.088, **kwargs)
     run()
     graph = torch.cuda.CUDAGraph()
@@ -99,6 +148,7 @@ def test_decode_cuda_graph_replay_with_new_lengths():
         graph.replay()
         ref = paged_decode_attention_reference(query.float(), kv_cache.float(), lens, tables, 0.088)
         check(out, ref, torch.bfloat16)
+        assert not workspace_counters(workspace, 3, num_kv_heads).any(), "ticket counters left non-zero"
 
 
 PREFILL_BATCHES = {  # (query_len, cached prefix)
