@@ -27,7 +27,6 @@ MAGIC = b"PDKV"
 VERSION = 1
 _FRAME = struct.Struct("!4sBBIQ")
 MAX_META = 1 << 24
-_READ_AHEAD = 1 << 16
 
 
 def pack_ids(ids: list[int]) -> str:
@@ -71,9 +70,6 @@ class Channel:
         self.sock = sock
         self.peer = peer
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # read-ahead: one recv usually brings a whole control frame (header + meta), not two
-        self._ahead = bytearray(_READ_AHEAD)
-        self._lo = self._hi = 0
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float) -> Channel:
@@ -119,10 +115,6 @@ class Channel:
     def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely or raise KVTransferError (closed early, timeout)."""
         got, total = 0, view.nbytes
-        if self._hi > self._lo:  # bytes read ahead come first
-            got = min(total, self._hi - self._lo)
-            view[:got] = self._ahead[self._lo : self._lo + got]
-            self._lo += got
         try:
             while got < total:
                 n = self.sock.recv_into(view[got:], total - got)
@@ -137,27 +129,9 @@ class Channel:
             ) from e
 
     def _exact(self, n: int) -> bytes:
-        """n bytes of frame (header or meta), through the read-ahead buffer."""
-        if n > _READ_AHEAD:
-            buf = bytearray(n)
-            self.recv_into(memoryview(buf))
-            return bytes(buf)
-        if self._hi - self._lo < n:
-            if self._lo:  # keep what is left at the front
-                left = self._hi - self._lo
-                self._ahead[:left] = self._ahead[self._lo : self._hi]
-                self._lo, self._hi = 0, left
-            try:
-                while self._hi < n:
-                    got = self.sock.recv_into(memoryview(self._ahead)[self._hi :])
-                    if got == 0:
-                        raise KVTransferError(f"kv peer {self.peer} closed the connection mid-frame")
-                    self._hi += got
-            except OSError as e:
-                raise KVTransferError(f"kv connection to {self.peer} broke mid-frame: {e}") from e
-        out = bytes(self._ahead[self._lo : self._lo + n])
-        self._lo += n
-        return out
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -21,7 +21,7 @@ import torch
 from kvtransfer import KVTransferError, PoolLayout, connect, create_receiver
 from kvtransfer.cuda_ipc import decode_ipc_args, encode_ipc_args
 from kvtransfer.layout import copy_blocks, runs
-from kvtransfer.wire import _FRAME, MAGIC, VERSION, Kind
+from kvtransfer.wire import _FRAME, MAGIC, VERSION, Kind, pack_ids, unpack_ids
 
 LAYERS, BLOCK, HEADS, DIM = 3, 4, 2, 8
 DECODE_BLOCKS, PREFILL_BLOCKS = 64, 40
@@ -303,3 +303,11 @@ def test_copy_blocks_matches_indexing(src: list[int], dst: list[int], kernel: bo
 def test_runs() -> None:
     assert runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
     assert runs([]) == []
+
+
+def test_packed_ids_round_trip_and_refuse_garbage() -> None:
+    ids = [0, 1, 17, 2**31 - 1, 123456]
+    assert unpack_ids(pack_ids(ids)) == ids
+    assert unpack_ids(pack_ids([])) == []
+    for bad in (None, 7, [1, 2], "not base64!", "AAA=", "AAAAAAA="):  # the last two: 2 and 5 bytes
+        assert unpack_ids(bad) is None, bad
