@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="dry run on CPU with a small shape")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tcp-reps", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="time block-copy kernel configs (same process)")
     ap.add_argument(
         "--ablate",
         action="store_true",
@@ -173,6 +174,8 @@ def main() -> None:
     pool = make_pool(shape, 2 * n, 3, device)
     nbytes = n * pool[:, :, 0].numel() * pool.element_size()
     ceilings, in_process = measure_ceilings(pool, n, args.reps) if not args.cpu else ({}, {})
+    if args.sweep and not args.cpu:
+        sweep_kernel(pool, n, args.reps, ceilings["d2d"], args.out)
 
     ctx = mp.get_context("spawn")
     results: list[dict] = []
@@ -231,6 +234,33 @@ def measure_ceilings(pool: torch.Tensor, n: int, reps: int) -> tuple[dict, dict]
             fn = lambda src=src, dst=dst, k=kernel: copy_blocks(pool, src, local, dst, kernel=k)  # noqa: E731
             in_process[case + suffix] = nbytes / time_gpu(fn, reps) / 1e9
     return ceilings, in_process
+
+
+def sweep_kernel(pool: torch.Tensor, n: int, reps: int, d2d: float, out: Path | None) -> None:
+    """Same-process block copies (random ids) with kernels/kv_block_copy.py configs around the default;
+    printed, and written to kvtransfer_copy_sweep.json; the winner becomes DEFAULT_CONFIG by hand."""
+    import json
+    from itertools import product
+
+    from kernels.kv_block_copy import kv_block_copy_triton
+
+    nbytes = n * pool[:, :, 0].numel() * pool.element_size()
+    local = torch.empty((*pool.shape[:2], 4 * n, *pool.shape[3:]), dtype=pool.dtype, device=pool.device)
+    src, dst = block_ids("random", n, random.Random("sweep"))
+    ids = torch.tensor([src, dst], dtype=torch.int32, device=pool.device)
+    found = []
+    for chunk, rows, warps in product((1024, 2048, 4096, 8192), (1, 4, 16), (4, 8, 16)):
+        cfg = {"chunk": chunk, "rows_per_program": rows, "num_warps": warps}
+        try:
+            sec = time_gpu(lambda cfg=cfg: kv_block_copy_triton(pool, ids[0], local, ids[1], cfg), reps)
+            gbps: float | str = nbytes / sec / 1e9
+        except Exception as e:  # e.g. too many registers
+            gbps = f"failed: {type(e).__name__}"
+        found.append({**cfg, "gbps": gbps, "of_d2d": gbps / d2d if isinstance(gbps, float) else None})
+        print("block-copy sweep", json.dumps(found[-1]), flush=True)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kvtransfer_copy_sweep.json").write_text(json.dumps(found, indent=1) + "\n")
 
 
 CEILING_NAMES = {

@@ -18,8 +18,9 @@ import triton.language as tl
 
 from kernels import _backend
 
-CHUNK = 2048  # words per loop step: 8 KiB, 16 words (four 16-byte vectors) per thread at 4 warps
-ROWS_PER_PROGRAM = 4  # (layer, K/V) rows per program: fewer, longer programs
+# words per loop step (8 KiB: four 16-byte vectors per thread at 4 warps), (layer, K/V) rows per program,
+# warps: a first guess, not yet tuned (bench/kvtransfer.py --sweep times others)
+DEFAULT_CONFIG = {"chunk": 2048, "rows_per_program": 4, "num_warps": 4}
 
 
 @triton.jit
@@ -71,6 +72,7 @@ def kv_block_copy_triton(
     src_ids: torch.Tensor,  # (n,) int32/int64 on the pools' device
     dst_pool: torch.Tensor,
     dst_ids: torch.Tensor,  # (n,) int32/int64 on the pools' device; no repeats
+    config: dict | None = None,  # DEFAULT_CONFIG's keys
 ) -> None:
     src, dst = _words(src_pool), _words(dst_pool)
     assert src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2] and src.dtype == dst.dtype, (
@@ -80,15 +82,16 @@ def kv_block_copy_triton(
     n = src_ids.shape[0]
     if n == 0:
         return
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
     num_rows, _, words = src.shape
-    grid = (n, triton.cdiv(num_rows, ROWS_PER_PROGRAM))
+    grid = (n, triton.cdiv(num_rows, cfg["rows_per_program"]))
     _kv_block_copy_kernel[grid](
         src, dst, src_ids, dst_ids, num_rows,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
         WORDS=words,
-        CHUNK=min(CHUNK, triton.next_power_of_2(words)),
-        ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
-        num_warps=4,
+        CHUNK=min(cfg["chunk"], triton.next_power_of_2(words)),
+        ROWS_PER_PROGRAM=cfg["rows_per_program"],
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
