@@ -1,6 +1,6 @@
 """KV transfer bandwidth of one 4096-token prompt at Llama-3-8B shape, between two processes.
 
-    python bench/kvtransfer.py --out DIR          # on the GPU: cuda_ipc (+ tcp for reference)
+    python bench/kvtransfer.py --out DIR [--ablate] [--sweep]   # on the GPU: cuda_ipc (+ tcp for reference)
     python bench/kvtransfer.py --cpu --out DIR    # a small dry run of the same code on CPU (tcp, gloo)
 
 Shape: 32 layers x (K, V) x 256 blocks of 16 tokens x 8 kv heads x 128 dims, bf16 = 512 MiB.
