@@ -116,7 +116,7 @@ def sdpa_fn(s, causal_prefix: int | None):
 
 def time_sdpa(sets, causal_prefix: int | None) -> tuple[float, str, dict]:
     """The fastest SDPA backend that runs this shape (GQA native, K/V not expanded)."""
-    found = {}
+    found: dict[str, float | str] = {}
     for name, backend in SDPA_BACKENDS.items():
         try:
             with sdpa_kernel([backend]):
@@ -124,7 +124,7 @@ def time_sdpa(sets, causal_prefix: int | None) -> tuple[float, str, dict]:
         except Exception as exc:  # a backend that cannot take this shape
             found[name] = f"n/a: {type(exc).__name__}: {str(exc)[:80]}"
     timed = {n: t for n, t in found.items() if isinstance(t, float)}
-    best = min(timed, key=timed.get)
+    best = min(timed, key=lambda n: timed[n])
     return timed[best], best, found
 
 

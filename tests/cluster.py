@@ -83,11 +83,16 @@ def start_cluster(prefill: int, decode: int, transport: str, *extra: str, timeou
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
+    stdout = proc.stdout
+    assert stdout is not None
     lines: queue.Queue = queue.Queue()
-    threading.Thread(
-        target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put("")], daemon=True
-    ).start()
+
+    def pump() -> None:  # the cluster's stdout, line by line, then "" at its end
+        for line in stdout:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
