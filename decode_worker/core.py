@@ -38,6 +38,7 @@ class DecodeCore:
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
         self.outbox: list[tuple] = []
+        self._held_back = False  # the last step sent the outbox and skipped a due forward pass
         self.epoch = secrets.randbits(63) + 1  # a restarted worker is a new worker to the router
 
     def info(self) -> dict:
@@ -160,6 +161,14 @@ class DecodeCore:
 
     def step(self) -> list[tuple]:
         self._reserve()
+        if self.outbox and not self._held_back:
+            # Prefill requests for the blocks just reserved and first tokens of prompts prefilled
+            # elsewhere leave before this step's forward pass, not after it; but never twice in a
+            # row while a batch is running, so a stream of arrivals cannot hold that batch back.
+            self._held_back = self.scheduler.has_unfinished()
+            out, self.outbox = self.outbox, []
+            return out
+        self._held_back = False
         if self.scheduler.has_unfinished():
             updated, logprobs = self.engine.step_core()
             for seq in updated:

@@ -1,0 +1,61 @@
+"""The decode worker's engine-side core, driven directly (no gRPC, no engine process): what leaves its
+outbox, and when, for a prompt prefilled elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_worker.core import DecodeCore
+from engine.config import CacheConfig
+from engine.engine_core import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_config import WorkerConfig
+from kvtransfer import connect
+from tests.hf_reference import tiny_random_model_dir
+
+
+@pytest.fixture
+def core(tmp_path: Path):
+    model = tiny_random_model_dir(tmp_path)
+    config = EngineConfig(
+        model=str(model), device="cpu", dtype="float32", max_model_len=128,
+        cache=CacheConfig(cpu_kv_cache_space=0.01),
+    )  # fmt: skip
+    core = DecodeCore(WorkerConfig(engine=config, worker_id="decode-test"))
+    yield core
+    core.receiver.close()
+
+
+def kinds(out: list[tuple]) -> list[tuple[str, str]]:
+    return [(m[0], m[1]) for m in out]
+
+
+def prefill_elsewhere(core: DecodeCore, rid: str, dst: list[int], first_token: int) -> None:
+    """What the prefill worker does for `rid`: write its blocks (any bytes will do here), then answer."""
+    pool = torch.zeros_like(core.engine.runner.kv_cache)
+    with connect(core.receiver.descriptor(), pool) as sender:
+        sender.send(rid, list(range(len(dst))), dst)
+    core.handle(("kv_done", rid, first_token, None, 0))
+
+
+def test_first_token_and_prefill_requests_leave_before_a_forward_pass(core: DecodeCore) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.handle(("add", "r1", list(range(10, 30)), params, 0, None, True))
+    out = core.step()
+    assert kinds(out) == [("prefill", "r1")]  # the blocks are reserved and announced, no forward pass
+    prefill_elsewhere(core, "r1", out[0][2], first_token=42)
+
+    out = core.step()  # the first token goes out at once, not after the next decode step
+    assert [(m[0], m[1], m[2]) for m in out] == [("tokens", "r1", 42)]
+    assert core.scheduler.seqs["r1"].output_token_ids == [42]
+
+    core.handle(("add", "r2", list(range(40, 60)), params, 0, None, True))
+    out = core.step()  # just flushed: this step runs the batch; r2's announcement rides along
+    assert kinds(out) == [("prefill", "r2"), ("tokens", "r1")]
+    assert len(core.scheduler.seqs["r1"].output_token_ids) == 2
+
+    out = core.step()  # nothing waiting to go out: a plain decode step
+    assert kinds(out) == [("tokens", "r1")]
