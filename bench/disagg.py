@@ -1,7 +1,8 @@
 """TTFT of the disaggregated cluster (router + prefill + decode over cuda_ipc, two processes on one GPU)
 against the single-process engine, side by side, on the same GPU and the same dummy weights.
 
-    python3 -m bench.disagg --out-dir $OUT            # on the GPU machine
+    python3 -m bench.disagg --out-dir $OUT                  # on the GPU machine: max_tokens=1, the goal's setting
+    python3 -m bench.disagg --out-dir $OUT --max-tokens 16  # TTFT of requests that go on generating
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(10, vocab - 10, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def single_process_ttft(model: str, lengths: list[int], runs: int, util: float) -> dict[int, list[float]]:
+def single_process_ttft(
+    model: str, lengths: list[int], runs: int, util: float, max_tokens: int = 1
+) -> dict[int, list[float]]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -36,7 +39,7 @@ def single_process_ttft(model: str, lengths: list[int], runs: int, util: float) 
         enable_prefix_caching=False,
     )
     engine, vocab = llm.engine, llm.engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=1)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: dict[int, list[float]] = {}
     for n in lengths:
         times = []
@@ -57,7 +60,7 @@ def single_process_ttft(model: str, lengths: list[int], runs: int, util: float) 
 
 
 def cluster_ttft(
-    model: str, lengths: list[int], runs: int, util: float, vocab: int, *extra: str
+    model: str, lengths: list[int], runs: int, util: float, vocab: int, *extra: str, max_tokens: int = 1
 ) -> dict[int, list[float]]:
     from tests.cluster import greedy_request, start_cluster
 
@@ -87,7 +90,7 @@ def cluster_ttft(
         for n in lengths:
             times = []
             for i in range(runs + 1):
-                req = greedy_request(random_prompt(n, vocab, 7000 * n + i), 1)
+                req = greedy_request(random_prompt(n, vocab, 7000 * n + i), max_tokens, ignore_eos=True)
                 t0 = time.perf_counter()
                 stream = stub.Generate(req)
                 next(iter(stream))
@@ -106,23 +109,36 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument(
+        "--max-tokens", type=int, default=1, help="tokens per request (TTFT is still the first one's time)"
+    )
     args = ap.parse_args()
     from engine.model_config import dummy_config
 
     vocab = dummy_config(args.model).vocab_size
-    single = single_process_ttft(args.model, args.lengths, args.runs, util=0.4)
-    disagg = cluster_ttft(args.model, args.lengths, args.runs, 0.3, vocab)
+    single = single_process_ttft(args.model, args.lengths, args.runs, util=0.4, max_tokens=args.max_tokens)
+    disagg = cluster_ttft(args.model, args.lengths, args.runs, 0.3, vocab, max_tokens=args.max_tokens)
     # the same stack with the decode worker prefilling locally: the serving overhead without the prefill hop
     local = cluster_ttft(
-        args.model, args.lengths, args.runs, 0.3, vocab, "--local-prefill-threshold", "100000"
+        args.model,
+        args.lengths,
+        args.runs,
+        0.3,
+        vocab,
+        "--local-prefill-threshold",
+        "100000",
+        max_tokens=args.max_tokens,
     )
+    tag = (
+        "" if args.max_tokens == 1 else f"_max{args.max_tokens}"
+    )  # records of the goal's setting keep their names
     print(f"{'prompt':>8} {'single ms':>10} {'disagg ms':>10} {'ratio':>7} {'local-prefill ms':>17}")
     for n in args.lengths:
         s, d = statistics.median(single[n]) * 1e3, statistics.median(disagg[n]) * 1e3
         lp = statistics.median(local[n]) * 1e3
         print(f"{n:>8} {s:>10.2f} {d:>10.2f} {d / s:>7.3f} {lp:>17.2f}")
         record(
-            f"served_local_prefill_ttft_{args.model}_{n}",
+            f"served_local_prefill_ttft_{args.model}_{n}{tag}",
             lp,
             "ms",
             baseline=s,
@@ -133,7 +149,7 @@ def main() -> None:
             extra={"ms": [x * 1e3 for x in local[n]], "what": "router + decode worker prefilling locally"},
         )
         record(
-            f"disagg_ttft_{args.model}_{n}",
+            f"disagg_ttft_{args.model}_{n}{tag}",
             d,
             "ms",
             baseline=s,
@@ -148,6 +164,7 @@ def main() -> None:
                 "transport": "cuda_ipc",
                 "dtype": "bfloat16",
                 "weights": "dummy",
+                "max_tokens": args.max_tokens,
             },
         )
 
