@@ -138,13 +138,8 @@ class CudaIpcKVReceiver(TableReceiver):
         self._server.close()
 
     def _serve(self, ch: Channel) -> None:
-        hello = ch.expect(Kind.HELLO)
-        try:
-            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
-        except KVTransferError as e:
-            ch.send(Kind.WELCOME, {"error": str(e)})
+        if self._welcome(ch) is None:
             return
-        ch.send(Kind.WELCOME, {})
         while True:
             ch.settimeout(None)  # idle between transfers
             meta = ch.expect(Kind.BEGIN)
@@ -195,15 +190,7 @@ class CudaIpcKVSender(KVSender):
         self._stream = torch.cuda.Stream(local_pool.device)
         self._lock = threading.Lock()
         self._broken: str | None = None
-        self._ch = Channel.connect(host, port, timeout)
-        self._ch.settimeout(max(timeout, IO_TIMEOUT_S))
-        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict()})
-        welcome = self._ch.expect(Kind.WELCOME)
-        if "error" in welcome:
-            self._ch.close()
-            raise KVTransferError(
-                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
-            )
+        self._ch = Channel.greet(host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict()})
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         check_pair(src_block_ids, dst_block_ids)

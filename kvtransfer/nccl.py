@@ -125,6 +125,12 @@ def _abort(pg: Any) -> None:
             abort()
 
 
+def _check_pair_id(hello: dict[str, Any]) -> None:
+    pair_id = hello.get("pair_id")
+    if not isinstance(pair_id, str) or not pair_id.isalnum():
+        raise KVTransferError(f"bad pair id {pair_id!r}")
+
+
 class NcclKVReceiver(TableReceiver):
     def __init__(
         self,
@@ -156,16 +162,10 @@ class NcclKVReceiver(TableReceiver):
         self._server.close()
 
     def _serve(self, ch: Channel) -> None:
-        hello = ch.expect(Kind.HELLO)
-        pair_id = hello.get("pair_id")
-        try:
-            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
-            if not isinstance(pair_id, str) or not pair_id.isalnum():
-                raise KVTransferError(f"bad pair id {pair_id!r}")
-        except KVTransferError as e:
-            ch.send(Kind.WELCOME, {"error": str(e)})
+        hello = self._welcome(ch, _check_pair_id)
+        if hello is None:
             return
-        ch.send(Kind.WELCOME, {})
+        pair_id = hello["pair_id"]
         store = dist.PrefixStore(f"pdserve-kv/{pair_id}", self._store)
         pg = _make_group(self._backend, store, 0, ch.sock.getsockname()[0], TIMEOUT_S)
         if self.pool.is_cuda:
@@ -226,16 +226,9 @@ class NcclKVSender(KVSender):
         host = field(descriptor, "host", str)
         store_port = field(descriptor, "store_port", int)
         self._pool = local_pool
-        self._ch = Channel.connect(host, field(descriptor, "port", int), timeout)
-        self._ch.settimeout(max(timeout, TIMEOUT_S))
         pair_id = uuid.uuid4().hex
-        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict(), "pair_id": pair_id})
-        welcome = self._ch.expect(Kind.WELCOME)
-        if "error" in welcome:
-            self._ch.close()
-            raise KVTransferError(
-                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
-            )
+        hello = {"layout": self._layout.to_dict(), "pair_id": pair_id}
+        self._ch = Channel.greet(host, field(descriptor, "port", int), timeout, TIMEOUT_S, hello)
         td = datetime.timedelta(seconds=timeout)
         try:
             store = dist.TCPStore(host, store_port, is_master=False, timeout=td)

@@ -18,11 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtransfer.base import DoneCallback, KVReceiver, KVTransferError
 from kvtransfer.layout import PoolLayout
+from kvtransfer.wire import Channel, Kind
 
 CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
 
@@ -53,6 +55,22 @@ class TableReceiver(KVReceiver):
         self._entries: dict[str, _Entry] = {}
         self._cond = threading.Condition()
         self._closed = False
+
+    def _welcome(
+        self, ch: Channel, check: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any] | None:
+        """A receiver's side of the handshake: the sender's HELLO if its pool layout (and `check`, which
+        raises KVTransferError) pass, after WELCOME; else None, after WELCOME {error}."""
+        hello = ch.expect(Kind.HELLO)
+        try:
+            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
+            if check is not None:
+                check(hello)
+        except KVTransferError as e:
+            ch.send(Kind.WELCOME, {"error": str(e)})
+            return None
+        ch.send(Kind.WELCOME, {})
+        return hello
 
     # -- decode worker side -------------------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:

@@ -60,13 +60,8 @@ class TcpKVReceiver(TableReceiver):
         self._server.close()
 
     def _serve(self, ch: Channel) -> None:
-        hello = ch.expect(Kind.HELLO)
-        try:
-            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
-        except KVTransferError as e:
-            ch.send(Kind.WELCOME, {"error": str(e)})
+        if self._welcome(ch) is None:
             return
-        ch.send(Kind.WELCOME, {})
         staging: torch.Tensor | None = None
         while True:
             ch.settimeout(None)  # idle between transfers
@@ -133,18 +128,11 @@ class TcpKVSender(KVSender):
         self._remote = PoolLayout.from_dict(field(descriptor, "layout", dict))
         self._layout.check_peer(self._remote)
         self._pool = local_pool
-        self._ch = Channel.connect(field(descriptor, "host", str), field(descriptor, "port", int), timeout)
-        self._ch.settimeout(max(timeout, IO_TIMEOUT_S))
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
         self._broken: str | None = None
-        self._ch.send(Kind.HELLO, {"layout": self._layout.to_dict()})
-        welcome = self._ch.expect(Kind.WELCOME)
-        if "error" in welcome:
-            self._ch.close()
-            raise KVTransferError(
-                f"kv receiver at {self._ch.peer} refused the connection: {welcome['error']}"
-            )
+        host, port = field(descriptor, "host", str), field(descriptor, "port", int)
+        self._ch = Channel.greet(host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict()})
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         check_pair(src_block_ids, dst_block_ids)

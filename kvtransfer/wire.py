@@ -79,6 +79,19 @@ class Channel:
             raise KVTransferError(f"cannot connect to kv receiver at {host}:{port}: {e}") from e
         return cls(sock, f"{host}:{port}")
 
+    @classmethod
+    def greet(cls, host: str, port: int, timeout: float, io_timeout: float, hello: dict[str, Any]) -> Channel:
+        """A sender's connection, past the handshake: HELLO `hello` -> WELCOME, or KVTransferError with the
+        receiver's reason for refusing (the connection closed)."""
+        ch = cls.connect(host, port, timeout)
+        ch.settimeout(max(timeout, io_timeout))
+        ch.send(Kind.HELLO, hello)
+        welcome = ch.expect(Kind.WELCOME)
+        if "error" in welcome:
+            ch.close()
+            raise KVTransferError(f"kv receiver at {ch.peer} refused the connection: {welcome['error']}")
+        return ch
+
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
 

@@ -21,7 +21,7 @@ import torch
 from kvtransfer import KVTransferError, PoolLayout, connect, create_receiver
 from kvtransfer.cuda_ipc import decode_ipc_args, encode_ipc_args
 from kvtransfer.layout import copy_blocks, runs
-from kvtransfer.wire import _FRAME, MAGIC, VERSION, Kind, pack_ids, unpack_ids
+from kvtransfer.wire import _FRAME, MAGIC, VERSION, Channel, Kind, pack_ids, unpack_ids
 
 LAYERS, BLOCK, HEADS, DIM = 3, 4, 2, 8
 DECODE_BLOCKS, PREFILL_BLOCKS = 64, 40
@@ -311,3 +311,24 @@ def test_packed_ids_round_trip_and_refuse_garbage() -> None:
     assert unpack_ids(pack_ids([])) == []
     for bad in (None, 7, [1, 2], "not base64!", "AAA=", "AAAAAAA="):  # the last two: 2 and 5 bytes
         assert unpack_ids(bad) is None, bad
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_receiver_refuses_a_mismatched_pool_at_hello(transport: str) -> None:
+    """A descriptor that lies about the receiver's pool gets past the sender's own check; the receiver
+    still refuses at HELLO, with its reason, and serves on."""
+    with create_receiver(transport, make_pool(DECODE_BLOCKS, 2)) as receiver:
+        other = torch.zeros(LAYERS, 2, 4, BLOCK, HEADS, 2 * DIM)
+        lying = {**receiver.descriptor(), "layout": PoolLayout.of(other).to_dict()}
+        with pytest.raises(KVTransferError, match="refused the connection: kv pool layouts differ"):
+            connect(lying, other)
+        connect(receiver.descriptor(), make_pool(PREFILL_BLOCKS, 1)).close()
+
+
+def test_nccl_receiver_refuses_a_bad_pair_id() -> None:
+    with create_receiver("nccl", make_pool(DECODE_BLOCKS, 2)) as receiver:
+        d = receiver.descriptor()
+        ch = Channel.connect(d["host"], d["port"], 5)
+        ch.send(Kind.HELLO, {"layout": d["layout"], "pair_id": "../escape"})
+        assert "bad pair id" in ch.expect(Kind.WELCOME)["error"]
+        ch.close()
