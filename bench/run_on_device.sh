@@ -1,27 +1,42 @@
 #!/bin/bash
-# Everything the GPU machine is for, in one bounded call: tests/gpu, then the kernel, KV-transfer and TTFT
+# Everything the GPU machine is for, in bounded steps: tests/gpu, then the kernel, KV-transfer and TTFT
 # benchmarks. Records and logs go to $OUT (default ./device-out), packed into one results.tgz as well,
 # since the device tool returns only a few files per call. Run from the repo root:
-#   bash bench/run_on_device.sh            (the wheels in .whl/ are installed first when present)
+#   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
+#   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
+# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg
+# The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
+# clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/device-out}
+STEPS=${STEPS:-tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg}
 mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d"
 if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio-health-checking / -reflection, see tests/gpu/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
 unset TRITON_INTERPRET
-step() {  # step NAME SECONDS COMMAND...: bounded, logged, timed
+XDIST=""
+python3 -c "import xdist" 2>/dev/null && XDIST="-n 8"
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
+step() {  # step NAME SECONDS COMMAND...: bounded, logged, timed; skipped unless in $STEPS
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local t0=$(date +%s)
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-step tests_kernels_kv 200 python3 -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_kvtransfer_gpu.py -q -n 8 -rfE -p no:cacheprovider
+step tests_kernels_kv 200 python3 -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_kvtransfer_gpu.py -q $XDIST -rfE -p no:cacheprovider
 step bench_kernels 200 python3 -m bench.kernels --out-dir "$OUT/k" --sweep "${SWEEP_S:-35}"
-step bench_kv 120 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep --tcp-reps 1
-step tests_engine_disagg 200 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py -q -n 4 -rfE -p no:cacheprovider
-step bench_disagg 200 python3 -m bench.disagg --out-dir "$OUT/d" --runs 7
-tar czf "$OUT/results.tgz" -C "$OUT" k kv d steps.txt
+step bench_kv 150 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep --tcp-reps 1
+step tests_engine_disagg 200 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider
+if wanted bench_disagg; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv -lms 20 > "$OUT/d/clocks.csv" 2>&1 &
+  SMI=$!
+  step bench_disagg 240 python3 -m bench.disagg --out-dir "$OUT/d" --runs 7 --trace "$OUT/d/trace" --idle-ms ${IDLE_MS:-20 200}
+  kill $SMI 2>/dev/null
+  python3 -m bench.trace_report "$OUT/d/trace" > "$OUT/d/trace_report.txt" 2>&1
+fi
+tar czf "$OUT/results.tgz" -C "$OUT" k kv d steps.txt $(cd "$OUT" && ls *.txt)

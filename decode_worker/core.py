@@ -17,8 +17,10 @@ import logging
 import secrets
 from collections import deque
 
+import numpy as np
 import torch
 
+from engine import trace
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
@@ -85,6 +87,8 @@ class DecodeCore:
         salt: str | None,
         remote: bool,
     ) -> None:
+        trace.mark(rid, "dcore.add")
+        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
         try:
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
@@ -108,6 +112,7 @@ class DecodeCore:
     def _kv_done(
         self, rid: str, first_token: int, logprobs: dict[int, float] | None, num_cached: int
     ) -> None:
+        trace.mark(rid, "dcore.kv_done")
         seq = self.awaiting_kv.pop(rid, None)
         if seq is None:
             return  # aborted meanwhile
@@ -186,6 +191,7 @@ class DecodeCore:
             self.receiver.expect(seq.request_id, list(seq.block_table))
             self.awaiting_kv[seq.request_id] = seq
             self.outbox.append(("prefill", seq.request_id, list(seq.block_table)))
+            trace.mark(seq.request_id, "dcore.reserved")
 
     def _emit(self, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         self.outbox.append(

@@ -7,7 +7,9 @@ import json
 import logging
 
 import grpc
+import numpy as np
 
+from engine import trace
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
 from engine.serving import STATUS, worker_load
@@ -27,6 +29,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        trace.mark(rid, "dserver.recv")
         try:
             params = params_from_proto(request.sampling)
             if params.n != 1:
@@ -44,7 +47,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             (
                 "add",
                 rid,
-                list(request.prompt_token_ids),
+                np.array(request.prompt_token_ids, dtype=np.int64),  # pickles ~15x faster than a list
                 params,
                 request.priority,
                 request.cache_salt or None,
@@ -55,6 +58,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             while not finished:
                 msg = await stream.get()
                 kind = msg[0]
+                if trace.enabled:
+                    trace.mark(rid, f"dserver.got_{kind}")
                 if kind == "prefill":
                     prefill = asyncio.create_task(self._prefill(request, params, msg[2]))
                 elif kind == "tokens":
@@ -92,6 +97,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             ),
             timeout=self.prefill_timeout_s,
         )
+        trace.mark(rid, "dserver.call_prefill")
         try:
             reply = await call
         except asyncio.CancelledError:
@@ -102,6 +108,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"prefill worker {request.prefill_address}: {exc.code().name}: {exc.details()}"
             self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
             return
+        trace.mark(rid, "dserver.prefill_reply")
         logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
         self.engine.send(("kv_done", rid, reply.first_token_id, logprobs, reply.num_cached_tokens))
 

@@ -12,6 +12,9 @@ import dataclasses
 import json
 import logging
 
+import numpy as np
+
+from engine import trace
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -85,6 +88,8 @@ class PrefillCore:
         descriptor_json: str,
         dst_block_ids: list[int],
     ) -> None:
+        trace.mark(rid, "pcore.add")
+        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
         first_only = dataclasses.replace(params, n=1, max_tokens=1, stop=None, ignore_eos=True)
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:
@@ -131,8 +136,10 @@ class PrefillCore:
             job = self.jobs.get(item.request_id)
             if not item.sample or job is None:
                 continue
+            trace.mark(item.request_id, "pcore.send")
             try:
                 self._sender(job.descriptor).send(item.request_id, item.block_table, job.dst_block_ids)
+                trace.mark(item.request_id, "pcore.sent")
             except KVTransferError as exc:
                 job.error = f"KV transfer to the decode worker failed: {exc}"
                 self._drop_sender(job.descriptor)

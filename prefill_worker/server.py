@@ -8,7 +8,9 @@ import logging
 from collections import deque
 
 import grpc
+import numpy as np
 
+from engine import trace
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import logprobs_to_proto, params_from_proto
 from engine.serving import STATUS, worker_load
@@ -58,6 +60,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
         rid = request.request_id
+        trace.mark(rid, "pserver.recv")
         try:
             params = params_from_proto(request.sampling)
         except ValueError as exc:
@@ -71,7 +74,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 (
                     "prefill",
                     rid,
-                    list(request.prompt_token_ids),
+                    np.array(request.prompt_token_ids, dtype=np.int64),  # pickles ~15x faster than a list
                     params,
                     request.cache_salt or None,
                     request.kv_descriptor,
@@ -80,6 +83,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             )
             msg = await stream.get()
             done = True
+            trace.mark(rid, "pserver.reply")
             if msg[0] == "error":
                 await context.abort(STATUS[msg[2]], msg[3])
             _, _, token, logprobs, cached = msg

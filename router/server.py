@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.grpc_common import CHANNEL_OPTIONS, params_from_proto, params_to_proto
 from engine.output_processor import TextStream
@@ -144,6 +145,7 @@ class RouterServicer(pb_grpc.RouterServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+        trace.mark(rid, "router.recv")
         try:
             prompt_ids, params = await self._admit(request)
             async for chunk in self._fan_out(rid, request, prompt_ids, params):
@@ -162,7 +164,12 @@ class RouterServicer(pb_grpc.RouterServicer):
             )
         try:
             params = params_from_proto(request.sampling)
-            prompt_ids = await asyncio.to_thread(self._tokenize, request)  # long prompts stay off the loop
+            if request.WhichOneof("prompt") == "token_ids":
+                prompt_ids = list(request.token_ids.ids)
+            else:
+                prompt_ids = await asyncio.to_thread(
+                    self._tokenize, request
+                )  # long prompts stay off the loop
         except ValueError as exc:
             raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if params.stop_strings and self.tokenizer is None:
@@ -188,7 +195,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                 f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
                 f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens",
             )
-        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
+        if min(prompt_ids) < 0 or max(prompt_ids) >= info.vocab_size:
             raise _Stop(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt token ids out of the vocabulary [0, {info.vocab_size})",
@@ -283,6 +290,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         assert self.router is not None and decision.decode_worker is not None
         sampling = params_to_proto(child)
         sampling.n = 1
+        trace.mark(sub_id, "router.call_decode")
         call = pb_grpc.DecodeStub(self.channels[decision.decode_worker]).Generate(
             pb.DecodeRequest(
                 request_id=sub_id,
@@ -298,6 +306,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             async for chunk in call:
                 if first:
+                    trace.mark(sub_id, "router.first_chunk")
                     self.router.prefill_done(decision)
                     first = False
                 token = chunk.token_ids[0]
