@@ -1,8 +1,12 @@
-"""A worker's engine in its own process, talking to the gRPC server process through queues.
+"""A worker's engine in its own process, talking to the gRPC server process over one socket pair.
 
 The child runs `recv -> step -> send` and nothing else, so the GPU loop never waits on the network;
-messages are small tuples (token ids, block ids), never tensors. The parent side (`EngineProcess`)
-lives in the server's asyncio loop: `send` a message, `open` a per-request queue to read replies.
+messages are small pickled tuples (token ids as int arrays, block ids), never tensors. The parent side
+(`EngineProcess`) lives in the server's asyncio loop: `send` a message, `open` a per-request queue to
+read replies. The parent reads and writes the socket from the loop itself (asyncio streams: no reader
+or feeder thread, so a message costs no thread wake-ups on its way; a send never blocks the loop, the
+stream buffers it). Frames are multiprocessing.Connection's: a 4-byte big-endian length, then the
+pickle, so the child uses a plain Connection (`send_bytes` / `recv_bytes` / `poll`).
 
 A worker core (decode_worker/core.py, prefill_worker/core.py) implements:
     info() -> dict                  sent once as ("ready", info) after the model is loaded
@@ -20,11 +24,14 @@ import importlib
 import logging
 import multiprocessing as mp
 import os
-import queue
-import threading
+import pickle
+import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
+
+from engine import trace
 
 logger = logging.getLogger(__name__)
 
@@ -32,90 +39,108 @@ _IDLE_WAIT_S = 0.25
 _LOAD_EVERY_S = 0.1
 
 
-def _child_main(core_path: str, config: Any, inbox: mp.Queue, outbox: mp.Queue) -> None:
+def _child_main(core_path: str, config: Any, conn: Any) -> None:
     module, _, name = core_path.rpartition(".")
+
+    def send(batch: list[tuple]) -> None:
+        conn.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
+
     try:
         core = getattr(importlib.import_module(module), name)(config)
     except Exception as exc:  # a bad model path, a pool too small: the parent reports it and exits
-        outbox.put([("failed", "", f"{type(exc).__name__}: {exc}")])
+        send([("failed", "", f"{type(exc).__name__}: {exc}")])
         return
-    outbox.put([("ready", "", core.info()), ("load", "", core.load())])
+    send([("ready", "", core.info()), ("load", "", core.load())])
     parent = os.getppid()
     last_load = 0.0
-    while True:
-        if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
-            outbox.put([("load", "", core.load())])
-            last_load = time.monotonic()
-        msgs = []
-        if not core.has_work():
-            try:
-                msgs.append(inbox.get(timeout=_IDLE_WAIT_S))
-            except queue.Empty:
+    try:
+        while True:
+            if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
+                send([("load", "", core.load())])
+                last_load = time.monotonic()
+            msgs = []
+            if not core.has_work() and not conn.poll(_IDLE_WAIT_S):
                 if os.getppid() != parent:
                     return  # the server process is gone
                 continue
-        while True:
-            try:
-                msgs.append(inbox.get_nowait())
-            except queue.Empty:
-                break
-        for msg in msgs:
-            if msg[0] == "shutdown":
-                return
-            try:
-                core.handle(msg)
-            except Exception as exc:
-                logger.exception("engine failed on %s", msg[0])
-                outbox.put([("error", msg[1], "INTERNAL", f"{type(exc).__name__}: {exc}")])
-        if core.has_work():
-            if os.getppid() != parent:
-                return
-            out = core.step()
-            if out:
-                outbox.put(out)
+            while conn.poll(0):
+                msgs.append(pickle.loads(conn.recv_bytes()))
+            for msg in msgs:
+                if msg[0] == "shutdown":
+                    return
+                if trace.enabled:
+                    trace.mark(msg[1], f"proc.in_{msg[0]}")
+                try:
+                    core.handle(msg)
+                except Exception as exc:
+                    logger.exception("engine failed on %s", msg[0])
+                    send([("error", msg[1], "INTERNAL", f"{type(exc).__name__}: {exc}")])
+            if core.has_work():
+                if os.getppid() != parent:
+                    return
+                out = core.step()
+                if out:
+                    if trace.enabled:
+                        for m in out:
+                            trace.mark(m[1], f"proc.out_{m[0]}")
+                    send(out)
+    except (EOFError, OSError):
+        return  # the server closed its end: it is gone
+
+
+_LEN = struct.Struct("!i")  # multiprocessing.Connection's frame header (messages under 2 GiB)
 
 
 class EngineProcess:
     def __init__(self, core_path: str, config: Any) -> None:
         ctx = mp.get_context("spawn")
-        self.inbox: mp.Queue = ctx.Queue()
-        self.outbox: mp.Queue = ctx.Queue()
-        self.proc = ctx.Process(
-            target=_child_main, args=(core_path, config, self.inbox, self.outbox), daemon=True
-        )
+        parent_end, child_end = ctx.Pipe(duplex=True)  # a socket pair
+        self.proc = ctx.Process(target=_child_main, args=(core_path, config, child_end), daemon=True)
+        self._parent_end, self._child_end = parent_end, child_end
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
         self.handlers: dict[str, Callable[[tuple], None]] = {}  # by message kind, run on the server's loop
         self.alive = False
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._read_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
 
     async def start(self, timeout: float = 600.0) -> dict[str, Any]:
         """Start the child and wait until its model is loaded; raise RuntimeError if it fails."""
-        self._loop = asyncio.get_running_loop()
         self.proc.start()
-        first = await asyncio.to_thread(self._first_batch, timeout)
+        self._child_end.close()  # the child holds it now; its exit closes the pair
+        sock = socket.socket(fileno=os.dup(self._parent_end.fileno()))
+        self._parent_end.close()
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 26)
+        try:
+            first = await asyncio.wait_for(self._recv(), timeout)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.proc.join(5)
+            first = [("failed", "", f"engine process exited with code {self.proc.exitcode}")]
+        except TimeoutError:
+            first = [("failed", "", f"engine did not start within {timeout:.0f} s")]
         kind, _, payload = first[0]
         if kind != "ready":
             raise RuntimeError(f"the engine failed to start: {payload}")
         self.info, self.alive = payload, True
         self._dispatch(first[1:])
-        threading.Thread(target=self._read, daemon=True, name="engine-reader").start()
+        self._read_task = asyncio.create_task(self._read())
+        self._watch_task = asyncio.create_task(self._watch())
         return self.info
 
-    def _first_batch(self, timeout: float) -> list[tuple]:
-        waited = 0.0
-        while waited < timeout:
-            try:
-                return self.outbox.get(timeout=1.0)
-            except queue.Empty:
-                waited += 1.0
-                if not self.proc.is_alive():
-                    return [("failed", "", f"engine process exited with code {self.proc.exitcode}")]
-        return [("failed", "", f"engine did not start within {timeout:.0f} s")]
+    async def _recv(self) -> list[tuple]:
+        assert self._reader is not None
+        (n,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
+        return pickle.loads(await self._reader.readexactly(n))
 
     def send(self, msg: tuple) -> None:
-        self.inbox.put(msg)
+        """Queue `msg` for the engine; never blocks (the stream buffers what the socket cannot take yet)."""
+        if self._writer is None or self._writer.is_closing():
+            return  # not started, or the engine is gone: its streams were told (UNAVAILABLE)
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._writer.write(_LEN.pack(len(data)) + data)
 
     def open(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -125,23 +150,24 @@ class EngineProcess:
     def close(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
 
-    def _read(self) -> None:
-        assert self._loop is not None
-        while True:
-            try:
-                batch = self.outbox.get(timeout=0.5)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    break
-                continue
-            except (EOFError, OSError):
-                break
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, batch)
-            except RuntimeError:  # the server's loop has closed: it is shutting down
-                return
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._died)
+    async def _read(self) -> None:
+        try:
+            while True:
+                self._dispatch(await self._recv())
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except asyncio.CancelledError:
+            return
+        await asyncio.to_thread(self.proc.join, 5)  # the exit code, for the log
+        self._died()
+
+    async def _watch(self) -> None:
+        """The end of the socket is the usual sign of death; this also catches a child that died while
+        something it started still holds the socket open."""
+        while self.alive:
+            await asyncio.sleep(0.5)
+            if not self.proc.is_alive():
+                self._died()
 
     def _dispatch(self, batch: list[tuple]) -> None:
         for msg in batch:
@@ -157,14 +183,22 @@ class EngineProcess:
                 q.put_nowait(msg)
 
     def _died(self) -> None:
+        if not self.alive:
+            return
         self.alive = False
         logger.error("engine process died (exit code %s)", self.proc.exitcode)
         for rid, q in list(self.streams.items()):
             q.put_nowait(("error", rid, "UNAVAILABLE", "the worker's engine process died"))
 
     def shutdown(self) -> None:
+        for task in (self._read_task, self._watch_task):
+            if task is not None:
+                task.cancel()
         if self.proc.is_alive():
-            self.inbox.put(("shutdown", ""))
+            self.send(("shutdown", ""))  # a small write goes out at once (nothing is buffered at rest)
             self.proc.join(timeout=5)
             if self.proc.is_alive():
                 self.proc.kill()
+        if self._writer is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self._writer.close()
