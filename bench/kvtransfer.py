@@ -56,7 +56,13 @@ def decode_main(shape: dict, device: str, transports: list[str], conn: Any) -> N
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     pool = make_pool(shape, 4 * shape["blocks"], 7, device)
-    receivers = {t: create_receiver(t, pool) for t in transports}
+    done_at: dict[str, float] = {}  # request id -> when the receiver reported it complete (CLOCK_MONOTONIC)
+
+    def on_done(rid: str, error: Any) -> None:
+        if error is None:
+            done_at[rid] = time.monotonic()
+
+    receivers = {t: create_receiver(t, pool, on_done=on_done) for t in transports}
     conn.send({t: r.descriptor() for t, r in receivers.items()})
     failures: list[str] = []
 
@@ -84,7 +90,7 @@ def decode_main(shape: dict, device: str, transports: list[str], conn: Any) -> N
                 w.join()
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            conn.send((checksum(pool[:, :, args[0]]), list(failures)))
+            conn.send((checksum(pool[:, :, args[0]]), list(failures), dict(done_at)))
         else:
             break
     for r in receivers.values():
@@ -124,14 +130,18 @@ def run_case(transport: str, case: str, sender: Any, pool: torch.Tensor, conn: A
     conn.send(("expect", transport, [(rid, dst) for rid in rids]))
     assert conn.recv() == "ok"
     sender.send(rids[0], src, dst)  # warm-up: index tensors, staging buffers, sockets
-    times = []
+    times, started = [], {}
     for rid in rids[1:]:
+        started[rid] = time.monotonic()
         t0 = time.perf_counter()
         sender.send(rid, src, dst)
         times.append(time.perf_counter() - t0)
     conn.send(("checksum", dst))
-    remote_sum, failures = conn.recv()
+    remote_sum, failures, done_at = conn.recv()
     exact = remote_sum == checksum(pool[:, :, src]) and not failures
+    # one host, one CLOCK_MONOTONIC: send() called -> the decode process's receiver reported the request
+    # complete (its on_done), i.e. without the ACK's way back to the sender
+    delivered = [done_at[r] - t for r, t in started.items() if r in done_at]
     nbytes = len(src) * pool[:, :, 0].numel() * pool.element_size()
     sec = statistics.median(times)
     mapped = getattr(sender, "_remote", None)  # cuda_ipc: the copy alone, into the mapped decode pool
@@ -143,6 +153,7 @@ def run_case(transport: str, case: str, sender: Any, pool: torch.Tensor, conn: A
         case=case,
         seconds=sec,
         gbps=nbytes / sec / 1e9,
+        delivered_seconds=statistics.median(delivered) if delivered else None,
         exact=exact,
         nbytes=nbytes,
         reps=reps,
@@ -174,6 +185,16 @@ def main() -> None:
     pool = make_pool(shape, 2 * n, 3, device)
     nbytes = n * pool[:, :, 0].numel() * pool.element_size()
     ceilings, in_process = measure_ceilings(pool, n, args.reps) if not args.cpu else ({}, {})
+    breakdown: dict[str, float] = {}
+    if not args.cpu:
+        breakdown = copy_breakdown(pool, n, args.reps)
+        print(
+            f"block-copy kernel alone {breakdown['kernel_only_us']:.1f} us "
+            f"({nbytes / breakdown['kernel_only_us'] / 1e3:.0f} GB/s, "
+            f"{nbytes / breakdown['kernel_only_us'] / 1e3 / ceilings['d2d']:.0%} of d2d); "
+            f"copy_blocks host time {breakdown['copy_blocks_host_us']:.1f} us",
+            flush=True,
+        )
     if args.sweep and not args.cpu:
         sweep_kernel(pool, n, args.reps, ceilings["d2d"], args.out)
 
@@ -196,7 +217,7 @@ def main() -> None:
         proc.join(30)
     for r in ablations:
         print(f"ablation {r['variant']:<22} {r['case']:<11} {r['seconds'] * 1e3:9.3f} ms  exact {r['exact']}")
-    report(results, ceilings, in_process, nbytes, args.out, shape, ablations)
+    report(results, ceilings, in_process, nbytes, args.out, shape, ablations, breakdown)
 
 
 def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[dict]:
@@ -234,6 +255,31 @@ def measure_ceilings(pool: torch.Tensor, n: int, reps: int) -> tuple[dict, dict]
             fn = lambda src=src, dst=dst, k=kernel: copy_blocks(pool, src, local, dst, kernel=k)  # noqa: E731
             in_process[case + suffix] = nbytes / time_gpu(fn, reps) / 1e9
     return ceilings, in_process
+
+
+def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
+    """Where copy_blocks' time goes (random ids, same process): the kernel alone (ids already on the GPU,
+    10 launches back to back per timing), and the host time of one copy_blocks call (ids list -> launch
+    queued, no sync), in microseconds."""
+    from kernels.kv_block_copy import kv_block_copy_triton
+
+    local = torch.empty((*pool.shape[:2], 4 * n, *pool.shape[3:]), dtype=pool.dtype, device=pool.device)
+    src, dst = block_ids("random", n, random.Random("breakdown"))
+    ids = torch.tensor([src, dst], dtype=torch.int32, device=pool.device)
+
+    def ten() -> None:
+        for _ in range(10):
+            kv_block_copy_triton(pool, ids[0], local, ids[1])
+
+    kernel_us = time_gpu(ten, reps) / 10 * 1e6
+    host = []
+    for _ in range(reps + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copy_blocks(pool, src, local, dst, kernel=True)
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return {"kernel_only_us": kernel_us, "copy_blocks_host_us": statistics.median(host[3:]) * 1e6}
 
 
 def sweep_kernel(pool: torch.Tensor, n: int, reps: int, d2d: float, out: Path | None) -> None:
@@ -282,6 +328,7 @@ def report(
     out: Path | None,
     shape: dict,
     ablations: list[dict],
+    breakdown: dict[str, float],
 ) -> None:
     cpu = not ceilings
     print(f"\npayload {nbytes / 2**20:.0f} MiB per transfer; ceilings (GB/s): {ceilings}")
@@ -291,14 +338,22 @@ def report(
             "same-process copy_blocks (kernel; _torch: torch copies), GB/s (of d2d): "
             + ", ".join(f"{k} {v:.0f} ({v / d2d:.0%})" for k, v in in_process.items())
         )
-    print(f"{'transport':<10} {'block ids':<11} {'ms':>9} {'GB/s':>8} {'of ceil':>8}  exact  copy-only GB/s")
+    print(
+        f"{'transport':<10} {'block ids':<11} {'ms':>9} {'GB/s':>8} {'of ceil':>8}  exact  copy-only GB/s"
+        "  delivered ms (of ceil)"
+    )
     for r in results:
         key = ceiling_of(r["transport"], ceilings)
         ratio = r["gbps"] / ceilings[key] if key else float("nan")
         print(
             f"{r['transport']:<10} {r['case']:<11} {r['seconds'] * 1e3:9.3f} {r['gbps']:8.1f} "
             f"{ratio:8.1%}  {r['exact']!s:5}  {r['copy_gbps'] or float('nan'):.0f}"
-            f"{'  ' + str(r['failures']) if r['failures'] else ''}"
+            + (
+                f"  {r['delivered_seconds'] * 1e3:.3f} ({r['nbytes'] / r['delivered_seconds'] / 1e9 / ceilings[key]:.1%})"
+                if r["delivered_seconds"] and key
+                else ""
+            )
+            + (f"  {r['failures']}" if r["failures"] else "")
         )
     if out is None:
         return
@@ -326,6 +381,10 @@ def report(
                 same_process_block_copy_kernel_gbps=in_process.get(r["case"]),
                 same_process_torch_copy_gbps=in_process.get(r["case"] + "_torch"),
                 copy_only_into_mapped_pool_gbps=r["copy_gbps"],
+                delivered_seconds=r["delivered_seconds"],
+                delivered_gbps=r["nbytes"] / r["delivered_seconds"] / 1e9 if r["delivered_seconds"] else None,
+                delivered="send() called -> the decode process's receiver reported it complete (on_done)",
+                copy_breakdown_random_ids=breakdown or None,
                 one_block_send_seconds=fixed.get(r["transport"]),
                 tcp_all_cases_gbps={x["case"]: x["gbps"] for x in results if x["transport"] == "tcp"},
                 timed="sender.send() wall clock: control round trips + copy + sync, median",

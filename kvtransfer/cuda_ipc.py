@@ -2,8 +2,8 @@
 
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
 prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
-its own stream (layout.copy_blocks: one slice copy when both sides are one run of ids, else the
-one-pass block-copy kernel), synchronises, and tells the receiver over a small TCP control channel:
+its own stream (layout.copy_blocks: the one-pass block-copy kernel, its block ids uploaded while the
+receiver's READY is on its way), synchronises, and tells the receiver over a small TCP control channel:
 
     sender                                      receiver (thread per connection)
     HELLO {layout}                   ->         check layout
@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kernels.kv_block_copy import upload_ids
 from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
 from kvtransfer.layout import (
     PoolLayout,
@@ -35,6 +36,7 @@ from kvtransfer.layout import (
     field,
     gather,
     scatter,
+    uses_kernel,
 )
 from kvtransfer.registry import TableReceiver
 from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
@@ -219,12 +221,15 @@ class CudaIpcKVSender(KVSender):
             raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
 
     def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        """Gather the source blocks ahead when the copy crosses GPUs (one GPU: one pass, no staging)."""
+        """Work that needs no grant, done while READY is on its way: on one GPU, the block ids go up to it
+        (the copy then launches the moment READY arrives); across GPUs, the source blocks are gathered."""
         try:
             self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))  # after the forward pass
-            if self._remote.device == self._pool.device:
-                return None, {}
             with torch.cuda.stream(self._stream):
+                if self._remote.device == self._pool.device:
+                    if uses_kernel(self._pool, self._remote, src, dst):
+                        return upload_ids(src, dst, self._pool.device), {}
+                    return None, {}
                 return gather(self._pool, src), {}
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
@@ -234,7 +239,7 @@ class CudaIpcKVSender(KVSender):
         try:
             with torch.cuda.stream(self._stream):
                 if self._remote.device == self._pool.device:
-                    copy_blocks(self._pool, src, self._remote, dst, staged)
+                    copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
                 else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
                     assert staged is not None
                     scatter(self._remote, dst, staged.to(self._remote.device))

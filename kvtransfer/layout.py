@@ -152,11 +152,10 @@ def scatter(pool: torch.Tensor, ids: Sequence[int], data: torch.Tensor) -> None:
 def uses_kernel(
     src_pool: torch.Tensor, dst_pool: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]
 ) -> bool:
-    """Both pools on one CUDA device and more than one run of ids on a side: kernels/kv_block_copy.py moves
-    any id pattern in one pass. One run each is one slice copy, which torch launches with less host time
-    (H200: a one-block send 0.20 ms with the slice copy vs 0.30 with the kernel's launch and id upload)."""
-    one_slice = len(runs(src_ids)) == 1 and len(runs(dst_ids)) == 1
-    return src_pool.is_cuda and dst_pool.device == src_pool.device and not one_slice
+    """Both pools on one CUDA device: kernels/kv_block_copy.py moves any id pattern in one pass and one
+    launch, at 0.92 of a device-to-device copy_ (H200, kernel alone). torch's slice copies take one launch
+    per (layer, K/V) row even for one run of ids (64 for Llama-3-8B), which costs more host time."""
+    return src_pool.is_cuda and dst_pool.device == src_pool.device
 
 
 def needs_staging(src_ids: Sequence[int], dst_ids: Sequence[int]) -> bool:
@@ -173,19 +172,23 @@ def copy_blocks(
     staged: torch.Tensor | None = None,
     *,
     kernel: bool | None = None,
+    device_ids: torch.Tensor | None = None,
 ) -> None:
     """dst_pool[:, :, dst_ids[i]] = src_pool[:, :, src_ids[i]]. Both pools on one device. Where uses_kernel
     (or kernel=True) the Triton block-copy kernel does it in one pass for any ids; otherwise torch copies
     slices in one pass when either side is a few contiguous runs, else gathers then scatters (two passes;
-    `staged` = gather(src_pool, src_ids) when the caller gathered ahead)."""
+    `staged` = gather(src_pool, src_ids) when the caller gathered ahead). `device_ids`: the ids already on
+    the GPU as kernels.kv_block_copy.upload_ids returns them, uploaded ahead on this stream."""
     if staged is None and (uses_kernel(src_pool, dst_pool, src_ids, dst_ids) if kernel is None else kernel):
-        from kernels.kv_block_copy import kv_block_copy_triton
+        from kernels.kv_block_copy import kv_block_copy_triton, upload_ids
 
-        host = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int32)
-        if src_pool.is_cuda:  # pinned: the copy up is queued, not a synchronous staged memcpy
-            host = host.pin_memory()
-        ids = host.to(src_pool.device, non_blocking=True)
-        kv_block_copy_triton(src_pool, ids[0], dst_pool, ids[1])
+        n = len(src_ids)
+        if device_ids is None:
+            if src_pool.is_cuda:
+                device_ids = upload_ids(src_ids, dst_ids, src_pool.device)
+            else:  # TRITON_INTERPRET on CPU
+                device_ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32)
+        kv_block_copy_triton(src_pool, device_ids[:n], dst_pool, device_ids[n : 2 * n])
         return
     src_runs, dst_runs = runs(src_ids), runs(dst_ids)
     if staged is not None or min(len(src_runs), len(dst_runs)) > MAX_SLICE_COPIES:

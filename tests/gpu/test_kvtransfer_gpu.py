@@ -155,3 +155,23 @@ def test_cuda_ipc_sender_dies_mid_transfer() -> None:
 )
 def test_nccl_two_gpus_exact() -> None:
     check_transfers("nccl", "cuda:0", "cuda:1")
+
+
+def test_copy_blocks_back_to_back_reuses_id_buffers_safely() -> None:
+    """copy_blocks uploads its ids through one pinned buffer per stream (kernels.kv_block_copy.IdUploader):
+    many calls queued without a sync in between, each with other ids and sizes, must each copy their own."""
+    from kvtransfer.layout import copy_blocks
+
+    src = make_pool(PREFILL_BLOCKS, 1, "cuda")
+    dst = torch.zeros_like(make_pool(DECODE_BLOCKS, 2, "cuda"))
+    rng = random.Random(0)
+    expected = torch.zeros_like(dst)
+    free = list(range(DECODE_BLOCKS))
+    rng.shuffle(free)
+    for n in (1, 7, 40, 3, 64, 2, 31):  # 148 destination blocks, none written twice
+        s = rng.sample(range(PREFILL_BLOCKS), n)
+        d, free = free[:n], free[n:]
+        copy_blocks(src, s, dst, d)
+        expected[:, :, d] = src[:, :, s]
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
