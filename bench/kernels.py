@@ -26,7 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from bench.record import record
 from kernels.decode_reduce import decode_reduce_triton, decode_workspace_size
-from kernels.paged_decode_attention import paged_decode_attention_triton, plan_num_splits
+from kernels.paged_decode_attention import PDL, paged_decode_attention_triton, plan_num_splits
 from kernels.paged_prefill_attention import paged_prefill_attention_triton
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (q heads, kv heads, head_dim)
@@ -175,7 +175,12 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
     splits = plan_num_splits(batch, heads[1], seq_len, torch.device("cuda"))
     # the same split decode with the merge fused into the decode launch (off by default: slower here)
     t_fused = time_us(decode_fns(sets, {"fused_merge": True})) if splits > 1 else None
-    print(f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us; with the fused merge: {t_fused}")
+    # and with the merge launched plainly, not as a programmatic dependent launch (the default, PDL)
+    t_plain = time_us(decode_fns(sets, {"pdl": False})) if splits > 1 else None
+    print(
+        f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us; fused merge: {t_fused}; "
+        f"merge launched without pdl: {t_plain}"
+    )
     sdpa_t, sdpa_name, sdpa_all = time_sdpa(sets, None)
     err = rel_err(decode_fns(sets[:1])[0](), sdpa_fn(sets[0], None)().squeeze(2))
     gbs = per_set / t / 1e3
@@ -186,7 +191,7 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
         baseline=sdpa_t, baseline_name=f"SDPA {sdpa_name} (us)", goal=">=0.8 copy bw and <= SDPA time" if goal else None,
         extra={"time_us": t, "sdpa_us": sdpa_t, "sdpa_all": sdpa_all, "rel_err_vs_sdpa": err, "input_sets": len(sets),
                "goal_met": met if goal else None, "bytes": per_set, "num_splits": splits,
-               "time_fused_merge_us": t_fused}, out_dir=out_dir,
+               "time_fused_merge_us": t_fused, "time_merge_without_pdl_us": t_plain, "pdl": PDL}, out_dir=out_dir,
     )  # fmt: skip
     return ("decode", f"{model} {batch} x {seq_len}", t, gbs, gbs / copy_gbs, sdpa_t, sdpa_name, t / sdpa_t,
             ("yes" if met else "NO") if goal else "-", err, rec)  # fmt: skip

@@ -73,7 +73,12 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WAIT_FOR_PRIMARY: tl.constexpr,
 ):
+    if (
+        WAIT_FOR_PRIMARY
+    ):  # launched as a programmatic dependent: the split kernel's writes are visible after this
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -110,6 +115,7 @@ def decode_reduce_triton(
     ml: torch.Tensor,  # (2, num_seqs, num_heads, num_splits) fp32: running max, sum of exp2
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     partition_size: int,
+    pdl: bool = False,  # launched right after the split kernel, which called gdc_launch_dependents
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = out.shape
     num_splits = acc.shape[2]
@@ -126,7 +132,9 @@ def decode_reduce_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_S=min(64, triton.next_power_of_2(num_splits)),  # usually all splits in one round trip
+        WAIT_FOR_PRIMARY=pdl,
         num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

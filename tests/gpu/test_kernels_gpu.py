@@ -76,12 +76,18 @@ def test_decode_dtypes(heads, dtype):
     run_decode(heads, 16, DECODE_BATCHES["edges"] + ragged(40, 3000, 2), dtype)
 
 
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_kernel"])
+MERGES = {  # the ways split partials are merged (config keys of paged_decode_attention_triton)
+    "fused": {"fused_merge": True},
+    "two_kernel": {"fused_merge": False, "pdl": False},
+    "pdl": {"fused_merge": False, "pdl": True},  # the merge as a programmatic dependent launch
+}
+
+
+@pytest.mark.parametrize("merge", list(MERGES))
 @pytest.mark.parametrize("num_splits", [2, 7, 64, 300])
-def test_decode_forced_splits(num_splits, fused_merge):
+def test_decode_forced_splits(num_splits, merge):
     run_decode(
-        (32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits,
-        config={"fused_merge": fused_merge},
+        (32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits, config=MERGES[merge]
     )  # fmt: skip
 
 
@@ -126,17 +132,15 @@ def test_decode_fused_merge_no_stale_partials():
     assert not workspace_counters(workspace, len(seq_lens), num_kv_heads).any()
 
 
-@pytest.mark.parametrize("fused_merge", [True, False], ids=["fused", "two_kernel"])
-def test_decode_cuda_graph_replay_with_new_lengths(fused_merge):
+@pytest.mark.parametrize("merge", list(MERGES))
+def test_decode_cuda_graph_replay_with_new_lengths(merge):
     """Preallocated out + workspace, fixed splits: one captured graph serves a growing batch."""
     num_heads, num_kv_heads, head_dim, bs = 32, 8, 128, 16
     kv_cache, tables, lens = make_paged_kv([3000, 17, 900], num_kv_heads, head_dim, bs, torch.bfloat16, DEV)
     query = torch.randn(3, num_heads, head_dim, device=DEV, dtype=torch.bfloat16)
     out = nan_like(query)
     workspace = torch.zeros(decode_workspace_size(3, num_heads, 16, head_dim, num_kv_heads), device=DEV)
-    kwargs = dict(
-        max_seq_len=3008, num_splits=16, workspace=workspace, out=out, config={"fused_merge": fused_merge}
-    )
+    kwargs = dict(max_seq_len=3008, num_splits=16, workspace=workspace, out=out, config=MERGES[merge])
     run = lambda: paged_decode_attention_triton(query, kv_cache, lens, tables, 0.088, **kwargs)
     run()
     graph = torch.cuda.CUDAGraph()
