@@ -12,6 +12,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+import numpy as np
+
 BlockHash = bytes  # 32 bytes
 
 _DOMAIN = b"pdserve.block.v1"
@@ -41,9 +43,30 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
 def hash_prompt_blocks(
     token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: BlockHash = NONE_HASH
 ) -> list[BlockHash]:
-    """The hash chain of every *full* block of token_ids (a partial tail block has no hash)."""
+    """The hash chain of every *full* block of token_ids (a partial tail block has no hash).
+
+    Equal to chaining hash_block, about 3x faster for long prompts (it runs on the router and on both
+    workers for every request): the tokens are packed once, and each block's fields go to a copy of a
+    hasher that already holds the domain tag, in one update (SHA-256 of a concatenation is the same)."""
+    full = len(token_ids) // block_size
+    if full == 0:
+        return []
+    raw = np.asarray(token_ids[: full * block_size], dtype="<u4").tobytes()  # OverflowError out of uint32
+    step = 4 * block_size
+    tokens_field = b"t" + struct.pack("<I", step)
+    extra_field = _field(b"x", extra)
+    base = hashlib.sha256(_DOMAIN)
     hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+    for start in range(0, full * step, step):
+        h = base.copy()
+        h.update(
+            b"p"
+            + struct.pack("<I", len(parent))
+            + parent
+            + tokens_field
+            + raw[start : start + step]
+            + extra_field
+        )
+        parent = h.digest()
         hashes.append(parent)
     return hashes

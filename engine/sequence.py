@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import NONE_HASH, BlockHash, hash_block
+from engine.block_hash import NONE_HASH, BlockHash, hash_prompt_blocks
 from engine.sampling_params import SamplingParams
 
 
@@ -82,9 +82,8 @@ class Sequence:
 
     def _extend_hashes(self) -> None:
         bs = self.block_size
-        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
-            i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
-            self.block_hashes.append(
-                hash_block(parent, self.all_token_ids[i * bs : (i + 1) * bs], self.extra_keys)
-            )
+        i = len(self.block_hashes)
+        if (i + 1) * bs > len(self.all_token_ids):
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else NONE_HASH
+        self.block_hashes += hash_prompt_blocks(self.all_token_ids[i * bs :], bs, self.extra_keys, parent)

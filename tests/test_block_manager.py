@@ -1,8 +1,10 @@
 """BlockManager: exact block ids, ref counts, prefix hits and LRU eviction order."""
 
+import random
+
 import pytest
 
-from engine.block_hash import extra_keys, hash_prompt_blocks
+from engine.block_hash import NONE_HASH, extra_keys, hash_block, hash_prompt_blocks
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -133,3 +135,21 @@ def test_double_free_is_caught():
     bm.free(a)
     with pytest.raises(AssertionError):
         bm._release(block)
+
+
+@pytest.mark.parametrize("length", [0, 15, 16, 17, 100, 4099])
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_hash_prompt_blocks_equals_the_chain_of_hash_block(length, salt):
+    """The fast chain (one packed token buffer, copied hasher) must give hash_block's hashes exactly:
+    the router and the workers' prefix caches compare them."""
+    rng = random.Random(length)
+    ids = [rng.randrange(2**32) for _ in range(length)]
+    extra = extra_keys("m", salt)
+    parent = hash_block(NONE_HASH, [1] * BS, extra)
+    want, p = [], parent
+    for start in range(0, length - BS + 1, BS):
+        p = hash_block(p, ids[start : start + BS], extra)
+        want.append(p)
+    assert hash_prompt_blocks(ids, BS, extra, parent) == want
+    with pytest.raises((OverflowError, ValueError)):
+        hash_prompt_blocks([-1] * BS, BS, extra)
