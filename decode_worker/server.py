@@ -43,6 +43,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         stream = self.engine.open(rid)
         prefill: asyncio.Task | None = None
         finished = False
+        early = False  # the first token went out when the prefill worker sampled it
         self.engine.send(
             (
                 "add",
@@ -62,6 +63,19 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     trace.mark(rid, f"dserver.got_{kind}")
                 if kind == "prefill":
                     prefill = asyncio.create_task(self._prefill(request, params, msg[2]))
+                elif kind == "early":  # from _prefill: streamed before the KV transfer completes
+                    _, _, token, logprobs, cached = msg
+                    early = True
+                    yield pb.DecodeChunk(
+                        token_ids=[token],
+                        logprobs=[logprobs_to_proto(token, logprobs)] if logprobs is not None else [],
+                        num_cached_tokens=cached,
+                    )
+                elif kind == "tokens" and early:  # the engine's copy of the early token: only its end
+                    _, _, _, _, finish, stop_reason, _ = msg
+                    early, finished = False, finish is not None
+                    if finished:
+                        yield pb.DecodeChunk(finish_reason=finish, stop_reason=stop_reason or "")
                 elif kind == "tokens":
                     _, _, token, logprobs, finish, stop_reason, cached = msg
                     finished = finish is not None
@@ -98,8 +112,24 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             timeout=self.prefill_timeout_s,
         )
         trace.mark(rid, "dserver.call_prefill")
+        first: pb.PrefillResponse | None = None
+        kv_done = False
         try:
-            reply = await call
+            async for reply in call:
+                if reply.kv_done:
+                    kv_done = True
+                    break
+                if first is None:  # stream the first token on now; the KV is still on its way
+                    first = reply
+                    trace.mark(rid, "dserver.first_token")
+                    lp = (
+                        logprobs_from_proto(reply.first_logprobs)
+                        if reply.HasField("first_logprobs")
+                        else None
+                    )
+                    queue = self.engine.streams.get(rid)
+                    if queue is not None:
+                        queue.put_nowait(("early", rid, reply.first_token_id, lp, reply.num_cached_tokens))
         except asyncio.CancelledError:
             call.cancel()
             raise
@@ -108,9 +138,15 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"prefill worker {request.prefill_address}: {exc.code().name}: {exc.details()}"
             self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
             return
+        if first is None or not kv_done:
+            reason = (
+                f"prefill worker {request.prefill_address} ended its reply before the KV transfer completed"
+            )
+            self.engine.send(("kv_failed", rid, reason))
+            return
         trace.mark(rid, "dserver.prefill_reply")
-        logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
-        self.engine.send(("kv_done", rid, reply.first_token_id, logprobs, reply.num_cached_tokens))
+        logprobs = logprobs_from_proto(first.first_logprobs) if first.HasField("first_logprobs") else None
+        self.engine.send(("kv_done", rid, first.first_token_id, logprobs, first.num_cached_tokens))
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

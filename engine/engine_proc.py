@@ -50,6 +50,15 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
     except Exception as exc:  # a bad model path, a pool too small: the parent reports it and exits
         send([("failed", "", f"{type(exc).__name__}: {exc}")])
         return
+
+    def send_traced(batch: list[tuple]) -> None:
+        if trace.enabled:
+            for m in batch:
+                trace.mark(m[1], f"proc.out_{m[0]}")
+        send(batch)
+
+    if hasattr(core, "bind"):  # a core that sends some messages mid-step (prefill: first tokens)
+        core.bind(send_traced)
     send([("ready", "", core.info()), ("load", "", core.load())])
     parent = os.getppid()
     last_load = 0.0
@@ -80,10 +89,7 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
                     return
                 out = core.step()
                 if out:
-                    if trace.enabled:
-                        for m in out:
-                            trace.mark(m[1], f"proc.out_{m[0]}")
-                    send(out)
+                    send_traced(out)
     except (EOFError, OSError):
         return  # the server closed its end: it is gone
 

@@ -27,7 +27,16 @@ class TextStream:
         """Add a token (last: the completion ends here); True if a stop string now ends the text."""
         if self.stop is not None:
             return False
-        delta = self.detok.add(token_id) + (self.detok.flush() if last else "")
+        return self._extend(self.detok.add(token_id) + (self.detok.flush() if last else ""))
+
+    def finish(self) -> bool:
+        """The completion ended after its last token was added (without last=True): flush what the
+        detokenizer held back; True if a stop string now ends the text."""
+        if self.stop is not None:
+            return False
+        return self._extend(self.detok.flush())
+
+    def _extend(self, delta: str) -> bool:
         start = max(0, len(self.text) - self.longest + 1)  # a stop string may straddle the old text
         self.text += delta
         hits = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -45,6 +46,11 @@ class PrefillCore:
         # prefix-cache events for the router's index: every block hashed or evicted here
         self.events = KVEventPublisher(config.worker_id, lambda: list(self.blocks.cached))
         self.blocks.on_event = self.events.on_block_event
+        self._send_now: Callable[[list[tuple]], None] | None = None
+
+    def bind(self, send_now: Callable[[list[tuple]], None]) -> None:
+        """The engine process's sender: first tokens go out mid-step, before their KV transfer."""
+        self._send_now = send_now
 
     def info(self) -> dict:
         return {
@@ -136,6 +142,10 @@ class PrefillCore:
             job = self.jobs.get(item.request_id)
             if not item.sample or job is None:
                 continue
+            seq = self.scheduler.seqs.get(item.request_id)
+            if self._send_now is not None and seq is not None and item.request_id in sampled:
+                token, logprobs = sampled[item.request_id]  # the decode worker streams it on now
+                self._send_now([("first", item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
             trace.mark(item.request_id, "pcore.send")
             try:
                 self._sender(job.descriptor).send(item.request_id, item.block_table, job.dst_block_ids)

@@ -56,9 +56,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"snapshot failed: {msg[-1]}")
         return pb.KVEventsResponse(epoch=epoch, snapshot=msg[2])
 
-    async def Prefill(
-        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PrefillResponse:
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        """Streams the first token as soon as it is sampled, then {kv_done} once the KV is written."""
         rid = request.request_id
         trace.mark(rid, "pserver.recv")
         try:
@@ -81,16 +80,23 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     list(request.dst_block_ids),
                 )
             )
-            msg = await stream.get()
-            done = True
-            trace.mark(rid, "pserver.reply")
-            if msg[0] == "error":
-                await context.abort(STATUS[msg[2]], msg[3])
-            _, _, token, logprobs, cached = msg
-            reply = pb.PrefillResponse(first_token_id=token, num_cached_tokens=cached)
-            if logprobs is not None:
-                reply.first_logprobs.CopyFrom(logprobs_to_proto(token, logprobs))
-            return reply
+            first_sent = False
+            while True:
+                msg = await stream.get()
+                if msg[0] == "error":
+                    done = True
+                    await context.abort(STATUS[msg[2]], msg[3])
+                if (
+                    msg[0] == "first" or not first_sent
+                ):  # ("first" | "prefilled", rid, token, logprobs, cached)
+                    trace.mark(rid, "pserver.first")
+                    yield _first_token(*msg[2:])
+                    first_sent = True
+                if msg[0] == "prefilled":
+                    done = True
+                    trace.mark(rid, "pserver.kv_done")
+                    yield pb.PrefillResponse(kv_done=True)
+                    return
         finally:
             if not done:
                 self.engine.send(("abort", rid))
@@ -100,6 +106,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
         return worker_load(self.engine)
+
+
+def _first_token(token: int, logprobs: dict[int, float] | None, cached: int) -> pb.PrefillResponse:
+    reply = pb.PrefillResponse(first_token_id=token, num_cached_tokens=cached)
+    if logprobs is not None:
+        reply.first_logprobs.CopyFrom(logprobs_to_proto(token, logprobs))
+    return reply
 
 
 def add_servicer(servicer: PrefillServicer, server: grpc.aio.Server) -> None:

@@ -296,7 +296,7 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/pdserve.v1.Prefill/Prefill',
                 request_serializer=protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.PrefillResponse.FromString,
@@ -318,7 +318,9 @@ class PrefillServicer:
 
     def Prefill(self, request, context):
         """Compute the prompt's KV (reusing its prefix cache), write every block into the decode worker's
-        reserved blocks through kvtransfer, and return the first token.
+        reserved blocks through kvtransfer. Two messages: the first token as soon as it is sampled (before
+        the blocks are written, so the decode worker can stream it on), then {kv_done: true} once every
+        block is in the decode worker's pool. An error status after the first message: the transfer failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -341,7 +343,7 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=protos_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.PrefillResponse.SerializeToString,
@@ -378,7 +380,7 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/pdserve.v1.Prefill/Prefill',

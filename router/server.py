@@ -309,15 +309,19 @@ class RouterServicer(pb_grpc.RouterServicer):
                     trace.mark(sub_id, "router.first_chunk")
                     self.router.prefill_done(decision)
                     first = False
-                token = chunk.token_ids[0]
-                stopped = text is not None and text.add(token, last=bool(chunk.finish_reason))
+                if not chunk.token_ids:  # the end of a completion whose last token came in an earlier chunk
+                    stopped = text is not None and text.finish()
+                else:
+                    stopped = text is not None and text.add(
+                        chunk.token_ids[0], last=bool(chunk.finish_reason)
+                    )
                 finish = "stop" if stopped else chunk.finish_reason
                 stop_reason = text.stop if text is not None and stopped else chunk.stop_reason
                 visible = text.visible(bool(finish)) if text is not None else ""
                 resp = pb.GenerateResponse(
                     request_id=rid,
                     index=index,
-                    token_ids=[token],
+                    token_ids=chunk.token_ids,
                     text=visible[shown:],
                     logprobs=chunk.logprobs,
                     finish_reason=finish,
