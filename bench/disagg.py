@@ -60,9 +60,10 @@ def single_process_ttft(
                     torch.cuda.synchronize()
                     time.sleep(idle / 1e3)
                 rid = f"{case}-{n}-{i}"
+                prompt = random_prompt(n, vocab, 1000 * n + i)
                 trace.mark(rid, "client.send")
-                engine.add_request(random_prompt(n, vocab, 1000 * n + i), params, request_id=rid)
-                t0 = time.perf_counter()
+                t0 = time.perf_counter()  # from submission, as the served paths' client sees it
+                engine.add_request(prompt, params, request_id=rid)
                 while not any(o.outputs[0].token_ids for o in engine.step()):
                     pass
                 torch.cuda.synchronize()

@@ -192,7 +192,8 @@ def main() -> None:
             f"block-copy kernel alone {breakdown['kernel_only_us']:.1f} us "
             f"({nbytes / breakdown['kernel_only_us'] / 1e3:.0f} GB/s, "
             f"{nbytes / breakdown['kernel_only_us'] / 1e3 / ceilings['d2d']:.0%} of d2d); "
-            f"copy_blocks host time {breakdown['copy_blocks_host_us']:.1f} us",
+            f"copy_blocks host time {breakdown['copy_blocks_host_us']:.1f} us (id upload "
+            f"{breakdown['upload_ids_host_us']:.1f}, kernel launch {breakdown['kernel_launch_host_us']:.1f})",
             flush=True,
         )
     if args.sweep and not args.cpu:
@@ -272,14 +273,24 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
             kv_block_copy_triton(pool, ids[0], local, ids[1])
 
     kernel_us = time_gpu(ten, reps) / 10 * 1e6
-    host = []
-    for _ in range(reps + 3):
+    from kernels.kv_block_copy import upload_ids
+
+    def host_us(fn: Any) -> float:
+        host = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        copy_blocks(pool, src, local, dst, kernel=True)
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return {"kernel_only_us": kernel_us, "copy_blocks_host_us": statistics.median(host[3:]) * 1e6}
+        return statistics.median(host[3:]) * 1e6
+
+    return {
+        "kernel_only_us": kernel_us,
+        "copy_blocks_host_us": host_us(lambda: copy_blocks(pool, src, local, dst, kernel=True)),
+        "upload_ids_host_us": host_us(lambda: upload_ids(src, dst, pool.device)),
+        "kernel_launch_host_us": host_us(lambda: kv_block_copy_triton(pool, ids[0], local, ids[1])),
+    }
 
 
 def sweep_kernel(pool: torch.Tensor, n: int, reps: int, d2d: float, out: Path | None) -> None:

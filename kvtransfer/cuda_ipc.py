@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine import trace
 from kernels.kv_block_copy import upload_ids
 from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
 from kvtransfer.layout import (
@@ -207,11 +208,15 @@ class CudaIpcKVSender(KVSender):
                 begin = {"request_id": request_id, "dst": pack_ids(dst), "nbytes": nbytes}
                 self._ch.send(Kind.BEGIN, begin)
                 staged, error = self._prestage(src, dst)  # local work while the receiver answers
+                trace.mark(request_id, "kv.prestaged")
                 reply = self._ch.expect(Kind.READY)
+                trace.mark(request_id, "kv.ready")
                 if "error" not in reply:  # refused: nothing was written, the connection stays usable
                     error = error or self._copy(src, dst, staged)
+                    trace.mark(request_id, "kv.copied")
                     self._ch.send(Kind.DONE, {"request_id": request_id, "nbytes": nbytes, **error})
                     reply = self._ch.expect(Kind.ACK)
+                    trace.mark(request_id, "kv.acked")
             except KVTransferError as e:
                 self._broken = str(e)
                 raise
