@@ -41,7 +41,7 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") 
 
 
 def hash_prompt_blocks(
-    token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: BlockHash = NONE_HASH
+    token_ids: Sequence[int] | np.ndarray, block_size: int, extra: bytes = b"", parent: BlockHash = NONE_HASH
 ) -> list[BlockHash]:
     """The hash chain of every *full* block of token_ids (a partial tail block has no hash).
 
