@@ -50,6 +50,7 @@ class DecodeCore:
             "worker_id": self.config.worker_id,
             "epoch": self.epoch,
             "kv_descriptor": self.receiver.descriptor(),
+            "local_prefill_threshold": self.config.local_prefill_threshold,
         }
 
     def load(self) -> dict:

@@ -42,6 +42,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
         stream = self.engine.open(rid)
         prefill: asyncio.Task | None = None
+        grant: asyncio.Future | None = None
         finished = False
         early = False  # the first token went out when the prefill worker sampled it
         self.engine.send(
@@ -55,14 +56,20 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 bool(request.prefill_address),
             )
         )
+        if self._speculate(request):  # the prefill starts now; the blocks our engine reserves follow
+            grant = asyncio.get_running_loop().create_future()
+            prefill = asyncio.create_task(self._prefill(request, None, grant))
         try:
             while not finished:
                 msg = await stream.get()
                 kind = msg[0]
                 if trace.enabled:
                     trace.mark(rid, f"dserver.got_{kind}")
-                if kind == "prefill":
-                    prefill = asyncio.create_task(self._prefill(request, params, msg[2]))
+                if kind == "prefill" and grant is not None:  # the blocks for the prefill already running
+                    if not grant.done():
+                        grant.set_result(msg[2])
+                elif kind == "prefill":
+                    prefill = asyncio.create_task(self._prefill(request, msg[2], None))
                 elif kind == "early":  # from _prefill: streamed before the KV transfer completes
                     _, _, token, logprobs, cached = msg
                     early = True
@@ -96,21 +103,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 prefill.cancel()
             self.engine.close(rid)
 
-    async def _prefill(self, request: pb.DecodeRequest, params, dst_block_ids: list[int]) -> None:
-        """Ask the prefill worker to fill our reserved blocks; tell the engine how it went."""
+    def _speculate(self, request: pb.DecodeRequest) -> bool:
+        """Start the prefill before our engine has reserved the prompt's blocks (they follow as a grant)
+        when its last load report says they can be reserved at once: the decode-side admission (two hops
+        through the engine process, ~2 ms at 4096 tokens on the H200 host) then overlaps the prefill
+        instead of preceding it. Otherwise, or for prompts prefilled here, the prefill waits for them."""
+        n, info, load = len(request.prompt_token_ids), self.engine.info, self.engine.load
+        if not request.prefill_address or n <= info.get("local_prefill_threshold", 0):
+            return False
+        need = -(-n // info["block_size"])
+        return load.get("num_waiting", 1) == 0 and load.get("num_free_blocks", 0) >= 2 * need
+
+    async def _prefill(
+        self, request: pb.DecodeRequest, dst_block_ids: list[int] | None, grant: asyncio.Future | None
+    ) -> None:
+        """Ask the prefill worker to fill our reserved blocks (`dst_block_ids`, or `grant`'s result, sent
+        when our engine has reserved them); tell the engine how it went."""
         rid = request.request_id
         channel = self._channel(request.prefill_address)
-        call = pb_grpc.PrefillStub(channel).Prefill(
-            pb.PrefillRequest(
-                request_id=rid,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling=request.sampling,
-                cache_salt=request.cache_salt,
-                kv_descriptor=json.dumps(self.engine.info["kv_descriptor"]),
-                dst_block_ids=dst_block_ids,
-            ),
-            timeout=self.prefill_timeout_s,
-        )
+        call = pb_grpc.PrefillStub(channel).Prefill(timeout=self.prefill_timeout_s)
+        writer = asyncio.create_task(self._write_prefill(call, request, dst_block_ids, grant))
         trace.mark(rid, "dserver.call_prefill")
         first: pb.PrefillResponse | None = None
         kv_done = False
@@ -138,6 +150,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = f"prefill worker {request.prefill_address}: {exc.code().name}: {exc.details()}"
             self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
             return
+        finally:
+            writer.cancel()
         if first is None or not kv_done:
             reason = (
                 f"prefill worker {request.prefill_address} ended its reply before the KV transfer completed"
@@ -147,6 +161,30 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         trace.mark(rid, "dserver.prefill_reply")
         logprobs = logprobs_from_proto(first.first_logprobs) if first.HasField("first_logprobs") else None
         self.engine.send(("kv_done", rid, first.first_token_id, logprobs, first.num_cached_tokens))
+
+    async def _write_prefill(
+        self, call, request: pb.DecodeRequest, dst_block_ids: list[int] | None, grant: asyncio.Future | None
+    ) -> None:
+        """The Prefill call's requests: the prompt, then (when it went without them) the reserved blocks."""
+        rid = request.request_id
+        try:
+            await call.write(
+                pb.PrefillRequest(
+                    request_id=rid,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling=request.sampling,
+                    cache_salt=request.cache_salt,
+                    kv_descriptor=json.dumps(self.engine.info["kv_descriptor"]),
+                    dst_block_ids=dst_block_ids or [],
+                )
+            )
+            if grant is not None:
+                dst = await grant
+                trace.mark(rid, "dserver.grant")
+                await call.write(pb.PrefillRequest(request_id=rid, dst_block_ids=dst))
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            pass  # the call ended: the reading side reports how
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -150,6 +150,19 @@ class BlockManager:
             self.on_event("removed", removed)
         return True
 
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference on each block (in use or cached), so freeing its sequence keeps it; `release`
+        drops it. The prefill worker holds a finished prompt's blocks until they are sent."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
+            self._release(block_id)
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} freed twice"

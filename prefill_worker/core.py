@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -30,8 +31,13 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Job:
     descriptor: dict
-    dst_block_ids: list[int]
+    dst_block_ids: list[int] | None  # None: the decode worker's grant has not come yet
+    need: int  # blocks of the prompt
     error: str | None = None
+    # computed before the grant came: the held source blocks and the "prefilled" reply to send after them
+    parked: list[int] | None = None
+    reply: tuple | None = None
+    parked_at: float = 0.0
 
 
 class PrefillCore:
@@ -69,17 +75,22 @@ class PrefillCore:
         }
 
     def has_work(self) -> bool:
+        self._expire_parked()
         return bool(self.scheduler.has_unfinished() or self.outbox)
 
     def handle(self, msg: tuple) -> None:
         kind, rid = msg[0], msg[1]
         if kind == "prefill":
             self._add(rid, *msg[2:])
+        elif kind == "grant":
+            self._grant(rid, msg[2])
         elif kind == "abort":
             seq = self.scheduler.seqs.get(rid)
             if seq is not None:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            self.jobs.pop(rid, None)
+            job = self.jobs.pop(rid, None)
+            if job is not None and job.parked is not None:
+                self.blocks.release(job.parked)
         elif kind == "snapshot":
             self.outbox.append(("snapshot", rid, self.events.snapshot().to_bytes()))
         else:
@@ -100,7 +111,7 @@ class PrefillCore:
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:
             self.engine.validate(prompt_ids, first_only)
-            if len(dst_block_ids) != need:
+            if dst_block_ids and len(dst_block_ids) != need:
                 raise ValueError(
                     f"{len(prompt_ids)} prompt tokens need {need} blocks, got {len(dst_block_ids)}"
                 )
@@ -108,28 +119,31 @@ class PrefillCore:
         except ValueError as exc:
             self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
             return
-        self.jobs[rid] = _Job(descriptor, list(dst_block_ids))
+        self.jobs[rid] = _Job(descriptor, list(dst_block_ids) or None, need)
         self.scheduler.add(self.engine.make_sequence(rid, prompt_ids, first_only, 0, salt))
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():
             updated, logprobs = self.engine.step_core(after_run=self._ship)
             for seq in updated:
-                job = self.jobs.pop(seq.request_id, None)
+                job = self.jobs.get(seq.request_id)
                 if job is None:
                     continue
+                reply = (
+                    "prefilled",
+                    seq.request_id,
+                    seq.output_token_ids[-1],
+                    logprobs.get(seq.request_id),
+                    max(seq.num_cached_tokens, 0),
+                )
+                if job.parked is not None:  # waits for the grant; its blocks stay held
+                    job.reply = reply
+                    continue
+                del self.jobs[seq.request_id]
                 if job.error is not None:
                     self.outbox.append(("error", seq.request_id, "UNAVAILABLE", job.error))
                 else:
-                    self.outbox.append(
-                        (
-                            "prefilled",
-                            seq.request_id,
-                            seq.output_token_ids[-1],
-                            logprobs.get(seq.request_id),
-                            max(seq.num_cached_tokens, 0),
-                        )
-                    )
+                    self.outbox.append(reply)
         batch = self.events.flush()
         if batch is not None:
             self.outbox.append(("kv_events", "", batch.to_bytes()))
@@ -146,13 +160,57 @@ class PrefillCore:
             if self._send_now is not None and seq is not None and item.request_id in sampled:
                 token, logprobs = sampled[item.request_id]  # the decode worker streams it on now
                 self._send_now([("first", item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
-            trace.mark(item.request_id, "pcore.send")
-            try:
-                self._sender(job.descriptor).send(item.request_id, item.block_table, job.dst_block_ids)
-                trace.mark(item.request_id, "pcore.sent")
-            except KVTransferError as exc:
-                job.error = f"KV transfer to the decode worker failed: {exc}"
-                self._drop_sender(job.descriptor)
+            if job.error is not None:
+                continue  # a bad grant: fails when this step ends
+            if job.dst_block_ids is None:  # computed before the decode worker's grant: hold the blocks
+                job.parked, job.parked_at = list(item.block_table), time.monotonic()
+                self.blocks.hold(job.parked)
+                trace.mark(item.request_id, "pcore.parked")
+                continue
+            self._send(item.request_id, job, item.block_table, job.dst_block_ids)
+
+    def _send(self, rid: str, job: _Job, src: list[int], dst: list[int]) -> None:
+        trace.mark(rid, "pcore.send")
+        try:
+            self._sender(job.descriptor).send(rid, src, dst)
+            trace.mark(rid, "pcore.sent")
+        except KVTransferError as exc:
+            job.error = f"KV transfer to the decode worker failed: {exc}"
+            self._drop_sender(job.descriptor)
+
+    def _grant(self, rid: str, dst_block_ids: list[int]) -> None:
+        """The decode worker reserved the prompt's blocks: send now if the prompt is already computed."""
+        job = self.jobs.get(rid)
+        if job is None or job.dst_block_ids is not None or job.error is not None:
+            return  # aborted meanwhile, or granted already (the first grant stands)
+        dst = list(dst_block_ids)
+        if len(dst) != job.need:
+            job.error = f"the grant holds {len(dst)} blocks, the prompt needs {job.need}"
+        else:
+            job.dst_block_ids = dst
+        if job.parked is None:
+            return  # still computing: _ship sends (or fails) it when its forward pass ends
+        if job.error is None:
+            self._send(rid, job, job.parked, dst)
+        self._unpark(rid, job)
+
+    def _unpark(self, rid: str, job: _Job) -> None:
+        assert job.parked is not None
+        self.blocks.release(job.parked)
+        del self.jobs[rid]
+        if job.error is not None:
+            self.outbox.append(("error", rid, "UNAVAILABLE", job.error))
+        elif job.reply is not None:
+            self.outbox.append(job.reply)
+
+    def _expire_parked(self) -> None:
+        """A computed prompt whose grant never came: fail it and let its blocks go."""
+        now = time.monotonic()
+        for rid, job in list(self.jobs.items()):
+            waited = now - job.parked_at
+            if job.parked is not None and job.reply is not None and waited > self.config.kv_timeout_s:
+                job.error = f"the decode worker reserved no blocks within {self.config.kv_timeout_s:g} s"
+                self._unpark(rid, job)
 
     def _sender(self, descriptor: dict) -> KVSender:
         key = json.dumps(descriptor, sort_keys=True)

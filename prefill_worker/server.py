@@ -56,8 +56,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"snapshot failed: {msg[-1]}")
         return pb.KVEventsResponse(epoch=epoch, snapshot=msg[2])
 
-    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        """Streams the first token as soon as it is sampled, then {kv_done} once the KV is written."""
+    async def Prefill(self, requests, context: grpc.aio.ServicerContext):
+        """Reads the prompt (and later, when it came without them, the reserved blocks); streams the first
+        token as soon as it is sampled, then {kv_done} once the KV is written."""
+        try:
+            request = await anext(aiter(requests))
+        except StopAsyncIteration:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no PrefillRequest was sent")
+            raise AssertionError("abort raises") from None
         rid = request.request_id
         trace.mark(rid, "pserver.recv")
         try:
@@ -68,6 +74,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
         stream = self.engine.open(rid)
         done = False
+        grant = None if request.dst_block_ids else asyncio.create_task(self._forward_grant(rid, requests))
         try:
             self.engine.send(
                 (
@@ -98,9 +105,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     yield pb.PrefillResponse(kv_done=True)
                     return
         finally:
+            if grant is not None:
+                grant.cancel()
             if not done:
                 self.engine.send(("abort", rid))
             self.engine.close(rid)
+
+    async def _forward_grant(self, rid: str, requests) -> None:
+        """The caller's second message: the blocks it reserved, for a prompt that started without them."""
+        async for request in requests:
+            if request.dst_block_ids:
+                trace.mark(rid, "pserver.grant")
+                self.engine.send(("grant", rid, list(request.dst_block_ids)))
+                return
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:

@@ -296,7 +296,7 @@ class PrefillStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_stream(
+        self.Prefill = channel.stream_stream(
                 '/pdserve.v1.Prefill/Prefill',
                 request_serializer=protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.PrefillResponse.FromString,
@@ -316,11 +316,14 @@ class PrefillStub:
 class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Prefill(self, request, context):
+    def Prefill(self, request_iterator, context):
         """Compute the prompt's KV (reusing its prefix cache), write every block into the decode worker's
-        reserved blocks through kvtransfer. Two messages: the first token as soon as it is sampled (before
-        the blocks are written, so the decode worker can stream it on), then {kv_done: true} once every
-        block is in the decode worker's pool. An error status after the first message: the transfer failed.
+        reserved blocks through kvtransfer. The caller sends the prompt, with dst_block_ids when it has
+        reserved them already; otherwise the prefill starts at once and a second message carries only
+        dst_block_ids (the grant) when they are reserved: a prompt computed before it waits, its blocks held.
+        Replies: the first token as soon as it is sampled (before the blocks are written, so the decode
+        worker can stream it on), then {kv_done: true} once every block is in the decode worker's pool. An
+        error status after the first reply: the transfer failed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -343,7 +346,7 @@ class PrefillServicer:
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_stream_rpc_method_handler(
+            'Prefill': grpc.stream_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=protos_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.PrefillResponse.SerializeToString,
@@ -370,7 +373,7 @@ class Prefill:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Prefill(request,
+    def Prefill(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -380,8 +383,8 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pdserve.v1.Prefill/Prefill',
             protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,

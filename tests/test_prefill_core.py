@@ -1,0 +1,123 @@
+"""The prefill worker's engine-side core, driven directly (no gRPC, no engine process): a prompt that
+starts before the decode worker's grant is computed, its first token goes out mid-step, its blocks are
+held until the grant comes (or the request ends), and then they are sent exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import CacheConfig
+from engine.engine_core import EngineConfig
+from engine.sampling_params import SamplingParams
+from engine.worker_config import WorkerConfig
+from kvtransfer import create_receiver
+from prefill_worker.core import PrefillCore
+from tests.hf_reference import tiny_random_model_dir
+
+PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    model = tiny_random_model_dir(tmp_path)
+    config = EngineConfig(
+        model=str(model), device="cpu", dtype="float32", max_model_len=128,
+        cache=CacheConfig(cpu_kv_cache_space=0.01),
+    )  # fmt: skip
+    core = PrefillCore(WorkerConfig(engine=config, worker_id="prefill-test", kv_timeout_s=30.0))
+    sent_now: list[tuple] = []
+    core.bind(sent_now.extend)
+    decode_pool = torch.zeros_like(core.engine.runner.kv_cache)
+    receiver = create_receiver("tcp", decode_pool)
+    yield core, sent_now, receiver, decode_pool
+    receiver.close()
+    for sender in core.senders.values():
+        sender.close()
+
+
+def run_until_idle(core: PrefillCore) -> list[tuple]:
+    out: list[tuple] = []
+    for _ in range(10):
+        out += core.step()
+        if not core.has_work():
+            break
+    return [m for m in out if m[0] != "kv_events"]
+
+
+def start(core: PrefillCore, receiver, rid: str, dst: list[int]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8)
+    descriptor = json.dumps(receiver.descriptor())
+    core.handle(("prefill", rid, PROMPT, params, None, descriptor, dst))
+
+
+def test_grant_after_the_forward_pass_sends_the_held_blocks(setup) -> None:
+    core, sent_now, receiver, decode_pool = setup
+    free_before = core.blocks.num_free_blocks
+    start(core, receiver, "r1", [])  # no reservation yet: the prefill starts anyway
+    out = run_until_idle(core)
+    assert out == []  # nothing to report until the blocks are sent
+    assert [(m[0], m[1]) for m in sent_now] == [("first", "r1")]  # the first token left mid-step
+    held = core.jobs["r1"].parked
+    assert held is not None and len(held) == 3
+    assert all(core.blocks.blocks[b].ref_count == 1 for b in held)  # the finished sequence let go, we hold
+
+    dst = [7, 3, 11]
+    receiver.expect("r1", dst)
+    core.handle(("grant", "r1", dst))
+    out = run_until_idle(core)
+    assert [(m[0], m[1], m[2]) for m in out] == [("prefilled", "r1", sent_now[0][2])]
+    receiver.wait("r1", timeout=10)  # every byte arrived
+    source = core.engine.runner.kv_cache
+    assert torch.equal(decode_pool[:, :, dst], source[:, :, held])
+    assert "r1" not in core.jobs
+    assert core.blocks.num_free_blocks == free_before  # held blocks back (as prefix cache)
+
+
+def test_grant_before_the_forward_pass_sends_at_once(setup) -> None:
+    core, sent_now, receiver, decode_pool = setup
+    start(core, receiver, "r2", [])
+    receiver.expect("r2", [5, 6, 9])
+    core.handle(("grant", "r2", [5, 6, 9]))
+    out = run_until_idle(core)
+    assert [(m[0], m[1]) for m in out] == [("prefilled", "r2")]
+    receiver.wait("r2", timeout=10)
+    assert not any(b.ref_count for b in core.blocks.blocks)
+
+
+def test_bad_grant_fails_the_request_and_frees_its_blocks(setup) -> None:
+    core, _, receiver, _ = setup
+    start(core, receiver, "r3", [])
+    run_until_idle(core)
+    core.handle(("grant", "r3", [1, 2]))  # the prompt needs 3 blocks
+    out = run_until_idle(core)
+    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r3", "UNAVAILABLE")]
+    assert "needs 3" in out[0][3]
+    assert not any(b.ref_count for b in core.blocks.blocks)
+
+
+def test_abort_while_waiting_for_the_grant_releases_the_blocks(setup) -> None:
+    core, _, receiver, _ = setup
+    start(core, receiver, "r4", [])
+    run_until_idle(core)
+    assert core.jobs["r4"].parked
+    core.handle(("abort", "r4"))
+    assert "r4" not in core.jobs
+    assert not any(b.ref_count for b in core.blocks.blocks)
+    core.handle(("grant", "r4", [1, 2, 3]))  # a late grant for a forgotten request is ignored
+    assert run_until_idle(core) == []
+
+
+def test_a_grant_that_never_comes_times_out(setup) -> None:
+    core, _, receiver, _ = setup
+    core.config = dataclasses.replace(core.config, kv_timeout_s=0.0)
+    start(core, receiver, "r5", [])
+    out = run_until_idle(core)
+    out += run_until_idle(core)
+    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r5", "UNAVAILABLE")]
+    assert "reserved no blocks" in out[0][3]
+    assert not any(b.ref_count for b in core.blocks.blocks)
