@@ -234,15 +234,10 @@ def sweep(log, seconds: float) -> list[dict]:
     def tiles(ns, ws, ss):
         return [{"block_n": n, "num_warps": w, "num_stages": s} for n, w, s in product(ns, ws, ss)]
 
-    plan = [
-        (
-            "llama3-8b",
-            1,
-            32768,
-            [{**c, "merge_splits": m} for c in tiles((64,), (2, 4), (2,)) for m in (8, 16, 32)],
-            (None, 32, 48, 96),
-        ),
-        ("llama3-8b", 64, 4096, tiles((64, 128), (2, 4), (2, 3)), (None, 2)),
+    plan = [  # the goal shapes first; 32-key tiles (more programs resident per SM) were not tried before
+        ("llama3-8b", 64, 4096, tiles((32, 64), (1, 2, 4), (2, 3, 4)), (None,)),
+        ("llama3-8b", 1, 32768, tiles((32, 64), (1, 2, 4), (2, 3)), (None, 96, 128)),
+        ("llama3-8b", 64, 4096, tiles((128,), (2, 4), (2, 3)), (None, 2)),
         ("llama3-8b", 256, 1024, tiles((32, 64), (1, 2), (2, 3)), (None,)),
         ("smollm2", 64, 4096, tiles((64, 128), (2, 4), (2, 3)), (None, 4, 6)),
         ("smollm2", 256, 1024, tiles((32, 64, 128), (2, 4), (2, 3)), (None,)),

@@ -26,6 +26,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.engine = engine
         self.prefill_timeout_s = prefill_timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # blocks of prefills started ahead whose reservation the engine has not reported yet
+        self._promised = 0
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -56,7 +58,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 bool(request.prefill_address),
             )
         )
-        if self._speculate(request):  # the prefill starts now; the blocks our engine reserves follow
+        promised = self._speculate(request)
+        if promised:  # the prefill starts now; the blocks our engine reserves follow
+            self._promised += promised
             grant = asyncio.get_running_loop().create_future()
             prefill = asyncio.create_task(self._prefill(request, None, grant))
         try:
@@ -66,6 +70,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if trace.enabled:
                     trace.mark(rid, f"dserver.got_{kind}")
                 if kind == "prefill" and grant is not None:  # the blocks for the prefill already running
+                    self._promised, promised = self._promised - promised, 0
                     if not grant.done():
                         grant.set_result(msg[2])
                 elif kind == "prefill":
@@ -97,22 +102,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     finished = True
                     await context.abort(STATUS[msg[2]], msg[3])
         finally:
+            self._promised -= promised
             if not finished:  # cancelled by the caller, or this server is stopping
                 self.engine.send(("abort", rid))
             if prefill is not None and not prefill.done():
                 prefill.cancel()
             self.engine.close(rid)
 
-    def _speculate(self, request: pb.DecodeRequest) -> bool:
+    def _speculate(self, request: pb.DecodeRequest) -> int:
         """Start the prefill before our engine has reserved the prompt's blocks (they follow as a grant)
-        when its last load report says they can be reserved at once: the decode-side admission (two hops
+        when its last load report says they can be reserved at once, counting the blocks promised to
+        other such prefills whose reservation has not shown yet: the decode-side admission (two hops
         through the engine process, ~2 ms at 4096 tokens on the H200 host) then overlaps the prefill
-        instead of preceding it. Otherwise, or for prompts prefilled here, the prefill waits for them."""
+        instead of preceding it. Returns the blocks promised (0: no; the prefill waits for the
+        reservation, as it does for prompts prefilled here)."""
         n, info, load = len(request.prompt_token_ids), self.engine.info, self.engine.load
         if not request.prefill_address or n <= info.get("local_prefill_threshold", 0):
-            return False
+            return 0
         need = -(-n // info["block_size"])
-        return load.get("num_waiting", 1) == 0 and load.get("num_free_blocks", 0) >= 2 * need
+        free = load.get("num_free_blocks", 0) - self._promised
+        return need if load.get("num_waiting", 1) == 0 and free >= 2 * need else 0
 
     async def _prefill(
         self, request: pb.DecodeRequest, dst_block_ids: list[int] | None, grant: asyncio.Future | None

@@ -196,6 +196,7 @@ class CudaIpcKVSender(KVSender):
         self._ch = Channel.greet(host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict()})
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        trace.mark(request_id, "kv.send")
         check_pair(src_block_ids, dst_block_ids)
         self._layout.check_ids(src_block_ids, "source")
         self._remote_layout.check_ids(dst_block_ids, "destination")
@@ -207,12 +208,13 @@ class CudaIpcKVSender(KVSender):
             try:
                 begin = {"request_id": request_id, "dst": pack_ids(dst), "nbytes": nbytes}
                 self._ch.send(Kind.BEGIN, begin)
+                trace.mark(request_id, "kv.begin_sent")
                 staged, error = self._prestage(src, dst)  # local work while the receiver answers
                 trace.mark(request_id, "kv.prestaged")
                 reply = self._ch.expect(Kind.READY)
                 trace.mark(request_id, "kv.ready")
                 if "error" not in reply:  # refused: nothing was written, the connection stays usable
-                    error = error or self._copy(src, dst, staged)
+                    error = error or self._copy(request_id, src, dst, staged)
                     trace.mark(request_id, "kv.copied")
                     self._ch.send(Kind.DONE, {"request_id": request_id, "nbytes": nbytes, **error})
                     reply = self._ch.expect(Kind.ACK)
@@ -239,12 +241,13 @@ class CudaIpcKVSender(KVSender):
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
 
-    def _copy(self, src: list[int], dst: list[int], staged: torch.Tensor | None) -> dict[str, str]:
+    def _copy(self, rid: str, src: list[int], dst: list[int], staged: torch.Tensor | None) -> dict[str, str]:
         """Write the mapped pool on the transfer stream and wait for it; {} or {"error": why}."""
         try:
             with torch.cuda.stream(self._stream):
                 if self._remote.device == self._pool.device:
                     copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
+                    trace.mark(rid, "kv.launched")
                 else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
                     assert staged is not None
                     scatter(self._remote, dst, staged.to(self._remote.device))
