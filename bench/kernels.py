@@ -234,7 +234,10 @@ def sweep(log, seconds: float) -> list[dict]:
     def tiles(ns, ws, ss):
         return [{"block_n": n, "num_warps": w, "num_stages": s} for n, w, s in product(ns, ws, ss)]
 
-    plan = [  # the goal shapes first; 32-key tiles (more programs resident per SM) were not tried before
+    plan = [  # the goal shapes first: unpipelined tiles (no shared-memory stages: more programs per SM),
+        # then 32-key tiles (kernels_sweep_32key_tiles.json: none better)
+        ("llama3-8b", 64, 4096, tiles((64, 32), (2, 4, 8), (1,)), (None,)),
+        ("llama3-8b", 1, 32768, tiles((64, 32), (2, 4), (1,)), (None,)),
         ("llama3-8b", 64, 4096, tiles((32, 64), (1, 2, 4), (2, 3, 4)), (None,)),
         ("llama3-8b", 1, 32768, tiles((32, 64), (1, 2, 4), (2, 3)), (None, 96, 128)),
         ("llama3-8b", 64, 4096, tiles((128,), (2, 4), (2, 3)), (None, 2)),
