@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 from tests.cluster import collect, greedy_request, start_cluster
 from tests.hf_reference import hf_greedy
 
@@ -154,6 +155,55 @@ def test_cancelled_stream_frees_blocks_everywhere(tcp_1x1, prompts):
             break
     assert got == 3
     tcp_1x1.wait_all_blocks_free(timeout=10)
+
+
+class _FailingPrefill(pb_grpc.PrefillServicer):
+    """A prefill worker whose KV transfer fails after it has sent the first token."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.PrefillRequest] = []
+
+    def Prefill(self, request_iterator, context):
+        self.requests.append(next(request_iterator))
+        yield pb.PrefillResponse(first_token_id=42, num_cached_tokens=0)
+        self.requests.extend(request_iterator)  # the grant, when the prompt came without blocks
+        context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the KV transfer failed")
+
+
+def test_transfer_failure_after_the_first_token_ends_the_stream_and_frees_blocks(tcp_1x1, prompts):
+    """The first token is streamed as soon as the prefill worker samples it, before the KV transfer; a
+    transfer that then fails ends the stream with UNAVAILABLE (one correct token, then the error) and
+    the decode worker frees the prompt's blocks."""
+    fake = _FailingPrefill()
+    server = grpc.server(ThreadPoolExecutor(2))
+    pb_grpc.add_PrefillServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        decode = next(w for w in tcp_1x1.workers if w["role"] == "decode")
+        with grpc.insecure_channel(decode["address"]) as ch:
+            call = pb_grpc.DecodeStub(ch).Generate(
+                pb.DecodeRequest(
+                    request_id="fails-after-first",
+                    prompt_token_ids=prompts[-1],
+                    sampling=pb.SamplingParams(temperature=0, max_tokens=20),
+                    prefill_address=f"127.0.0.1:{port}",
+                ),
+                timeout=30,
+            )
+            chunks = []
+            with pytest.raises(grpc.RpcError) as err:
+                for chunk in call:
+                    chunks.append(chunk)
+        assert [list(c.token_ids) for c in chunks] == [[42]]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "injected" in err.value.details()
+        need = -(-len(prompts[-1]) // 16)
+        blocks = [list(r.dst_block_ids) for r in fake.requests if r.dst_block_ids]
+        assert len(blocks) == 1 and len(blocks[0]) == need  # reserved blocks, granted once
+        tcp_1x1.wait_all_blocks_free(timeout=10)
+    finally:
+        server.stop(0)
 
 
 def test_gloo_2x2_matches_transformers(gloo_2x2, prompts, expected):
