@@ -52,6 +52,9 @@ def run_stack(
     """Start the cluster, then serve the gateway in this process until interrupted; stop the cluster after."""
     from gateway.cli import cmd_gateway
 
+    # SIGTERM must end in `finally` too: uvicorn catches it, shuts the gateway down, then raises it
+    # again under the handler it found, which by default kills this process before the cluster is stopped
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     proc, router = start_cluster(prefill, decode, router_port, list(extra or []))
     try:
         args = argparse.Namespace(
@@ -60,6 +63,11 @@ def run_stack(
         return cmd_gateway(args)
     finally:
         stop(proc)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
