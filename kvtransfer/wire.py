@@ -187,8 +187,8 @@ class ControlServer:
     def _serve(self, ch: Channel) -> None:
         try:
             self._handler(ch)
-        except KVTransferError:
-            pass  # the handler failed its request already; the peer is gone or misbehaved
+        except (KVTransferError, OSError):
+            pass  # the handler failed its request already; the peer is gone or misbehaved, or close() shut the socket
         finally:
             with self._lock:
                 self._channels.discard(ch)

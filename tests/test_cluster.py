@@ -226,11 +226,18 @@ def test_killed_decode_worker_ends_stream_unavailable_and_cluster_serves_on(gloo
     call = stub.Generate(greedy_request(prompts[-1], 500, ignore_eos=True))
     first = next(iter(call))
     assert first.token_ids
-    busy = [
-        w
-        for w, load in zip([w for w in gloo_2x2.workers], gloo_2x2.loads())
-        if load.role == "decode" and load.num_running > 0
-    ]
+    # the first token is streamed as soon as the prefill worker samples it, which can be before the decode
+    # worker's next load report (every 0.1 s) counts the request: wait for that report
+    deadline = time.monotonic() + 5.0
+    while True:
+        busy = [
+            w
+            for w, load in zip([w for w in gloo_2x2.workers], gloo_2x2.loads())
+            if load.role == "decode" and load.num_running > 0
+        ]
+        if busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert len(busy) == 1
     os.kill(busy[0]["pid"], signal.SIGKILL)
     t0 = time.monotonic()
