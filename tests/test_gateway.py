@@ -217,7 +217,10 @@ def test_disconnect_mid_stream_frees_blocks(stack):
             events += line.startswith("data:")
             if events == 3:
                 break
-        assert any(load.num_running for load in stack.cluster.loads())  # still generating
+        deadline = time.monotonic() + 5.0  # still generating (as soon as a 0.1 s load report says so)
+        while not any(load.num_running for load in stack.cluster.loads()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(load.num_running for load in stack.cluster.loads())
     # the connection is closed here
     stack.cluster.wait_all_blocks_free(timeout=15)  # 900 tokens would take far longer on 2 cores
 
