@@ -135,7 +135,10 @@ _uploaders_lock = threading.Lock()
 
 
 def upload_ids(src_ids: Sequence[int], dst_ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    """(src_ids, dst_ids) as one int32 tensor on `device`, queued on the current stream (IdUploader)."""
+    """(src_ids, dst_ids) as one int32 tensor [src..., dst...] on `device`: on CUDA queued on the current
+    stream (IdUploader); on CPU (the kernel under TRITON_INTERPRET) a plain tensor."""
+    if device.type != "cuda":
+        return torch.tensor([*src_ids, *dst_ids], dtype=torch.int32)
     stream = torch.cuda.current_stream(device)
     key = (stream.device_index, stream.cuda_stream)
     with _uploaders_lock:
@@ -156,10 +159,7 @@ def kv_block_copy(
     src_pool: torch.Tensor, src_ids: Sequence[int], dst_pool: torch.Tensor, dst_ids: Sequence[int]
 ) -> None:
     if _backend.use_triton(src_pool):
-        if src_pool.is_cuda:
-            ids = upload_ids(src_ids, dst_ids, src_pool.device)
-        else:  # TRITON_INTERPRET on CPU
-            ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32)
+        ids = upload_ids(src_ids, dst_ids, src_pool.device)
         n = len(src_ids)
         kv_block_copy_triton(src_pool, ids[:n], dst_pool, ids[n:])
     else:

@@ -184,10 +184,7 @@ def copy_blocks(
 
         n = len(src_ids)
         if device_ids is None:
-            if src_pool.is_cuda:
-                device_ids = upload_ids(src_ids, dst_ids, src_pool.device)
-            else:  # TRITON_INTERPRET on CPU
-                device_ids = torch.tensor([*src_ids, *dst_ids], dtype=torch.int32)
+            device_ids = upload_ids(src_ids, dst_ids, src_pool.device)
         kv_block_copy_triton(src_pool, device_ids[:n], dst_pool, device_ids[n : 2 * n])
         return
     src_runs, dst_runs = runs(src_ids), runs(dst_ids)

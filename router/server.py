@@ -291,21 +291,21 @@ class RouterServicer(pb_grpc.RouterServicer):
         assert self.router is not None and decision.decode_worker is not None
         sampling = params_to_proto(child)
         sampling.n = 1
+        by_ids = request.WhichOneof("prompt") == "token_ids"
+        as_list = prompt_ids.tolist() if self.tokenizer or not by_ids else None  # once, where it is needed
         trace.mark(sub_id, "router.call_decode")
         call = pb_grpc.DecodeStub(self.channels[decision.decode_worker]).Generate(
             pb.DecodeRequest(
                 request_id=sub_id,
                 # a proto's repeated field copies in ~1 us; from an array it would take ~250
-                prompt_token_ids=request.token_ids.ids
-                if request.WhichOneof("prompt") == "token_ids"
-                else prompt_ids.tolist(),
+                prompt_token_ids=request.token_ids.ids if by_ids else as_list,
                 sampling=sampling,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 prefill_address=decision.prefill_worker,
             )
         )
-        text = TextStream(self.tokenizer, prompt_ids.tolist(), child) if self.tokenizer else None
+        text = TextStream(self.tokenizer, as_list or [], child) if self.tokenizer else None
         shown, first = 0, True
         try:
             async for chunk in call:

@@ -164,3 +164,17 @@ def _tiny_merges(vocab: dict[str, int], size: int) -> list[tuple[str, str]]:
                 vocab[piece + ch] = len(vocab)
             piece += ch
     raise AssertionError("not enough merges for the tiny vocabulary")
+
+
+def tiny_worker_config(tmp_path: Path, worker_id: str, **kwargs):
+    """A worker config (engine/worker_config.py) over tiny_random_model_dir on CPU, fp32, a small pool:
+    for driving a worker's engine-side core directly."""
+    from engine.config import CacheConfig
+    from engine.engine_core import EngineConfig
+    from engine.worker_config import WorkerConfig
+
+    engine = EngineConfig(
+        model=str(tiny_random_model_dir(tmp_path)), device="cpu", dtype="float32", max_model_len=128,
+        cache=CacheConfig(cpu_kv_cache_space=0.01),
+    )  # fmt: skip
+    return WorkerConfig(engine=engine, worker_id=worker_id, **kwargs)

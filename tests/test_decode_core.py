@@ -9,22 +9,14 @@ import pytest
 import torch
 
 from decode_worker.core import DecodeCore
-from engine.config import CacheConfig
-from engine.engine_core import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.worker_config import WorkerConfig
 from kvtransfer import connect
-from tests.hf_reference import tiny_random_model_dir
+from tests.hf_reference import tiny_worker_config
 
 
 @pytest.fixture
 def core(tmp_path: Path):
-    model = tiny_random_model_dir(tmp_path)
-    config = EngineConfig(
-        model=str(model), device="cpu", dtype="float32", max_model_len=128,
-        cache=CacheConfig(cpu_kv_cache_space=0.01),
-    )  # fmt: skip
-    core = DecodeCore(WorkerConfig(engine=config, worker_id="decode-test"))
+    core = DecodeCore(tiny_worker_config(tmp_path, "decode-test"))
     yield core
     core.receiver.close()
 

@@ -11,25 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import CacheConfig
-from engine.engine_core import EngineConfig
 from engine.sampling_params import SamplingParams
-from engine.worker_config import WorkerConfig
 from kvtransfer import create_receiver
 from prefill_worker.core import PrefillCore
-from tests.hf_reference import tiny_random_model_dir
+from tests.hf_reference import tiny_worker_config
 
 PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
 
 
 @pytest.fixture
 def setup(tmp_path: Path):
-    model = tiny_random_model_dir(tmp_path)
-    config = EngineConfig(
-        model=str(model), device="cpu", dtype="float32", max_model_len=128,
-        cache=CacheConfig(cpu_kv_cache_space=0.01),
-    )  # fmt: skip
-    core = PrefillCore(WorkerConfig(engine=config, worker_id="prefill-test", kv_timeout_s=30.0))
+    core = PrefillCore(tiny_worker_config(tmp_path, "prefill-test", kv_timeout_s=30.0))
     sent_now: list[tuple] = []
     core.bind(sent_now.extend)
     decode_pool = torch.zeros_like(core.engine.runner.kv_cache)
