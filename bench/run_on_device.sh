@@ -32,7 +32,7 @@ step tests_kernels_kv 200 python3 -m pytest tests/gpu/test_kernels_gpu.py tests/
 step bench_kernels 200 python3 -m bench.kernels --out-dir "$OUT/k" --sweep "${SWEEP_S:-35}"
 # TRACE_KV=1: the sender's stage marks (kvtransfer/cuda_ipc.py); they cost time, so not for records
 [ -n "${TRACE_KV:-}" ] && export PDSERVE_TRACE="$OUT/kv/trace"
-step bench_kv 150 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep --tcp-reps 1
+step bench_kv 240 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep --tcp-reps 1
 unset PDSERVE_TRACE
 [ -n "${TRACE_KV:-}" ] && wanted bench_kv && python3 -m bench.trace_report "$OUT/kv/trace" > "$OUT/kv/trace_report.txt" 2>&1
 step tests_engine_disagg 200 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider

@@ -40,18 +40,27 @@ class KVSender(abc.ABC):
     (one transfer at a time per pair, in call order). Use one sender per decode worker.
 
     Ownership: the sender reads `local_pool` (the prefill worker's pool, passed to `connect`) and never
-    writes it; the caller keeps the source blocks unchanged until `send` returns. On CUDA, `send` orders
-    itself after the work already queued on the caller's current stream (the forward pass that wrote
-    the blocks). The sender owns its sockets / process group / mapped memory; `close` releases them.
+    writes it. On CUDA, `send` orders itself after the work already queued on the caller's current
+    stream (the forward pass that wrote the blocks). The caller keeps the source blocks unchanged until
+    `send` returns, and calls `order_compute` before work on its stream may rewrite them (a sender
+    whose `send` only queues the copy makes that work wait for it). The sender owns its sockets / process group / mapped memory; `close`
+    (which lets a transfer in flight finish) releases them.
 
-    Failure: any failure (peer gone, refused request, bad block ids, timeout) raises KVTransferError,
-    and then the receiver never reports the request complete. After a failure the sender may be
-    unusable: close it and `connect` again.
+    Failure: a failure seen before `send` returns (peer gone, refused request, bad block ids, timeout)
+    raises KVTransferError; one seen after it (an asynchronous sender's copy or DONE) only reaches the
+    receiver. Either way the receiver never reports the request complete. After a failure the sender
+    may be unusable: close it and `connect` again.
     """
 
     @abc.abstractmethod
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
-        """Copy the blocks; returns after the receiver has confirmed every byte arrived."""
+        """Move the blocks. Returns once every byte arrived (the receiver confirmed it), or, for a sender
+        that only queues the copy (cuda_ipc), once it is queued: its own thread then tells the receiver."""
+
+    def order_compute(self) -> None:
+        """Make the caller's current stream wait for the copies sent so far (before it may rewrite
+        their source blocks). A no-op for a sender whose `send` returns after the copy."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -3,19 +3,22 @@
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
 prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
 its own stream (layout.copy_blocks: the one-pass block-copy kernel, its block ids uploaded while the
-receiver's READY is on its way), synchronises, and tells the receiver over a small TCP control channel:
+receiver's READY is on its way). `send` returns once the copy is queued (behind the caller's stream),
+so the prefill worker's loop goes on to its next step while the copy runs; a completion thread waits
+for the copy and tells the receiver:
 
     sender                                      receiver (thread per connection)
     HELLO {layout}                   ->         check layout
                                      <-  WELCOME
     BEGIN {request_id, dst, nbytes}  ->         begin(): only announced blocks, only once
                                      <-  READY  (or a refusal: nothing is written)
-    copy on the transfer stream, event sync
-    DONE {request_id, nbytes}        ->         finish(): length check
-                                     <-  ACK
+    copy queued on the transfer stream; send() returns
+    (completion thread: event sync)
+    DONE {request_id, nbytes}        ->         finish(): length check; the request is complete
 
-`dst` travels packed (wire.pack_ids). A sender that dies between READY and DONE closes the control
-socket: the request fails.
+`dst` travels packed (wire.pack_ids). The next BEGIN on a connection waits for the previous DONE. A
+sender that dies between READY and DONE closes the control socket: the request fails. A failure the
+receiver finds after DONE fails the request on the decode side (the decode worker reports it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import base64
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -165,8 +169,17 @@ class CudaIpcKVReceiver(TableReceiver):
         error = done.get("error")
         if error is None and (done.get("request_id") != rid or done.get("nbytes") != nbytes):
             error = f"sender reported {done.get('nbytes')} bytes for {done.get('request_id')!r}"
-        error = self.finish(rid, error)
-        ch.send(Kind.ACK, {"request_id": rid, **({"error": error} if error else {})})
+        self.finish(rid, error)
+
+
+@dataclass
+class _InFlight:
+    """A queued copy whose DONE is not out yet."""
+
+    request_id: str
+    nbytes: int
+    copied: torch.cuda.Event  # recorded after the copy on the stream that ran it
+    keep: torch.Tensor | None  # staging the copy still reads (cross-GPU path)
 
 
 class CudaIpcKVSender(KVSender):
@@ -191,9 +204,13 @@ class CudaIpcKVSender(KVSender):
             raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
         self._pool = local_pool
         self._stream = torch.cuda.Stream(local_pool.device)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._in_flight: _InFlight | None = None  # at most one per connection (the receiver's order)
         self._broken: str | None = None
+        self._closing = False
         self._ch = Channel.greet(host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict()})
+        self._completer = threading.Thread(target=self._complete, name="kv-cuda-ipc-done", daemon=True)
+        self._completer.start()
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         trace.mark(request_id, "kv.send")
@@ -202,9 +219,11 @@ class CudaIpcKVSender(KVSender):
         self._remote_layout.check_ids(dst_block_ids, "destination")
         nbytes = len(src_block_ids) * self._layout.block_nbytes
         src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
-        with self._lock:
-            if self._broken:
-                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
+        queued: _InFlight | None = None
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight is None)  # the previous DONE is out
+            if self._broken or self._closing:
+                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken or 'closed'}")
             try:
                 begin = {"request_id": request_id, "dst": pack_ids(dst), "nbytes": nbytes}
                 self._ch.send(Kind.BEGIN, begin)
@@ -213,19 +232,23 @@ class CudaIpcKVSender(KVSender):
                 trace.mark(request_id, "kv.prestaged")
                 reply = self._ch.expect(Kind.READY)
                 trace.mark(request_id, "kv.ready")
-                if "error" not in reply:  # refused: nothing was written, the connection stays usable
-                    error = error or self._copy(request_id, src, dst, staged)
-                    trace.mark(request_id, "kv.copied")
+                refused = reply.get("error")  # then nothing was written and the connection stays usable
+                if refused is None and not error:
+                    queued, error = self._copy(request_id, nbytes, src, dst, staged)
+                if refused is None and error:
                     self._ch.send(Kind.DONE, {"request_id": request_id, "nbytes": nbytes, **error})
-                    reply = self._ch.expect(Kind.ACK)
-                    trace.mark(request_id, "kv.acked")
             except KVTransferError as e:
                 self._broken = str(e)
                 raise
-        if "error" in reply and "error" not in error:
-            raise KVTransferError(f"kv receiver refused request {request_id!r}: {reply['error']}")
-        if error:
-            raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
+            if refused is not None:
+                raise KVTransferError(f"kv receiver refused request {request_id!r}: {refused}")
+            if error:
+                raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
+            self._in_flight = queued
+            self._cond.notify_all()
+
+    def order_compute(self) -> None:
+        torch.cuda.current_stream(self._pool.device).wait_stream(self._stream)
 
     def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
         """Work that needs no grant, done while READY is on its way: on one GPU, the block ids go up to it
@@ -241,22 +264,59 @@ class CudaIpcKVSender(KVSender):
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
 
-    def _copy(self, rid: str, src: list[int], dst: list[int], staged: torch.Tensor | None) -> dict[str, str]:
-        """Write the mapped pool on the transfer stream and wait for it; {} or {"error": why}."""
+    def _copy(
+        self, rid: str, nbytes: int, src: list[int], dst: list[int], staged: torch.Tensor | None
+    ) -> tuple[_InFlight | None, dict[str, str]]:
+        """Queue the write of the mapped pool: (the copy in flight, {}) or (None, {"error": why})."""
+        copied = torch.cuda.Event()
         try:
             with torch.cuda.stream(self._stream):
                 if self._remote.device == self._pool.device:
                     copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
+                    copied.record(self._stream)
                     trace.mark(rid, "kv.launched")
-                else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
-                    assert staged is not None
-                    scatter(self._remote, dst, staged.to(self._remote.device))
-                    torch.cuda.synchronize(self._remote.device)
-            self._stream.synchronize()
-            return {}
+                    return _InFlight(rid, nbytes, copied, staged), {}
+                # the decode pool is on another GPU of this host: peer copy, then scatter there
+                assert staged is not None
+                peer = staged.to(self._remote.device)
+                scatter(self._remote, dst, peer)
+                copied.record(torch.cuda.current_stream(self._remote.device))
+                return _InFlight(rid, nbytes, copied, peer), {}
         except RuntimeError as e:
-            return {"error": f"{type(e).__name__}: {e}"}
+            return None, {"error": f"{type(e).__name__}: {e}"}
+
+    def _complete(self) -> None:
+        """The completion thread: wait for each queued copy, then send its DONE."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._in_flight is not None or self._closing)
+                item = self._in_flight
+                if item is None:
+                    return
+            done: dict[str, Any] = {"request_id": item.request_id, "nbytes": item.nbytes}
+            try:
+                item.copied.synchronize()  # releases the GIL
+            except RuntimeError as e:
+                done["error"] = f"{type(e).__name__}: {e}"
+            trace.mark(item.request_id, "kv.copied")
+            try:
+                self._ch.send(Kind.DONE, done)
+            except KVTransferError as e:  # the receiver fails the request when the socket drops
+                with self._cond:
+                    self._broken = str(e)
+            trace.mark(item.request_id, "kv.done_sent")
+            with self._cond:
+                self._in_flight = None
+                self._cond.notify_all()
 
     def close(self) -> None:
+        """Waits for the copy in flight (its DONE goes out), then closes the connection."""
+        with self._cond:
+            if self._closing:
+                return
+            self._cond.wait_for(lambda: self._in_flight is None, timeout=IO_TIMEOUT_S)
+            self._closing = True
+            self._cond.notify_all()
+        self._completer.join(timeout=IO_TIMEOUT_S)
         self._ch.close()
         self._remote = None  # type: ignore[assignment]

@@ -67,6 +67,21 @@ def dying_prefill_main(descriptor: dict, q: Any) -> None:
     os._exit(1)
 
 
+def reusing_prefill_main(descriptor: dict, q: Any) -> None:
+    """Send blocks whose forward pass still runs, then rewrite them on the same stream after
+    order_compute(): the receiver must get them as they were when the forward pass ended."""
+    use("cuda:0")
+    pool = make_pool(PREFILL_BLOCKS, 5, "cuda:0")
+    with connect(descriptor, pool) as sender:
+        torch.cuda._sleep(100_000_000)  # the "forward pass": tens of ms, still running when send returns
+        pool[:, :, :40] += 1  # ...which writes the blocks last
+        sender.send("reuse", list(range(40)), list(range(100, 140)))
+        sender.order_compute()
+        pool.zero_()  # the next step's forward pass: must not start before the copy has read them
+        torch.cuda.synchronize()
+    q.put("sent")
+
+
 def block_nbytes() -> int:
     return LAYERS * 2 * BLOCK * HEADS * DIM * 2
 
@@ -115,7 +130,7 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str) -> 
         proc.start()
         outcomes = collect(q, len(jobs), proc)
         for rid, _, _ in jobs:
-            receiver.wait(rid, timeout=5)  # send() returned: the receiver already knows
+            receiver.wait(rid, timeout=5)  # send() returned: the copy is at least queued
         proc.join(30)
     assert all(err is None for err in outcomes.values()), outcomes
     source = make_pool(PREFILL_BLOCKS, 5, decode_device)
@@ -147,6 +162,20 @@ def test_cuda_ipc_sender_dies_mid_transfer() -> None:
             receiver.wait("doomed", timeout=20)
         assert time.monotonic() - t0 < 5
         proc.join(30)
+
+
+def test_cuda_ipc_copy_follows_the_forward_and_precedes_the_rewrite() -> None:
+    pool = make_pool(DECODE_BLOCKS, 100, "cuda:0")
+    q = SPAWN.Queue()
+    with create_receiver("cuda_ipc", pool) as receiver:
+        receiver.expect("reuse", list(range(100, 140)))
+        proc = SPAWN.Process(target=reusing_prefill_main, args=(receiver.descriptor(), q))
+        proc.start()
+        assert q.get(timeout=120) == "sent"
+        receiver.wait("reuse", timeout=20)
+        proc.join(30)
+    expected = make_pool(PREFILL_BLOCKS, 5, "cuda:0")[:, :, :40] + 1
+    assert torch.equal(pool[:, :, 100:140], expected)
 
 
 @pytest.mark.skipif(
