@@ -22,6 +22,7 @@ import torch
 
 from engine import trace
 from engine.engine_core import EngineCore
+from engine.engine_proc import id_list
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.worker_config import WorkerConfig
@@ -82,14 +83,14 @@ class DecodeCore:
     def _add(
         self,
         rid: str,
-        prompt_ids: list[int],
+        prompt_ids: np.ndarray | list[int],
         params: SamplingParams,
         priority: int,
         salt: str | None,
         remote: bool,
     ) -> None:
         trace.mark(rid, "dcore.add")
-        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
+        prompt_ids = id_list(prompt_ids)
         try:
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:

@@ -28,8 +28,10 @@ import pickle
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from engine import trace
 
@@ -37,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.25
 _LOAD_EVERY_S = 0.1
+
+
+def id_list(ids: np.ndarray | Sequence[int]) -> list[int]:
+    """A message's token ids (the servers send int arrays) as the engine's list of ints."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
 def _child_main(core_path: str, config: Any, conn: Any) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from engine import trace
 from engine.engine_core import EngineCore
+from engine.engine_proc import id_list
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SequenceStatus
@@ -99,14 +100,14 @@ class PrefillCore:
     def _add(
         self,
         rid: str,
-        prompt_ids: list[int],
+        prompt_ids: np.ndarray | list[int],
         params: SamplingParams,
         salt: str | None,
         descriptor_json: str,
         dst_block_ids: list[int],
     ) -> None:
         trace.mark(rid, "pcore.add")
-        prompt_ids = prompt_ids.tolist() if isinstance(prompt_ids, np.ndarray) else list(prompt_ids)
+        prompt_ids = id_list(prompt_ids)
         first_only = dataclasses.replace(params, n=1, max_tokens=1, stop=None, ignore_eos=True)
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:

@@ -204,9 +204,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         return prompt_ids, params
 
     def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
+        """A text or chat prompt's token ids (token_ids prompts never come here)."""
         which = request.WhichOneof("prompt")
-        if which == "token_ids":
-            return list(request.token_ids.ids)
         if which is None:
             raise ValueError("the request has no prompt: set text, chat or token_ids")
         if self.tokenizer is None:
