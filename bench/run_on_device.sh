@@ -29,7 +29,7 @@ step() {  # step NAME SECONDS COMMAND...: bounded, logged, timed; skipped unless
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 step tests_kernels_kv 200 python3 -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_kvtransfer_gpu.py -q $XDIST -rfE -p no:cacheprovider
-step bench_kernels 200 python3 -m bench.kernels --out-dir "$OUT/k" --sweep "${SWEEP_S:-35}"
+step bench_kernels 320 python3 -m bench.kernels --out-dir "$OUT/k" --sweep "${SWEEP_S:-35}"
 # TRACE_KV=1: the sender's stage marks (kvtransfer/cuda_ipc.py); they cost time, so not for records
 [ -n "${TRACE_KV:-}" ] && export PDSERVE_TRACE="$OUT/kv/trace"
 step bench_kv 240 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep --tcp-reps 1
