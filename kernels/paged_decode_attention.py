@@ -36,9 +36,6 @@ FUSED_MERGE = False
 # needs launch_pdl): on the H200 it saved 0.3 us at Llama-3-8B 1 x 32k and 0.7 us at SmolLM2 1 x 32k
 # (39.3 vs 39.6, 14.7 vs 15.4 us, same run, third session).
 PDL = True
-# config["kv_eviction"] unless given: the L2 eviction hint on K/V loads ("" = none, "evict_first": each
-# K/V row is read once per call, so it need not stay in L2)
-KV_EVICTION = ""
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
 
 
@@ -54,7 +51,7 @@ def _decode_tile(
     acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
     stride_c_kv, stride_c_block, stride_c_off,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_EVICTION: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys n0 .. n0 + BLOCK_N (MASKED: some are >= end)."""
     pos = n0 + tl.arange(0, BLOCK_N)
@@ -66,11 +63,11 @@ def _decode_tile(
     k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
     if MASKED or BLOCK_D != HEAD_DIM:
         kv_mask = (pos < end)[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
-        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0, eviction_policy=KV_EVICTION)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
     else:
-        k = tl.load(k_ptrs, eviction_policy=KV_EVICTION)
-        v = tl.load(k_ptrs + stride_c_kv, eviction_policy=KV_EVICTION)
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
     if MASKED:
         s = tl.where((pos < end)[None, :], s, float("-inf"))
@@ -170,7 +167,6 @@ def _paged_decode_kernel(
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-    KV_EVICTION: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
@@ -208,13 +204,13 @@ def _paged_decode_kernel(
         acc, m_i, l_i = _decode_tile(
             acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_EVICTION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
         acc, m_i, l_i = _decode_tile(
             acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_EVICTION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
         )  # fmt: skip
 
     if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py
@@ -276,8 +272,7 @@ def paged_decode_attention_triton(
     partials merge in a separate decode_reduce launch; True: inside this launch), optionally
     "merge_splits" (a power of 2: splits per step of the fused merge) and "pdl" (CUDA 12.3+, Hopper:
     the separate merge launch is a programmatic dependent launch, so its start-up overlaps the split
-    kernel's tail; it waits for the split kernel's writes before reading them) and "kv_eviction" (an L2
-    eviction hint on the K/V loads, see KV_EVICTION).
+    kernel's tail; it waits for the split kernel's writes before reading them).
 
     workspace (only used when the key range is split): allocate it once with torch.zeros, at
     least decode_workspace_size(num_seqs, num_heads, num_splits, head_dim, num_kv_heads)
@@ -345,7 +340,6 @@ def paged_decode_attention_triton(
         MERGE_S=merge_s,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
-        KV_EVICTION=cfg.get("kv_eviction", KV_EVICTION),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -84,18 +84,6 @@ def split_workspace(num_seqs, num_heads, num_splits, head_dim, num_kv_heads):
     return workspace
 
 
-@pytest.mark.parametrize("eviction", ["evict_first", "evict_last"])
-def test_decode_kv_eviction_hint(eviction):
-    """The L2 hint on the K/V loads changes no result (ragged lengths: masked and unmasked tiles)."""
-    kv_cache, tables, lens = make_paged_kv([70, 1, 33], 2, 64, 16)
-    query = torch.randn(3, 6, 64)
-    ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
-    out = paged_decode_attention_triton(
-        query, kv_cache, lens, tables, 0.125, config={"block_n": 32, "kv_eviction": eviction}
-    )
-    torch.testing.assert_close(out, ref, **TOL)
-
-
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("num_splits,block_n", [(None, 64), (3, 16), (5, 32)])
 def test_decode_split_kv(num_splits, block_n, fused):
