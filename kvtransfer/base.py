@@ -42,8 +42,8 @@ class KVSender(abc.ABC):
     Ownership: the sender reads `local_pool` (the prefill worker's pool, passed to `connect`) and never
     writes it. On CUDA, `send` orders itself after the work already queued on the caller's current
     stream (the forward pass that wrote the blocks). The caller keeps the source blocks unchanged until
-    `send` returns, and calls `order_compute` before work on its stream may rewrite them (a sender
-    whose `send` only queues the copy makes that work wait for it). The sender owns its sockets / process group / mapped memory; `close`
+    `send` returns; a sender whose `send` only queues the copy queues it on the caller's stream, so
+    work queued there afterwards (which may rewrite the blocks) runs after it. The sender owns its sockets / process group / mapped memory; `close`
     (which lets a transfer in flight finish) releases them.
 
     Failure: a failure seen before `send` returns (peer gone, refused request, bad block ids, timeout)
@@ -56,11 +56,6 @@ class KVSender(abc.ABC):
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         """Move the blocks. Returns once every byte arrived (the receiver confirmed it), or, for a sender
         that only queues the copy (cuda_ipc), once it is queued: its own thread then tells the receiver."""
-
-    def order_compute(self) -> None:
-        """Make the caller's current stream wait for the copies sent so far (before it may rewrite
-        their source blocks). A no-op for a sender whose `send` returns after the copy."""
-        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -2,17 +2,17 @@
 
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
 prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
-its own stream (layout.copy_blocks: the one-pass block-copy kernel, its block ids uploaded while the
-receiver's READY is on its way). `send` returns once the copy is queued (behind the caller's stream),
-so the prefill worker's loop goes on to its next step while the copy runs; a completion thread waits
-for the copy and tells the receiver:
+the caller's stream (layout.copy_blocks: the one-pass block-copy kernel, its block ids uploaded while
+the receiver's READY is on its way). `send` returns once the copy is queued: the prefill worker's loop
+goes on while it runs, and whatever it queues next on that stream (the next forward pass, which may
+rewrite the source blocks) runs after it. A completion thread waits for the copy and tells the receiver:
 
     sender                                      receiver (thread per connection)
     HELLO {layout}                   ->         check layout
                                      <-  WELCOME
     BEGIN {request_id, dst, nbytes}  ->         begin(): only announced blocks, only once
                                      <-  READY  (or a refusal: nothing is written)
-    copy queued on the transfer stream; send() returns
+    copy queued on the caller's stream; send() returns
     (completion thread: event sync)
     DONE {request_id, nbytes}        ->         finish(): length check; the request is complete
 
@@ -203,7 +203,6 @@ class CudaIpcKVSender(KVSender):
         if PoolLayout.of(self._remote) != self._remote_layout:
             raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
         self._pool = local_pool
-        self._stream = torch.cuda.Stream(local_pool.device)
         self._cond = threading.Condition()
         self._in_flight: _InFlight | None = None  # at most one per connection (the receiver's order)
         self._broken: str | None = None
@@ -247,20 +246,15 @@ class CudaIpcKVSender(KVSender):
             self._in_flight = queued
             self._cond.notify_all()
 
-    def order_compute(self) -> None:
-        torch.cuda.current_stream(self._pool.device).wait_stream(self._stream)
-
     def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
         """Work that needs no grant, done while READY is on its way: on one GPU, the block ids go up to it
         (the copy then launches the moment READY arrives); across GPUs, the source blocks are gathered."""
-        try:
-            self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))  # after the forward pass
-            with torch.cuda.stream(self._stream):
-                if self._remote.device == self._pool.device:
-                    if uses_kernel(self._pool, self._remote, src, dst):
-                        return upload_ids(src, dst, self._pool.device), {}
-                    return None, {}
-                return gather(self._pool, src), {}
+        try:  # on the caller's stream: after the forward pass that wrote the blocks
+            if self._remote.device == self._pool.device:
+                if uses_kernel(self._pool, self._remote, src, dst):
+                    return upload_ids(src, dst, self._pool.device), {}
+                return None, {}
+            return gather(self._pool, src), {}
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
 
@@ -270,18 +264,17 @@ class CudaIpcKVSender(KVSender):
         """Queue the write of the mapped pool: (the copy in flight, {}) or (None, {"error": why})."""
         copied = torch.cuda.Event()
         try:
-            with torch.cuda.stream(self._stream):
-                if self._remote.device == self._pool.device:
-                    copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
-                    copied.record(self._stream)
-                    trace.mark(rid, "kv.launched")
-                    return _InFlight(rid, nbytes, copied, staged), {}
-                # the decode pool is on another GPU of this host: peer copy, then scatter there
-                assert staged is not None
-                peer = staged.to(self._remote.device)
-                scatter(self._remote, dst, peer)
-                copied.record(torch.cuda.current_stream(self._remote.device))
-                return _InFlight(rid, nbytes, copied, peer), {}
+            if self._remote.device == self._pool.device:
+                copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
+                copied.record(torch.cuda.current_stream(self._pool.device))
+                trace.mark(rid, "kv.launched")
+                return _InFlight(rid, nbytes, copied, staged), {}
+            # the decode pool is on another GPU of this host: peer copy, then scatter there
+            assert staged is not None
+            peer = staged.to(self._remote.device)
+            scatter(self._remote, dst, peer)
+            copied.record(torch.cuda.current_stream(self._remote.device))
+            return _InFlight(rid, nbytes, copied, peer), {}
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
 

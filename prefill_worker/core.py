@@ -125,8 +125,6 @@ class PrefillCore:
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():
-            for sender in self.senders.values():  # blocks freed last step may be rewritten now
-                sender.order_compute()
             updated, logprobs = self.engine.step_core(after_run=self._ship)
             for seq in updated:
                 job = self.jobs.get(seq.request_id)

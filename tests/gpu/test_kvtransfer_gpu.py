@@ -68,15 +68,14 @@ def dying_prefill_main(descriptor: dict, q: Any) -> None:
 
 
 def reusing_prefill_main(descriptor: dict, q: Any) -> None:
-    """Send blocks whose forward pass still runs, then rewrite them on the same stream after
-    order_compute(): the receiver must get them as they were when the forward pass ended."""
+    """Send blocks whose forward pass still runs, then rewrite them on the same stream as soon as
+    send() returns: the receiver must get them as they were when the forward pass ended."""
     use("cuda:0")
     pool = make_pool(PREFILL_BLOCKS, 5, "cuda:0")
     with connect(descriptor, pool) as sender:
         torch.cuda._sleep(100_000_000)  # the "forward pass": tens of ms, still running when send returns
         pool[:, :, :40] += 1  # ...which writes the blocks last
         sender.send("reuse", list(range(40)), list(range(100, 140)))
-        sender.order_compute()
         pool.zero_()  # the next step's forward pass: must not start before the copy has read them
         torch.cuda.synchronize()
     q.put("sent")
