@@ -234,16 +234,10 @@ def sweep(log, seconds: float) -> list[dict]:
     def tiles(ns, ws, ss):
         return [{"block_n": n, "num_warps": w, "num_stages": s} for n, w, s in product(ns, ws, ss)]
 
-    def prefetch():  # the default tile without and with kernels/paged_decode_attention.PREFETCH, interleaved
-        return [{"block_n": 64, "num_warps": 2, "num_stages": 2, "prefetch": p} for p in (False, True) * 3]
-
-    plan = [  # the goal shapes first: the first tile's pages prefetched; then unpipelined tiles (no shared-memory stages: more programs per SM),
+    plan = [  # the goal shapes first: unpipelined tiles (no shared-memory stages: more programs per SM),
         # then 32-key tiles (kernels_sweep_32key_tiles.json: none better; nor an L2 eviction hint on the
-        # K/V loads, kernels_sweep_kv_eviction.json)
-        ("llama3-8b", 1, 32768, prefetch(), (None,)),
-        ("llama3-8b", 64, 4096, prefetch(), (None,)),
-        ("smollm2", 1, 32768, prefetch(), (None,)),
-        ("llama3-8b", 256, 1024, prefetch(), (None,)),
+        # K/V loads, kernels_sweep_kv_eviction.json; nor an L2 prefetch of each program's first tile,
+        # kernels_sweep_prefetch.json)
         ("llama3-8b", 64, 4096, tiles((64, 32), (2, 4, 8), (1,)), (None,)),
         ("llama3-8b", 1, 32768, tiles((64, 32), (2, 4), (1,)), (None,)),
         ("llama3-8b", 64, 4096, tiles((32, 64), (1, 2, 4), (2, 3, 4)), (None,)),

@@ -36,10 +36,6 @@ FUSED_MERGE = False
 # needs launch_pdl): on the H200 it saved 0.3 us at Llama-3-8B 1 x 32k and 0.7 us at SmolLM2 1 x 32k
 # (39.3 vs 39.6, 14.7 vs 15.4 us, same run, third session).
 PDL = True
-# config["prefetch"] unless given (CUDA only: inline PTX): each program first reads the block-table entries
-# of its first tile without waiting for its sequence length, and asks L2 for that tile's K/V rows, so
-# the start-up chain (length -> table -> first page) loses one DRAM latency.
-PREFETCH = False
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
 
 
@@ -81,19 +77,6 @@ def _decode_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (no result; a prefetch of an unmapped address is dropped)."""
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;",
-        "=r,l",
-        [ptrs.to(tl.int64)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit
@@ -171,7 +154,6 @@ def _paged_decode_kernel(
     stride_c_off,
     stride_c_head,
     stride_bt_seq,
-    table_width,
     # meta
     QUERY_GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -185,7 +167,6 @@ def _paged_decode_kernel(
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
@@ -202,24 +183,8 @@ def _paged_decode_kernel(
     # q before seq_len: the two loads' latencies overlap instead of adding up
     q_ptrs = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
-    start = split * partition_size
-    if PREFETCH:  # the first tile's pages, requested before the length is known (see PREFETCH)
-        pos0 = start + tl.arange(0, BLOCK_N)
-        in_row = pos0 // BLOCK_SIZE < table_width
-        first = tl.load(
-            block_tables_ptr + seq.to(tl.int64) * stride_bt_seq + pos0 // BLOCK_SIZE, mask=in_row, other=0
-        )
-        rows0 = (
-            kv_cache_ptr
-            + kv_head * stride_c_head
-            + first.to(tl.int64) * stride_c_block
-            + (pos0 % BLOCK_SIZE) * stride_c_off
-        )
-        ROW_BYTES: tl.constexpr = HEAD_DIM * kv_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-        for line in tl.static_range(0, ROW_BYTES, 128):  # each 128-byte line of the K and the V row
-            _prefetch_l2(rows0.to(tl.pointer_type(tl.int8)) + line)
-            _prefetch_l2((rows0 + stride_c_kv).to(tl.pointer_type(tl.int8)) + line)
     seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if start >= seq_len:  # an unused split: it takes no ticket and the merge never reads it
             if FUSED_MERGE:  # noqa: SIM102 (seq_len 0: no split is valid, none merges)
@@ -307,8 +272,7 @@ def paged_decode_attention_triton(
     partials merge in a separate decode_reduce launch; True: inside this launch), optionally
     "merge_splits" (a power of 2: splits per step of the fused merge) and "pdl" (CUDA 12.3+, Hopper:
     the separate merge launch is a programmatic dependent launch, so its start-up overlaps the split
-    kernel's tail; it waits for the split kernel's writes before reading them) and "prefetch" (CUDA:
-    see PREFETCH).
+    kernel's tail; it waits for the split kernel's writes before reading them).
 
     workspace (only used when the key range is split): allocate it once with torch.zeros, at
     least decode_workspace_size(num_seqs, num_heads, num_splits, head_dim, num_kv_heads)
@@ -363,7 +327,7 @@ def paged_decode_attention_triton(
         out.stride(0), out.stride(1), *ws_strides,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), block_tables.shape[1],
+        block_tables.stride(0),
         QUERY_GROUP=group,
         BLOCK_H=max(16, group_p2),
         HEAD_DIM=head_dim,
@@ -376,7 +340,6 @@ def paged_decode_attention_triton(
         MERGE_S=merge_s,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
-        PREFETCH=bool(cfg.get("prefetch", PREFETCH)) and query.is_cuda,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

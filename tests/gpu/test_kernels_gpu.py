@@ -70,14 +70,6 @@ def test_decode_b64x4096_llama():
     run_decode((32, 8, 128), 16, [4096] * 64, torch.bfloat16)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
-def test_decode_prefetch_changes_nothing(heads, dtype):
-    """The first tile's page prefetch (PREFETCH): ragged lengths, splits, block tables of any width."""
-    run_decode(heads, 16, DECODE_BATCHES["edges"] + [8191, 5000], dtype, config={"prefetch": True})
-    run_decode(heads, 32, [1, 700, 33], dtype, num_splits=5, config={"prefetch": True})
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
 def test_decode_dtypes(heads, dtype):
