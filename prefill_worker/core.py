@@ -107,11 +107,10 @@ class PrefillCore:
         dst_block_ids: list[int],
     ) -> None:
         trace.mark(rid, "pcore.add")
-        prompt_ids = id_list(prompt_ids)
         first_only = dataclasses.replace(params, n=1, max_tokens=1, stop=None, ignore_eos=True)
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:
-            self.engine.validate(prompt_ids, first_only)
+            self.engine.validate(prompt_ids, first_only)  # on the server's array: cheaper than on a list
             if dst_block_ids and len(dst_block_ids) != need:
                 raise ValueError(
                     f"{len(prompt_ids)} prompt tokens need {need} blocks, got {len(dst_block_ids)}"
@@ -121,7 +120,7 @@ class PrefillCore:
             self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
             return
         self.jobs[rid] = _Job(descriptor, list(dst_block_ids) or None, need)
-        self.scheduler.add(self.engine.make_sequence(rid, prompt_ids, first_only, 0, salt))
+        self.scheduler.add(self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, salt))
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():

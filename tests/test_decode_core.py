@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,3 +52,16 @@ def test_first_token_and_prefill_requests_leave_before_a_forward_pass(core: Deco
 
     out = core.step()  # nothing waiting to go out: a plain decode step
     assert kinds(out) == [("tokens", "r1")]
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(core: DecodeCore, bad: int) -> None:
+    """The server hands the prompt over as an int array (checked as one); a bad id is refused and
+    nothing is reserved."""
+    free = core.blocks.num_free_blocks
+    prompt = np.array([10, 11, bad, 12], dtype=np.int64)
+    core.handle(("add", "r9", prompt, SamplingParams(max_tokens=4), 0, None, True))
+    out = core.step()
+    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r9", "INVALID_ARGUMENT")]
+    assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
+    assert core.blocks.num_free_blocks == free and not core.pending

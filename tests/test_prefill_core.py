@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,3 +114,16 @@ def test_a_grant_that_never_comes_times_out(setup) -> None:
     assert [(m[0], m[1], m[2]) for m in out] == [("error", "r5", "UNAVAILABLE")]
     assert "reserved no blocks" in out[0][3]
     assert not any(b.ref_count for b in core.blocks.blocks)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(setup, bad) -> None:
+    """The server hands the prompt over as an int array (checked as one); a bad id is refused up front."""
+    core, _, receiver, _ = setup
+    prompt = np.array([*PROMPT[:-1], bad], dtype=np.int64)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    core.handle(("prefill", "r6", prompt, params, None, json.dumps(receiver.descriptor()), []))
+    out = core.step()
+    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r6", "INVALID_ARGUMENT")]
+    assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
+    assert "r6" not in core.jobs and not core.scheduler.has_unfinished()
