@@ -20,10 +20,14 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from bench.record import record
+
+if TYPE_CHECKING:
+    from engine import LLM
 
 COMMAND = "python3 -m bench.disagg"
 
@@ -32,13 +36,11 @@ def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(10, vocab - 10, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def single_process_ttft(
-    model: str, lengths: list[int], runs: int, util: float, max_tokens: int = 1, idle_ms: Sequence[float] = ()
-) -> dict[str, dict[int, list[float]]]:
-    """{"single": times by prompt length, "single_idle<ms>": the same after <ms> of GPU idle, ...}."""
-    from engine import LLM, SamplingParams, trace
+def dummy_llm(model: str, util: float) -> LLM:
+    """The single-process engine the TTFT comparisons run: dummy weights, bf16, prefix caching off."""
+    from engine import LLM
 
-    llm = LLM(
+    return LLM(
         model,
         load_format="dummy",
         dtype="bfloat16",
@@ -47,6 +49,15 @@ def single_process_ttft(
         gpu_memory_utilization=util,
         enable_prefix_caching=False,
     )
+
+
+def single_process_ttft(
+    model: str, lengths: list[int], runs: int, util: float, max_tokens: int = 1, idle_ms: Sequence[float] = ()
+) -> dict[str, dict[int, list[float]]]:
+    """{"single": times by prompt length, "single_idle<ms>": the same after <ms> of GPU idle, ...}."""
+    from engine import SamplingParams, trace
+
+    llm = dummy_llm(model, util)
     engine, vocab = llm.engine, llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: dict[str, dict[int, list[float]]] = {}

@@ -31,17 +31,9 @@ UTIL = 0.35  # two engines share the GPU in the "child" setting
 
 
 def build(model: str) -> Any:
-    from engine import LLM
+    from bench.disagg import dummy_llm
 
-    return LLM(
-        model,
-        load_format="dummy",
-        dtype="bfloat16",
-        device="cuda",
-        max_model_len=8192,
-        gpu_memory_utilization=UTIL,
-        enable_prefix_caching=False,
-    ).engine
+    return dummy_llm(model, UTIL).engine
 
 
 def measure(
