@@ -39,7 +39,7 @@ step tests_engine_disagg 200 python3 -m pytest tests/gpu/test_engine_gpu.py test
 if wanted bench_disagg; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv -lms 20 > "$OUT/d/clocks.csv" 2>&1 &
   SMI=$!
-  step bench_disagg 240 python3 -m bench.disagg --out-dir "$OUT/d" --runs "${RUNS:-7}" --trace "$OUT/d/trace" --idle-ms ${IDLE_MS:-20 200}
+  step bench_disagg 420 python3 -m bench.disagg --out-dir "$OUT/d" --runs "${RUNS:-7}" --trace "$OUT/d/trace" --gap-ms ${GAP_MS:-0 50}
   kill $SMI 2>/dev/null
   python3 -m bench.trace_report "$OUT/d/trace" > "$OUT/d/trace_report.txt" 2>&1
 fi
