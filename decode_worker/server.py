@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -12,6 +13,7 @@ import numpy as np
 from engine import trace
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from engine.mux import ManyCall, ManyStream, RpcAbort, serve_many
 from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -25,11 +27,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, engine: EngineProcess, prefill_timeout_s: float = 600.0) -> None:
         self.engine = engine
         self.prefill_timeout_s = prefill_timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, ManyStream] = {}  # prefill worker address -> its shared stream
+        self._descriptor_json: str | None = None
         # blocks of prefills started ahead whose reservation the engine has not reported yet
         self._promised = 0
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for chunk in self._generate(request):
+                yield chunk
+        except RpcAbort as abort:
+            await context.abort(abort.code, abort.details)
+
+    async def GenerateMany(self, frames, context: grpc.aio.ServicerContext):
+        """Generate calls multiplexed on one stream (the router's; engine/mux.py)."""
+        async for reply in serve_many(
+            frames, lambda request, _: self._generate(request), pb.DecodeReply, "chunk"
+        ):
+            yield reply
+
+    async def _generate(self, request: pb.DecodeRequest):
+        """One request's chunks; raises RpcAbort with its status."""
         rid = request.request_id
         trace.mark(rid, "dserver.recv")
         try:
@@ -39,9 +57,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     "a decode worker serves one completion per request (n=1); the router fans out"
                 )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if not self.engine.alive:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
         stream = self.engine.open(rid)
         prefill: asyncio.Task | None = None
         grant: asyncio.Future | None = None
@@ -100,7 +118,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     )
                 elif kind == "error":
                     finished = True
-                    await context.abort(STATUS[msg[2]], msg[3])
+                    raise RpcAbort(STATUS[msg[2]], msg[3])
         finally:
             self._promised -= promised
             if not finished:  # cancelled by the caller, or this server is stopping
@@ -129,9 +147,16 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         """Ask the prefill worker to fill our reserved blocks (`dst_block_ids`, or `grant`'s result, sent
         when our engine has reserved them); tell the engine how it went."""
         rid = request.request_id
-        channel = self._channel(request.prefill_address)
-        call = pb_grpc.PrefillStub(channel).Prefill(timeout=self.prefill_timeout_s)
-        writer = asyncio.create_task(self._write_prefill(call, request, dst_block_ids, grant))
+        call = self._prefill_stream(request.prefill_address).open(
+            timeout=self.prefill_timeout_s,
+            request_id=rid,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+            cache_salt=request.cache_salt,
+            kv_descriptor=self._kv_descriptor,
+            dst_block_ids=dst_block_ids or [],
+        )
+        writer = asyncio.create_task(self._write_grant(call, rid, grant)) if grant is not None else None
         trace.mark(rid, "dserver.call_prefill")
         first: pb.PrefillResponse | None = None
         kv_done = False
@@ -160,7 +185,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
             return
         finally:
-            writer.cancel()
+            if writer is not None:
+                writer.cancel()
         if first is None or not kv_done:
             reason = (
                 f"prefill worker {request.prefill_address} ended its reply before the KV transfer completed"
@@ -171,34 +197,27 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         logprobs = logprobs_from_proto(first.first_logprobs) if first.HasField("first_logprobs") else None
         self.engine.send(("kv_done", rid, first.first_token_id, logprobs, first.num_cached_tokens))
 
-    async def _write_prefill(
-        self, call, request: pb.DecodeRequest, dst_block_ids: list[int] | None, grant: asyncio.Future | None
-    ) -> None:
-        """The Prefill call's requests: the prompt, then (when it went without them) the reserved blocks."""
-        rid = request.request_id
-        try:
-            await call.write(
-                pb.PrefillRequest(
-                    request_id=rid,
-                    prompt_token_ids=request.prompt_token_ids,
-                    sampling=request.sampling,
-                    cache_salt=request.cache_salt,
-                    kv_descriptor=json.dumps(self.engine.info["kv_descriptor"]),
-                    dst_block_ids=dst_block_ids or [],
-                )
-            )
-            if grant is not None:
-                dst = await grant
-                trace.mark(rid, "dserver.grant")
-                await call.write(pb.PrefillRequest(request_id=rid, dst_block_ids=dst))
-            await call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-            pass  # the call ended: the reading side reports how
+    async def _write_grant(self, call: ManyCall, rid: str, grant: asyncio.Future) -> None:
+        """The call's second message, once our engine has reserved the blocks of a prefill started ahead."""
+        dst = await grant
+        trace.mark(rid, "dserver.grant")
+        with contextlib.suppress(grpc.aio.UsageError):  # the call ended: the reading side reports how
+            await call.write(request_id=rid, dst_block_ids=dst)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return self._channels[address]
+    @property
+    def _kv_descriptor(self) -> str:
+        if self._descriptor_json is None:
+            self._descriptor_json = json.dumps(self.engine.info["kv_descriptor"])
+        return self._descriptor_json
+
+    def _prefill_stream(self, address: str) -> ManyStream:
+        """One shared stream per prefill worker (engine/mux.py), on one channel each."""
+        stream = self._streams.get(address)
+        if stream is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub = pb_grpc.PrefillStub(channel)
+            stream = self._streams[address] = ManyStream(stub.PrefillMany, pb.PrefillFrame, "response")
+        return stream
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:

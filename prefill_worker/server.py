@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from engine import trace
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import logprobs_to_proto, params_from_proto
+from engine.mux import RpcAbort, serve_many
 from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -64,17 +66,30 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except StopAsyncIteration:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no PrefillRequest was sent")
             raise AssertionError("abort raises") from None
+        try:
+            async for reply in self._prefill(request, requests):
+                yield reply
+        except RpcAbort as abort:
+            await context.abort(abort.code, abort.details)
+
+    async def PrefillMany(self, frames, context: grpc.aio.ServicerContext):
+        """Prefill calls multiplexed on one stream (a decode worker's; engine/mux.py)."""
+        async for reply in serve_many(frames, self._prefill, pb.PrefillReply, "response"):
+            yield reply
+
+    async def _prefill(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):
+        """One call's replies; `later` yields the caller's next messages (the grant). Raises RpcAbort."""
         rid = request.request_id
         trace.mark(rid, "pserver.recv")
         try:
             params = params_from_proto(request.sampling)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if not self.engine.alive:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
         stream = self.engine.open(rid)
         done = False
-        grant = None if request.dst_block_ids else asyncio.create_task(self._forward_grant(rid, requests))
+        grant = None if request.dst_block_ids else asyncio.create_task(self._forward_grant(rid, later))
         try:
             self.engine.send(
                 (
@@ -92,7 +107,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 msg = await stream.get()
                 if msg[0] == "error":
                     done = True
-                    await context.abort(STATUS[msg[2]], msg[3])
+                    raise RpcAbort(STATUS[msg[2]], msg[3])
                 if (
                     msg[0] == "first" or not first_sent
                 ):  # ("first" | "prefilled", rid, token, logprobs, cached)
@@ -111,9 +126,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 self.engine.send(("abort", rid))
             self.engine.close(rid)
 
-    async def _forward_grant(self, rid: str, requests) -> None:
+    async def _forward_grant(self, rid: str, later: AsyncIterator[pb.PrefillRequest]) -> None:
         """The caller's second message: the blocks it reserved, for a prompt that started without them."""
-        async for request in requests:
+        async for request in later:
             if request.dst_block_ids:
                 trace.mark(rid, "pserver.grant")
                 self.engine.send(("grant", rid, list(request.dst_block_ids)))

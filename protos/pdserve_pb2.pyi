@@ -206,6 +206,62 @@ class PrefillResponse(_message.Message):
     kv_done: bool
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., kv_done: _Optional[bool] = ...) -> None: ...
 
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    details: str
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class DecodeFrame(_message.Message):
+    __slots__ = ("stream", "request", "cancel", "more")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    request: DecodeRequest
+    cancel: bool
+    more: bool
+    def __init__(self, stream: _Optional[int] = ..., request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class DecodeReply(_message.Message):
+    __slots__ = ("stream", "chunk", "error", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    chunk: DecodeChunk
+    error: CallStatus
+    end: bool
+    def __init__(self, stream: _Optional[int] = ..., chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., error: _Optional[_Union[CallStatus, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class PrefillFrame(_message.Message):
+    __slots__ = ("stream", "request", "cancel", "more")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    request: PrefillRequest
+    cancel: bool
+    more: bool
+    def __init__(self, stream: _Optional[int] = ..., request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("stream", "response", "error", "end")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    stream: int
+    response: PrefillResponse
+    error: CallStatus
+    end: bool
+    def __init__(self, stream: _Optional[int] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., error: _Optional[_Union[CallStatus, _Mapping]] = ..., end: _Optional[bool] = ...) -> None: ...
+
 class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

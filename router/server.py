@@ -22,6 +22,7 @@ import numpy as np
 from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.grpc_common import CHANNEL_OPTIONS, params_from_proto, params_to_proto
+from engine.mux import ManyStream
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             for a in (*config.prefill, *config.decode)
         }
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
+        self._decode_streams: dict[str, ManyStream] = {}
         self.model_info: pb.ModelInfo | None = None
         self._event_pos: dict[str, tuple[int, int]] = {}  # prefill address -> (epoch, last seq applied)
         self._ids = itertools.count()
@@ -262,6 +264,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         finally:
             out.put_nowait(None)
 
+    def _decode_stream(self, address: str) -> ManyStream:
+        """The shared stream that carries every call to one decode worker (engine/mux.py)."""
+        stream = self._decode_streams.get(address)
+        if stream is None:
+            stub = pb_grpc.DecodeStub(self.channels[address])
+            stream = self._decode_streams[address] = ManyStream(stub.GenerateMany, pb.DecodeFrame, "chunk")
+        return stream
+
     def _route(self, prompt_ids: np.ndarray, salt: str | None) -> RoutingDecision:
         assert self.router is not None
         hashes = hash_prompt_blocks(
@@ -293,16 +303,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         by_ids = request.WhichOneof("prompt") == "token_ids"
         as_list = prompt_ids.tolist() if self.tokenizer or not by_ids else None  # once, where it is needed
         trace.mark(sub_id, "router.call_decode")
-        call = pb_grpc.DecodeStub(self.channels[decision.decode_worker]).Generate(
-            pb.DecodeRequest(
-                request_id=sub_id,
-                # a proto's repeated field copies in ~1 us; from an array it would take ~250
-                prompt_token_ids=request.token_ids.ids if by_ids else as_list,
-                sampling=sampling,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
-                prefill_address=decision.prefill_worker,
-            )
+        call = self._decode_stream(decision.decode_worker).open(
+            request_id=sub_id,
+            # a proto's repeated field copies in ~1 us; from an array it would take ~250
+            prompt_token_ids=request.token_ids.ids if by_ids else as_list,
+            sampling=sampling,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            prefill_address=decision.prefill_worker,
         )
         text = TextStream(self.tokenizer, as_list or [], child) if self.tokenizer else None
         shown, first = 0, True

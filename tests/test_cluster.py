@@ -163,11 +163,17 @@ class _FailingPrefill(pb_grpc.PrefillServicer):
     def __init__(self) -> None:
         self.requests: list[pb.PrefillRequest] = []
 
-    def Prefill(self, request_iterator, context):
-        self.requests.append(next(request_iterator))
-        yield pb.PrefillResponse(first_token_id=42, num_cached_tokens=0)
-        self.requests.extend(request_iterator)  # the grant, when the prompt came without blocks
-        context.abort(grpc.StatusCode.UNAVAILABLE, "injected: the KV transfer failed")
+    def PrefillMany(self, frames, context):
+        """The decode worker's shared stream (engine/mux.py): one call on it, failed after its first token."""
+        first = next(frames)
+        self.requests.append(first.request)
+        yield pb.PrefillReply(stream=first.stream, response=pb.PrefillResponse(first_token_id=42))
+        if not first.request.dst_block_ids:  # the grant follows when the prompt came without blocks
+            self.requests.append(next(f for f in frames if f.more).request)
+        error = pb.CallStatus(code="UNAVAILABLE", details="injected: the KV transfer failed")
+        yield pb.PrefillReply(stream=first.stream, error=error)
+        for _ in frames:  # the stream stays open until the decode worker closes it
+            pass
 
 
 def test_transfer_failure_after_the_first_token_ends_the_stream_and_frees_blocks(tcp_1x1, prompts):

@@ -1,0 +1,225 @@
+"""engine/mux.py: many calls on one gRPC stream, against a real grpc.aio server in another process.
+
+The server process serves Prefill.PrefillMany with a scripted handler, so the frames are the real protos
+and the stream is a real HTTP/2 stream over TCP. What each call's handler saw (started, got a later
+message, was cancelled) is read back through a plain Prefill call, so the tests see the server's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from engine.mux import ManyStream, RpcAbort, serve_many
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+
+class _Scripted(pb_grpc.PrefillServicer):
+    """request_id says what to do: 'echo-N' replies N times then ends; 'wait' replies once, then waits for
+    a later message and echoes its dst_block_ids; 'hang' replies once and waits forever; 'fail' aborts;
+    'bug' raises. GetLoad returns what the handlers saw, as JSON in worker_id."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    async def _handle(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):
+        rid = request.request_id
+        self.log.append(f"start {rid}")
+        try:
+            if rid.startswith("echo-"):
+                for i in range(int(rid.split("-")[1])):
+                    yield pb.PrefillResponse(first_token_id=i)
+            elif rid == "wait":
+                yield pb.PrefillResponse(first_token_id=-1)
+                more = await anext(aiter(later))
+                self.log.append(f"more {rid} {list(more.dst_block_ids)}")
+                yield pb.PrefillResponse(first_token_id=sum(more.dst_block_ids), kv_done=True)
+            elif rid == "hang":
+                yield pb.PrefillResponse(first_token_id=7)
+                await asyncio.Event().wait()
+            elif rid == "fail":
+                raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room for it")
+            elif rid == "bug":
+                raise KeyError("oops")
+        except asyncio.CancelledError:
+            self.log.append(f"cancelled {rid}")
+            raise
+
+    async def PrefillMany(self, frames, context):
+        async for reply in serve_many(frames, self._handle, pb.PrefillReply, "response"):
+            yield reply
+
+    async def GetLoad(self, request, context):
+        return pb.WorkerLoad(worker_id=json.dumps(self.log))
+
+
+async def _serve(port: int, ready) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_PrefillServicer_to_server(_Scripted(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    ready.set()
+    await server.wait_for_termination()
+
+
+def _server_main(port: int, ready) -> None:
+    asyncio.run(_serve(port, ready))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(port: int):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_server_main, args=(port, ready), daemon=True)
+    proc.start()
+    assert ready.wait(60), "the test server did not start"
+    return proc
+
+
+@pytest.fixture
+def server():
+    port = _free_port()
+    procs = [_start(port)]
+    yield f"127.0.0.1:{port}", procs
+    for proc in procs:
+        proc.kill()
+        proc.join(5)
+
+
+async def _server_log(channel: grpc.aio.Channel) -> list[str]:
+    load = await pb_grpc.PrefillStub(channel).GetLoad(pb.LoadRequest(), timeout=10)
+    return json.loads(load.worker_id)
+
+
+def _stream(channel: grpc.aio.Channel) -> ManyStream:
+    return ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response")
+
+
+async def _collect(call) -> list[int]:
+    return [r.first_token_id async for r in call]
+
+
+def test_concurrent_calls_share_one_stream_and_each_gets_its_own_replies(server):
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            calls = [many.open(request_id=f"echo-{n}") for n in range(1, 31)]
+            results = await asyncio.gather(*(_collect(c) for c in calls))
+            assert results == [list(range(n)) for n in range(1, 31)]
+            assert many.open_calls == 0
+            first = many._call
+            assert await _collect(many.open(request_id="echo-2")) == [0, 1]
+            assert many._call is first  # still the one stream
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_a_later_message_reaches_the_running_call(server):
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            call = many.open(request_id="wait")
+            it = aiter(call)
+            assert (await anext(it)).first_token_id == -1
+            await call.write(request_id="wait", dst_block_ids=[3, 4, 5])
+            last = await anext(it)
+            assert (last.first_token_id, last.kv_done) == (12, True)
+            with pytest.raises(StopAsyncIteration):
+                await anext(it)
+            with pytest.raises(grpc.aio.UsageError):
+                await call.write(request_id="wait")
+            assert "more wait [3, 4, 5]" in await _server_log(channel)
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_status_and_handler_bug_fail_only_their_call(server):
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            bystander = many.open(request_id="hang")
+            assert (await anext(aiter(bystander))).first_token_id == 7
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(many.open(request_id="fail"))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details() == "no room for it"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(many.open(request_id="bug"))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "KeyError" in err.value.details()
+            assert await _collect(many.open(request_id="echo-3")) == [0, 1, 2]
+            assert not bystander.done()
+            bystander.cancel()
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_cancel_and_deadline_cancel_the_servers_handler(server):
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            call = many.open(request_id="hang")
+            assert (await anext(aiter(call))).first_token_id == 7
+            assert call.cancel() and not call.cancel()
+            with pytest.raises(StopAsyncIteration):
+                await anext(aiter(call))
+            timed = many.open(timeout=0.5, request_id="hang")
+            assert (await anext(aiter(timed))).first_token_id == 7
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await anext(aiter(timed))
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(100):  # the cancel frames travel on the stream: wait until both arrived
+                log = await _server_log(channel)
+                if log.count("cancelled hang") == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert log.count("start hang") == 2 and log.count("cancelled hang") == 2
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_server_fails_every_open_call_and_the_next_call_reconnects(server):
+    address, procs = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            calls = [many.open(request_id="hang") for _ in range(3)]
+            for c in calls:
+                assert (await anext(aiter(c))).first_token_id == 7
+            procs[0].kill()
+            for c in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.wait_for(anext(aiter(c)), 10)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert many.open_calls == 0 and many._call is None
+            procs.append(_start(int(address.rsplit(":", 1)[1])))  # a new server on the same address
+            result = await asyncio.wait_for(_collect(many.open(request_id="echo-2")), 30)
+            assert result == [0, 1]
+            many.close()
+
+    asyncio.run(main())
