@@ -45,28 +45,20 @@ def hash_prompt_blocks(
 ) -> list[BlockHash]:
     """The hash chain of every *full* block of token_ids (a partial tail block has no hash).
 
-    Equal to chaining hash_block, about 3x faster for long prompts (it runs on the router and on both
-    workers for every request): the tokens are packed once, and each block's fields go to a copy of a
-    hasher that already holds the domain tag, in one update (SHA-256 of a concatenation is the same)."""
+    Equal to chaining hash_block, about 3.5x faster for long prompts (it runs on the router and on both
+    workers for every request): the tokens are packed once, and each block's whole input (domain tag,
+    parent, tokens, extra keys) goes to one sha256() call as one joined byte string."""
     full = len(token_ids) // block_size
     if full == 0:
         return []
     raw = np.asarray(token_ids[: full * block_size], dtype="<u4").tobytes()  # OverflowError out of uint32
     step = 4 * block_size
+    head = _DOMAIN + b"p" + struct.pack("<I", len(parent))  # every parent is a 32-byte digest
     tokens_field = b"t" + struct.pack("<I", step)
     extra_field = _field(b"x", extra)
-    base = hashlib.sha256(_DOMAIN)
+    sha256, join = hashlib.sha256, b"".join
     hashes: list[BlockHash] = []
     for start in range(0, full * step, step):
-        h = base.copy()
-        h.update(
-            b"p"
-            + struct.pack("<I", len(parent))
-            + parent
-            + tokens_field
-            + raw[start : start + step]
-            + extra_field
-        )
-        parent = h.digest()
+        parent = sha256(join((head, parent, tokens_field, raw[start : start + step], extra_field))).digest()
         hashes.append(parent)
     return hashes
