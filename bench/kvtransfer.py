@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument(
         "--ablate",
         action="store_true",
-        help="cuda_ipc also with the copy kernel, and torch's copies, for every id pattern",
+        help="cuda_ipc also with the copy launched eagerly: the kernel, then torch's copies, for every id pattern",
     )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda:0"
@@ -207,7 +207,9 @@ def main() -> None:
             f"({nbytes / breakdown['kernel_only_us'] / 1e3:.0f} GB/s, "
             f"{nbytes / breakdown['kernel_only_us'] / 1e3 / ceilings['d2d']:.0%} of d2d); "
             f"copy_blocks host time {breakdown['copy_blocks_host_us']:.1f} us (id upload "
-            f"{breakdown['upload_ids_host_us']:.1f}, kernel launch {breakdown['kernel_launch_host_us']:.1f})",
+            f"{breakdown['upload_ids_host_us']:.1f}, kernel launch {breakdown['kernel_launch_host_us']:.1f}); "
+            f"graphed copy host time {breakdown['graphed_copy_host_us']:.1f} us, "
+            f"GPU {breakdown['graphed_copy_gpu_us']:.1f} us",
             flush=True,
         )
     if args.sweep and not args.cpu:
@@ -238,19 +240,25 @@ def main() -> None:
 
 
 def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[dict]:
-    """The cuda_ipc send with the block-copy kernel for every id pattern, and with torch's copies for every
-    pattern, against copy_blocks' choice (torch for one slice, else the kernel)."""
+    """The cuda_ipc send with its copy launched eagerly (copy_blocks: the block-copy kernel for every id
+    pattern, then torch's copies for every pattern), against the default graph replay."""
     import kvtransfer.layout as lay
 
     chooser = lay.uses_kernel
     out = []
-    for kernel in (True, False):
-        lay.uses_kernel = lambda *args, k=kernel: k  # type: ignore[assignment]
-        with connect(descriptor, pool) as sender:
-            for case in ("one", "contiguous", "scattered", "random"):
-                variant = "kernel always" if kernel else "torch always"
-                out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": variant})
-    lay.uses_kernel = chooser
+    try:
+        for kernel in (True, False):
+            lay.uses_kernel = lambda *args, k=kernel: k  # type: ignore[assignment]
+            with connect(descriptor, pool) as sender:
+                sender._graphed = None  # type: ignore[attr-defined]  # copy_blocks, as before graphs
+                for case in ("one", "contiguous", "scattered", "random"):
+                    variant = "eager kernel" if kernel else "eager torch"
+                    out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": variant})
+    finally:
+        lay.uses_kernel = chooser
+    with connect(descriptor, pool) as sender:  # the default once more: A-B-A, as these hosts drift
+        for case in ("one", "contiguous", "scattered", "random"):
+            out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": "graphed again"})
     return out
 
 
@@ -289,7 +297,26 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
             kv_block_copy_triton(pool, ids[0], local, ids[1])
 
     kernel_us = time_gpu(ten, reps) / 10 * 1e6
-    from kernels.kv_block_copy import upload_ids
+    from kernels.kv_block_copy import GraphedBlockCopy, upload_ids
+
+    graphed = GraphedBlockCopy(pool, local)
+    graphed(src, dst)  # captures its bucket's graph
+
+    def graphed_gpu_us() -> float:
+        """One replay's GPU time: a ~1 ms spin queued first, so the replay is queued before the start
+        event is reached (each call waits for the previous replay, so back-to-back calls would time the
+        host's turnaround too)."""
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphed(src, dst)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times[3:])
 
     def host_us(fn: Any) -> float:
         host = []
@@ -306,6 +333,9 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
         "copy_blocks_host_us": host_us(lambda: copy_blocks(pool, src, local, dst, kernel=True)),
         "upload_ids_host_us": host_us(lambda: upload_ids(src, dst, pool.device)),
         "kernel_launch_host_us": host_us(lambda: kv_block_copy_triton(pool, ids[0], local, ids[1])),
+        # cuda_ipc's copy on one GPU: ids into a pinned buffer, one graph replay (upload + kernel)
+        "graphed_copy_host_us": host_us(lambda: graphed(src, dst)),
+        "graphed_copy_gpu_us": graphed_gpu_us(),
     }
 
 

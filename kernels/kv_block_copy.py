@@ -37,26 +37,32 @@ def _kv_block_copy_kernel(
     stride_src_block,
     stride_dst_row,
     stride_dst_block,
+    count_ptr,  # HAS_COUNT: pairs past the int32 count there do nothing (a grid sized for more)
     WORDS: tl.constexpr,
     CHUNK: tl.constexpr,
     ROWS_PER_PROGRAM: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     pair = tl.program_id(0)
     row0 = tl.program_id(1) * ROWS_PER_PROGRAM
-    s = tl.load(src_ids_ptr + pair).to(tl.int64)
-    d = tl.load(dst_ids_ptr + pair).to(tl.int64)
-    offs = tl.arange(0, CHUNK)
-    for r in range(ROWS_PER_PROGRAM):
-        row = row0 + r
-        if row < num_rows:
-            src = src_ptr + row.to(tl.int64) * stride_src_row + s * stride_src_block
-            dst = dst_ptr + row.to(tl.int64) * stride_dst_row + d * stride_dst_block
-            for w0 in range(0, WORDS, CHUNK):
-                if WORDS % CHUNK == 0:
-                    tl.store(dst + w0 + offs, tl.load(src + w0 + offs))
-                else:
-                    mask = w0 + offs < WORDS
-                    tl.store(dst + w0 + offs, tl.load(src + w0 + offs, mask=mask), mask=mask)
+    live = True
+    if HAS_COUNT:
+        live = pair < tl.load(count_ptr)
+    if live:
+        s = tl.load(src_ids_ptr + pair).to(tl.int64)
+        d = tl.load(dst_ids_ptr + pair).to(tl.int64)
+        offs = tl.arange(0, CHUNK)
+        for r in range(ROWS_PER_PROGRAM):
+            row = row0 + r
+            if row < num_rows:
+                src = src_ptr + row.to(tl.int64) * stride_src_row + s * stride_src_block
+                dst = dst_ptr + row.to(tl.int64) * stride_dst_row + d * stride_dst_block
+                for w0 in range(0, WORDS, CHUNK):
+                    if WORDS % CHUNK == 0:
+                        tl.store(dst + w0 + offs, tl.load(src + w0 + offs))
+                    else:
+                        mask = w0 + offs < WORDS
+                        tl.store(dst + w0 + offs, tl.load(src + w0 + offs, mask=mask), mask=mask)
 
 
 def _words(pool: torch.Tensor) -> torch.Tensor:
@@ -76,6 +82,7 @@ def kv_block_copy_triton(
     dst_pool: torch.Tensor,
     dst_ids: torch.Tensor,  # (n,) int32/int64 on the pools' device; no repeats
     config: dict | None = None,  # DEFAULT_CONFIG's keys
+    count: torch.Tensor | None = None,  # (1,) int32 on the device: copy only the first count[0] pairs
 ) -> None:
     src, dst = _words(src_pool), _words(dst_pool)
     assert src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2] and src.dtype == dst.dtype, (
@@ -91,9 +98,11 @@ def kv_block_copy_triton(
     _kv_block_copy_kernel[grid](
         src, dst, src_ids, dst_ids, num_rows,
         src.stride(0), src.stride(1), dst.stride(0), dst.stride(1),
+        count if count is not None else src_ids,
         WORDS=words,
         CHUNK=min(cfg["chunk"], triton.next_power_of_2(words)),
         ROWS_PER_PROGRAM=cfg["rows_per_program"],
+        HAS_COUNT=count is not None,
         num_warps=cfg["num_warps"],
     )  # fmt: skip
 
@@ -128,6 +137,71 @@ class IdUploader:
             self._done = torch.cuda.Event()
         self._done.record()
         return ids
+
+
+class GraphedBlockCopy:
+    """kv_block_copy between two fixed CUDA pools as one CUDA graph replay on the current stream.
+
+    An eager copy_blocks call spends its host time in torch's id upload and Triton's launch (~0.4 ms of
+    the ~0.8 ms fixed cost of one cuda_ipc transfer on the H200 hosts, bench/results
+    kvtransfer_send_stages_trace_report.txt). Here the ids go into a pinned buffer with numpy, and one
+    graph launch runs both the upload (a host-to-device copy node reading that buffer) and the kernel.
+    The kernel's grid is sized for a bucket of pairs (the power of two >= n, at least MIN_BUCKET);
+    programs past n, read from the device, do nothing. One graph per bucket, captured on first use (on a
+    side stream, capture_error_mode="thread_local": other threads' CUDA calls go on meanwhile). A
+    bucket's pinned buffer is rewritten only after its last replay has read it (an event)."""
+
+    MIN_BUCKET = 16
+
+    def __init__(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, config: dict | None = None) -> None:
+        assert src_pool.is_cuda and dst_pool.device == src_pool.device, "both pools on one CUDA device"
+        self.src_pool, self.dst_pool, self.config = src_pool, dst_pool, config
+        # bucket -> (graph, pinned [n, src..., dst...], its numpy view, event after the last replay)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]] = {}
+
+    def bucket(self, n: int) -> int:
+        return max(self.MIN_BUCKET, triton.next_power_of_2(n))
+
+    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        n = len(src_ids)
+        if n == 0:
+            return
+        b = self.bucket(n)
+        entry = self._graphs.get(b)
+        if entry is None:
+            entry = self._graphs[b] = self._capture(b)
+        graph, _, host, done = entry
+        done.synchronize()  # the last replay's upload has read the buffer (at once when none ran yet)
+        host[0] = n
+        host[1 : 1 + n] = src_ids
+        host[1 + b : 1 + b + n] = dst_ids
+        graph.replay()
+        done.record()
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]:
+        device = self.src_pool.device
+        pinned = torch.zeros(1 + 2 * b, dtype=torch.int32, pin_memory=True)
+        ids = torch.zeros(1 + 2 * b, dtype=torch.int32, device=device)  # count 0: a launch copies nothing
+
+        def launch() -> None:
+            kv_block_copy_triton(
+                self.src_pool, ids[1 : 1 + b], self.dst_pool, ids[1 + b :], self.config, count=ids[:1]
+            )
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            launch()  # compiles the kernel outside the capture
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                ids.copy_(pinned, non_blocking=True)
+                launch()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        done = torch.cuda.Event()
+        return graph, pinned, pinned.numpy(), done
 
 
 _uploaders: dict[tuple[int, int], IdUploader] = {}

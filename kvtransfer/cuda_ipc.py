@@ -2,8 +2,8 @@
 
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
 prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
-the caller's stream (layout.copy_blocks: the one-pass block-copy kernel, its block ids uploaded while
-the receiver's READY is on its way). `send` returns once the copy is queued: the prefill worker's loop
+the caller's stream (on one GPU: kernels.kv_block_copy.GraphedBlockCopy, the one-pass block-copy kernel
+and its ids' upload replayed as one CUDA graph). `send` returns once the copy is queued: the prefill worker's loop
 goes on while it runs, and whatever it queues next on that stream (the next forward pass, which may
 rewrite the source blocks) runs after it. A completion thread waits for the copy and tells the receiver:
 
@@ -24,6 +24,7 @@ receiver finds after DONE fails the request on the decode side (the decode worke
 from __future__ import annotations
 
 import base64
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from engine import trace
-from kernels.kv_block_copy import upload_ids
+from kernels.kv_block_copy import GraphedBlockCopy
 from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
 from kvtransfer.layout import (
     PoolLayout,
@@ -45,6 +46,8 @@ from kvtransfer.layout import (
 )
 from kvtransfer.registry import TableReceiver
 from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
+
+logger = logging.getLogger(__name__)
 
 IO_TIMEOUT_S = 60.0
 
@@ -203,6 +206,10 @@ class CudaIpcKVSender(KVSender):
         if PoolLayout.of(self._remote) != self._remote_layout:
             raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
         self._pool = local_pool
+        # one GPU: the copy as a graph replay (None: eager copy_blocks, e.g. after a failed capture)
+        self._graphed: GraphedBlockCopy | None = None
+        if uses_kernel(local_pool, self._remote, [], []):
+            self._graphed = GraphedBlockCopy(local_pool, self._remote)
         self._cond = threading.Condition()
         self._in_flight: _InFlight | None = None  # at most one per connection (the receiver's order)
         self._broken: str | None = None
@@ -217,7 +224,7 @@ class CudaIpcKVSender(KVSender):
         self._layout.check_ids(src_block_ids, "source")
         self._remote_layout.check_ids(dst_block_ids, "destination")
         nbytes = len(src_block_ids) * self._layout.block_nbytes
-        src, dst = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
+        src, dst = list(map(int, src_block_ids)), list(map(int, dst_block_ids))
         queued: _InFlight | None = None
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight is None)  # the previous DONE is out
@@ -247,12 +254,10 @@ class CudaIpcKVSender(KVSender):
             self._cond.notify_all()
 
     def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        """Work that needs no grant, done while READY is on its way: on one GPU, the block ids go up to it
-        (the copy then launches the moment READY arrives); across GPUs, the source blocks are gathered."""
+        """Work that needs no grant, done while READY is on its way: across GPUs, the source blocks are
+        gathered (on one GPU the graphed copy has nothing to do ahead)."""
         try:  # on the caller's stream: after the forward pass that wrote the blocks
             if self._remote.device == self._pool.device:
-                if uses_kernel(self._pool, self._remote, src, dst):
-                    return upload_ids(src, dst, self._pool.device), {}
                 return None, {}
             return gather(self._pool, src), {}
         except RuntimeError as e:
@@ -265,7 +270,7 @@ class CudaIpcKVSender(KVSender):
         copied = torch.cuda.Event()
         try:
             if self._remote.device == self._pool.device:
-                copy_blocks(self._pool, src, self._remote, dst, device_ids=staged)
+                self._copy_one_gpu(src, dst)
                 copied.record(torch.cuda.current_stream(self._pool.device))
                 trace.mark(rid, "kv.launched")
                 return _InFlight(rid, nbytes, copied, staged), {}
@@ -277,6 +282,16 @@ class CudaIpcKVSender(KVSender):
             return _InFlight(rid, nbytes, copied, peer), {}
         except RuntimeError as e:
             return None, {"error": f"{type(e).__name__}: {e}"}
+
+    def _copy_one_gpu(self, src: list[int], dst: list[int]) -> None:
+        if self._graphed is not None:
+            try:
+                self._graphed(src, dst)
+                return
+            except RuntimeError as e:  # a capture this torch / driver refuses: copy eagerly from now on
+                logger.warning("kv copy as a CUDA graph failed (%s): launching it eagerly instead", e)
+                self._graphed = None
+        copy_blocks(self._pool, src, self._remote, dst)
 
     def _complete(self) -> None:
         """The completion thread: wait for each queued copy, then send its DONE."""

@@ -84,9 +84,9 @@ class PoolLayout:
             )
 
     def check_ids(self, ids: Sequence[int], what: str) -> None:
-        for b in ids:
-            if not 0 <= b < self.num_blocks:
-                raise KVTransferError(f"{what} block id {b} out of range [0, {self.num_blocks})")
+        if len(ids) and (min(ids) < 0 or max(ids) >= self.num_blocks):  # C loops; then find the culprit
+            bad = next(b for b in ids if not 0 <= b < self.num_blocks)
+            raise KVTransferError(f"{what} block id {bad} out of range [0, {self.num_blocks})")
 
 
 def field(desc: Descriptor, key: str, kind: type) -> Any:

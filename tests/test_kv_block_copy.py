@@ -50,3 +50,23 @@ def test_copy_equals_reference(shape, dtype, pattern):
     assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
     if n:  # the blocks not named are untouched and the named ones did change
         assert not torch.equal(want, pool(layers, 20, block, heads, dim, dtype, 2))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8])
+def test_count_limits_a_larger_grid_to_the_first_pairs(n):
+    """The graphed copy's kernel runs a grid sized for a bucket of pairs and reads how many are real from
+    the device: pairs past the count copy nothing, though their id slots hold valid-looking ids."""
+    src = pool(2, 12, 4, 2, 8, torch.float32, 3)
+    dst = pool(2, 20, 4, 2, 8, torch.float32, 4)
+    rng = random.Random(n)
+    src_ids, dst_ids = rng.sample(range(12), 8), rng.sample(range(20), 8)  # 8 slots: the bucket
+    want = dst.clone()
+    kv_block_copy_reference(src, src_ids[:n], want, dst_ids[:n])
+    kv_block_copy_triton(
+        src,
+        torch.tensor(src_ids, dtype=torch.int32),
+        dst,
+        torch.tensor(dst_ids, dtype=torch.int32),
+        count=torch.tensor([n], dtype=torch.int32),
+    )
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))  # bitwise: the pools hold NaNs

@@ -203,3 +203,29 @@ def test_copy_blocks_back_to_back_reuses_id_buffers_safely() -> None:
         expected[:, :, d] = src[:, :, s]
     torch.cuda.synchronize()
     assert torch.equal(dst, expected)
+
+
+def test_graphed_block_copy_back_to_back_across_buckets_equals_indexing() -> None:
+    """kernels.kv_block_copy.GraphedBlockCopy (cuda_ipc's copy on one GPU): one graph per bucket of pair
+    counts, ids read at replay time from a pinned buffer per bucket. Calls queued without a sync, sizes
+    crossing buckets and reusing them (so a bucket's buffer is rewritten while earlier replays may still be
+    queued), each copy only its own blocks; a source rewritten on the stream after a call does not leak
+    into that call's copy (the replay reads the source in stream order)."""
+    from kernels.kv_block_copy import GraphedBlockCopy
+
+    src = make_pool(PREFILL_BLOCKS, 1, "cuda")
+    dst = torch.zeros_like(make_pool(DECODE_BLOCKS, 2, "cuda"))
+    copier = GraphedBlockCopy(src, dst)
+    rng = random.Random(1)
+    expected = torch.zeros_like(dst)
+    free = list(range(DECODE_BLOCKS))
+    rng.shuffle(free)
+    for n in (1, 16, 17, 3, 40, 2, 15, 33, 1, 20):  # buckets 16, 16, 32, 16, 64, 16, 16, 64, 16, 32
+        s = rng.sample(range(PREFILL_BLOCKS), n)
+        d, free = free[:n], free[n:]
+        copier(s, d)
+        expected[:, :, d] = src[:, :, s]
+        src[:, :, s] += 1  # queued after the copy: must not reach it
+    torch.cuda.synchronize()
+    assert sorted(copier._graphs) == [16, 32, 64]
+    assert torch.equal(dst, expected)
