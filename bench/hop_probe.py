@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
@@ -193,6 +194,7 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=2.0)
     ap.add_argument("--pm-qos", action="store_true")
     ap.add_argument("--name", default="hop_probe_grpc_stream_there_ms")
+    ap.add_argument("--only-grpc", action="store_true", help="skip the socket and thread timings")
     args = ap.parse_args()
     global GAP_S
     GAP_S = args.gap_ms / 1e3
@@ -202,12 +204,13 @@ def main() -> None:
         qos.write(struct.pack("i", 0))
     from bench.record import device_name, record
 
-    res = {
-        "socket_block": socket_pair(args.n, spin=False),
-        "socket_spin": socket_pair(args.n, spin=True),
-        "thread_wake": thread_wake(args.n),
-        "grpc": grpc_hops(args.n),
-    }
+    res: dict[str, Any] = {}
+    if not args.only_grpc:
+        res["socket_block"] = socket_pair(args.n, spin=False)
+        res["socket_spin"] = socket_pair(args.n, spin=True)
+        res["thread_wake"] = thread_wake(args.n)
+    res["grpc"] = grpc_hops(args.n)
+    res["grpc_experiments"] = os.environ.get("GRPC_EXPERIMENTS", "")
     print(json.dumps(res, indent=1))
     if qos is not None:
         qos.close()
