@@ -313,7 +313,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             prefill_address=decision.prefill_worker,
         )
         text = TextStream(self.tokenizer, as_list or [], child) if self.tokenizer else None
-        shown, first = 0, True
+        shown, first, ended = 0, True, False
         try:
             async for chunk in call:
                 if first:
@@ -343,8 +343,9 @@ class RouterServicer(pb_grpc.RouterServicer):
                 shown = len(visible)
                 out.put_nowait(resp)
                 if finish:
-                    if stopped:
-                        call.cancel()  # the decode worker frees the request's blocks
+                    if stopped:  # a stop string: the decode worker frees the request's blocks
+                        call.cancel()
+                    ended = True  # otherwise the decode worker ended the call itself: nothing to cancel
                     return
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -354,7 +355,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             if first:
                 self.router.prefill_done(decision)
             self.router.request_done(decision)
-            call.cancel()
+            if not ended:  # cancelled, failed or the stream broke: stop the call on the decode worker
+                call.cancel()
         raise _Stop(
             grpc.StatusCode.UNAVAILABLE, f"decode worker {decision.decode_worker} ended the stream early"
         )
