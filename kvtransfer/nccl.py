@@ -12,12 +12,16 @@ and never touches torch.distributed's global default group:
     HELLO {layout, pair_id}          ->         check layout
                                      <-  WELCOME
     both build ProcessGroupNCCL / ProcessGroupGloo(PrefixStore(pair_id, store), rank, 2)
-    gather src blocks -> one buffer (L, 2, n, bs, h, d)
-    BEGIN {request_id, dst, nbytes}  ->         begin(); recv into a staging buffer on the pool's device
-    pg.send(buffer)                  ==>        (a refused request is still received, then dropped,
-                                                 so both sides stay in step)
-                                                scatter into the pool, synchronise
+    BEGIN {request_id, dst, nbytes}  ->         begin(); recv into staging buffers on the pool's device
+    per layer chunk: gather, pg.send ==>        per layer chunk: recv, scatter into the pool
+                                                (a refused request is still received, then dropped,
+                                                 so both sides stay in step); synchronise
                                      <-  ACK {request_id[, error]}
+
+A large transfer goes in layer chunks (`layer_chunks`, the same on both sides). On CUDA the sender's
+gather of chunk i+1 then overlaps the send of chunk i, and the receiver's scatter of chunk i the
+receive of chunk i+1: the three passes pipeline instead of running one after another (gloo's blocking
+ops just run chunk by chunk).
 
 While data moves, both sides watch the control socket (EOF = the peer died or hung up): gloo's
 blocking wait runs on a helper thread, NCCL's event is polled; an NCCL group whose peer vanished is
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import select
 import socket
 import threading
@@ -67,6 +72,20 @@ def _make_group(backend: str, store: Any, rank: int, local_addr: str, timeout: f
         raise KVTransferError(f"cannot build the {backend} group (rank {rank}): {e}") from e
 
 
+CHUNK_MIN_BYTES = 32 * 2**20  # below this a transfer goes whole: more NCCL ops would cost more than they hide
+MAX_CHUNKS = 4
+
+
+def layer_chunks(num_layers: int, nbytes: int) -> list[tuple[int, int]]:
+    """The [l0, l1) layer ranges a transfer of nbytes moves as, one send/recv each; both sides compute it
+    from the layout and BEGIN's nbytes. PDSERVE_KV_CHUNK_MIN_BYTES (both sides alike) overrides the size
+    from which a transfer is chunked (the tests use 0 to chunk small transfers)."""
+    threshold = int(os.environ.get("PDSERVE_KV_CHUNK_MIN_BYTES", CHUNK_MIN_BYTES))
+    count = min(MAX_CHUNKS, num_layers) if nbytes >= threshold else 1
+    bounds = [num_layers * i // count for i in range(count + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i] < bounds[i + 1]]
+
+
 def _peer_gone(sock: socket.socket) -> bool:
     readable, _, _ = select.select([sock], [], [], 0)
     if not readable:
@@ -78,15 +97,18 @@ def _peer_gone(sock: socket.socket) -> bool:
 
 
 def _complete(work: Any, pg: Any, ch: Channel, cuda: bool, timeout: float) -> None:
-    """Wait for a send/recv; raise KVTransferError if it fails, times out, or the peer disappears.
+    """Wait for a send/recv (on CUDA: and everything queued on the current stream before this call);
+    raise KVTransferError if it fails, times out, or the peer disappears.
 
     The control socket is watched while waiting: EOF there means the peer is gone or gave up. gloo's
     wait blocks (and a group cannot be woken from another thread), so it runs on a helper thread that
     also holds the last reference to `pg`; NCCL's wait only orders the stream, so its event is polled.
+    `work` None (CUDA only): just the current stream's work.
     """
     if cuda:
         try:
-            work.wait()
+            if work is not None:
+                work.wait()
         except RuntimeError as e:
             raise KVTransferError(f"kv transfer with {ch.peer} failed: {e}") from e
         event = torch.cuda.Event()
@@ -188,6 +210,7 @@ class NcclKVReceiver(TableReceiver):
         if (
             not isinstance(nbytes, int)
             or not 0 <= nbytes <= self.layout.num_blocks * self.layout.block_nbytes
+            or nbytes % self.layout.block_nbytes
         ):
             raise KVTransferError(f"kv peer {ch.peer} announced a bad size {nbytes!r}")
         try:
@@ -195,19 +218,39 @@ class NcclKVReceiver(TableReceiver):
             refusal = None
         except KVTransferError as e:
             dst, refusal = None, str(e)
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.pool.device)
+        cuda = self.pool.is_cuda
+        chunks = layer_chunks(self.layout.num_layers, nbytes) if nbytes else []
+        per_layer = nbytes // self.layout.num_layers
+        bufs = [
+            torch.empty((l1 - l0) * per_layer, dtype=torch.uint8, device=self.pool.device)
+            for l0, l1 in chunks
+        ]
+        scatter_now = dst is not None and not self.is_cancelled(rid)
         try:
-            if nbytes:
-                _complete(pg.recv([buf], 1, 0), pg, ch, self.pool.is_cuda, TIMEOUT_S)
+            if (
+                cuda
+            ):  # every recv queued at once; each chunk's scatter waits (on the stream) for its recv only
+                works = [pg.recv([b], 1, 0) for b in bufs]
+                for (l0, l1), buf, work in zip(chunks, bufs, works, strict=True):
+                    try:
+                        work.wait()
+                    except RuntimeError as e:
+                        raise KVTransferError(f"kv transfer with {ch.peer} failed: {e}") from e
+                    if scatter_now:
+                        assert dst is not None
+                        scatter(self.pool[l0:l1], dst, buf)
+                _complete(None, pg, ch, True, TIMEOUT_S)  # the last recv and scatter, watching the peer
+            else:
+                for (l0, l1), buf in zip(chunks, bufs, strict=True):
+                    _complete(pg.recv([buf], 1, 0), pg, ch, False, TIMEOUT_S)
+                    if scatter_now:
+                        assert dst is not None
+                        scatter(self.pool[l0:l1], dst, buf)
         except KVTransferError as e:
             if dst is not None:
                 self.finish(rid, str(e))
             raise
         if dst is not None:
-            if not self.is_cancelled(rid):
-                scatter(self.pool, dst, buf)
-                if self.pool.is_cuda:
-                    torch.cuda.current_stream().synchronize()
             refusal = self.finish(rid, None)
         ch.send(Kind.ACK, {"request_id": rid, **({"error": refusal} if refusal else {})})
 
@@ -264,18 +307,27 @@ class NcclKVSender(KVSender):
             raise KVTransferError(f"kv receiver refused request {request_id!r}: {ack['error']}")
 
     def _push(self, src: Sequence[int]) -> None:
+        nbytes = len(src) * self._layout.block_nbytes
+        chunks = layer_chunks(self._layout.num_layers, nbytes)
         if self._stream is None:
-            buf = gather(self._pool, src)
-            _complete(
-                self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0), self._pg, self._ch, False, TIMEOUT_S
-            )
+            for l0, l1 in chunks:
+                buf = gather(self._pool[l0:l1], src)
+                work = self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0)
+                _complete(work, self._pg, self._ch, False, TIMEOUT_S)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._pool.device))
         with torch.cuda.stream(self._stream):
-            buf = gather(self._pool, src)
-            _complete(
-                self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0), self._pg, self._ch, True, TIMEOUT_S
-            )
+            # each send waits (NCCL's stream on this one) for its own gather, so the next gather overlaps it
+            bufs, works = [], []
+            for l0, l1 in chunks:
+                bufs.append(gather(self._pool[l0:l1], src))
+                works.append(self._pg.send([bufs[-1].view(-1).view(torch.uint8)], 0, 0))
+            for work in works[:-1]:
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise KVTransferError(f"kv transfer with {self._ch.peer} failed: {e}") from e
+            _complete(works[-1], self._pg, self._ch, True, TIMEOUT_S)  # bufs live until every send is done
 
     def close(self) -> None:
         self._ch.close()

@@ -108,6 +108,30 @@ def transport(request: pytest.FixtureRequest) -> str:
 # -- transfers between processes ----------------------------------------------------------------------
 def test_concurrent_transfers_are_exact(transport: str) -> None:
     """2 prefill processes x 2 threads x 4 requests into one decode pool: dst blocks equal src, rest untouched."""
+    check_concurrent_transfers(transport)
+
+
+def test_nccl_in_layer_chunks_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl moves large transfers in layer chunks, one send/recv each (kvtransfer.nccl.layer_chunks); chunking
+    every transfer here (3 layers: 3 chunks) checks both sides agree on the pieces and their offsets."""
+    from kvtransfer.nccl import layer_chunks
+
+    monkeypatch.setenv("PDSERVE_KV_CHUNK_MIN_BYTES", "0")  # the spawned prefill processes inherit it
+    assert layer_chunks(LAYERS, 1) == [(0, 1), (1, 2), (2, 3)]
+    check_concurrent_transfers("nccl")
+
+
+def test_layer_chunks_cover_the_layers_once() -> None:
+    from kvtransfer.nccl import CHUNK_MIN_BYTES, layer_chunks
+
+    assert layer_chunks(32, CHUNK_MIN_BYTES - 1) == [(0, 32)]
+    assert layer_chunks(32, CHUNK_MIN_BYTES) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    for layers in (1, 2, 3, 5, 7, 80):
+        chunks = layer_chunks(layers, CHUNK_MIN_BYTES)
+        assert [lo for lo, _ in chunks] == [0] + [hi for _, hi in chunks[:-1]] and chunks[-1][1] == layers
+
+
+def check_concurrent_transfers(transport: str) -> None:
     pool = make_pool(DECODE_BLOCKS, 100)
     before = pool.clone()
     rng = random.Random(7)

@@ -185,6 +185,14 @@ def test_nccl_two_gpus_exact() -> None:
     check_transfers("nccl", "cuda:0", "cuda:1")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (as test_nccl_two_gpus_exact)")
+def test_nccl_two_gpus_exact_in_layer_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every transfer in layer chunks (kvtransfer.nccl.layer_chunks: 4 layers -> 4 sends, each waiting for
+    its own gather on the sender and feeding its own scatter on the receiver)."""
+    monkeypatch.setenv("PDSERVE_KV_CHUNK_MIN_BYTES", "0")  # both processes read it (spawned after this)
+    check_transfers("nccl", "cuda:0", "cuda:1")
+
+
 def test_copy_blocks_back_to_back_reuses_id_buffers_safely() -> None:
     """copy_blocks uploads its ids through one pinned buffer per stream (kernels.kv_block_copy.IdUploader):
     many calls queued without a sync in between, each with other ids and sizes, must each copy their own."""
