@@ -9,6 +9,8 @@ replies):
 
     caller                                   server
     {stream: 7, request}          ->         starts the call's handler (a task)
+    {stream: 0}                   ->         (a ping, while calls are open and the stream is quiet)
+                                  <-         {stream: 0}
     {stream: 7, request, more}    ->         hands it to the running handler (e.g. the prefill grant)
                                   <-         {stream: 7, chunk / response}   any number
                                   <-         {stream: 7, end} or {stream: 7, error: {code, details}}
@@ -27,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,6 +40,13 @@ from google.protobuf.message import Message
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any, AsyncIterator[Any]], AsyncIterator[Any]]  # (request, later requests) -> replies
+
+# While calls are open on a stream and it has been quiet this long, the caller sends a ping (a frame of
+# stream 0) and the server answers it: both processes' gRPC paths stay warm for the reply that is coming.
+# On the H200 hosts a message on an open stream took 0.60-0.65 ms one way after 50 ms of quiet and
+# 0.27-0.31 ms with a ping every 2 ms (bench/hop_probe.py --warm-ms); a request's first token comes back
+# over these streams after its whole forward pass. 0 turns it off. Costs CPU only while calls are open.
+KEEP_WARM_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
 
 
 class RpcAbort(Exception):
@@ -48,6 +59,25 @@ class RpcAbort(Exception):
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+# a shared stream that fails with these says something about the server, not the connection: keep them
+_STREAM_CODES_KEPT = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
+
+
+def _stream_error(exc: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
+    """What the calls on a shared stream that broke report. A peer that dies can end the stream with
+    INTERNAL ("Failed execute_batch" when a write races the reset) or UNKNOWN rather than UNAVAILABLE;
+    for the calls it is one thing, the worker is unreachable: UNAVAILABLE, the original in the details."""
+    if exc.code() in _STREAM_CODES_KEPT or exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return exc
+    return rpc_error(
+        grpc.StatusCode.UNAVAILABLE, f"the shared stream broke: {exc.code().name}: {exc.details()}"
+    )
 
 
 def _code(name: str) -> grpc.StatusCode:
@@ -89,6 +119,9 @@ async def serve_many(
     async def read() -> None:
         try:
             async for frame in frames:
+                if frame.stream == 0:  # a ping: answer at once
+                    out.put_nowait(reply_cls(stream=0))
+                    continue
                 task = tasks.get(frame.stream)
                 if frame.cancel:
                     if task is not None:
@@ -124,15 +157,25 @@ class ManyStream:
     made from the event loop that runs the stream's tasks.
     """
 
-    def __init__(self, open_call: Callable[[], Any], frame_cls: type, payload_field: str) -> None:
+    def __init__(
+        self,
+        open_call: Callable[[], Any],
+        frame_cls: type,
+        payload_field: str,
+        keep_warm_s: float = KEEP_WARM_S,
+    ) -> None:
         self._open_call = open_call
         self._frame_cls = frame_cls
         self._payload_field = payload_field
-        self._numbers = itertools.count(1)
+        self._keep_warm_s = keep_warm_s
+        self._numbers = itertools.count(1)  # 0 is the pings'
         self._call: Any = None
         self._writes: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._calls: dict[int, ManyCall] = {}
+        self._busy: asyncio.Event | None = None  # set while calls are open (the pinger waits on it)
+        self._last_io = 0.0
+        self.pongs = 0
 
     def open(self, timeout: float | None = None, **request: Any) -> ManyCall:
         """Start a call whose first request has these fields; never blocks (the frame is queued for the
@@ -142,6 +185,8 @@ class ManyStream:
             self._start()
         call = ManyCall(self, next(self._numbers), timeout)
         self._calls[call.stream] = call
+        if self._busy is not None:
+            self._busy.set()
         self._send(self._frame(call.stream, request))
         return call
 
@@ -174,9 +219,20 @@ class ManyStream:
             asyncio.create_task(self._write_loop(call, writes)),
             asyncio.create_task(self._read_loop(call)),
         ]
+        if self._keep_warm_s > 0:
+            self._busy = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._ping_loop(self._busy)))
 
     def _send(self, frame: Any) -> None:
+        self._last_io = time.monotonic()
         self._writes.put_nowait(frame)
+
+    async def _ping_loop(self, busy: asyncio.Event) -> None:
+        while True:
+            await busy.wait()  # no calls open: nothing to keep warm, no wake-ups
+            await asyncio.sleep(self._keep_warm_s)
+            if self._calls and time.monotonic() - self._last_io >= self._keep_warm_s:
+                self._send(self._frame_cls(stream=0))
 
     async def _write_loop(self, call: Any, writes: asyncio.Queue) -> None:
         try:
@@ -190,12 +246,16 @@ class ManyStream:
     async def _read_loop(self, call: Any) -> None:
         try:
             async for reply in call:
+                self._last_io = time.monotonic()
+                if reply.stream == 0:
+                    self.pongs += 1
+                    continue
                 target = self._calls.get(reply.stream)
                 if target is not None:
                     target._deliver(reply)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the server ended the shared stream")
         except grpc.aio.AioRpcError as exc:
-            error = exc
+            error = _stream_error(exc)
         except asyncio.CancelledError:
             return
         if self._call is call:
@@ -203,7 +263,7 @@ class ManyStream:
 
     def _reset(self, error: grpc.aio.AioRpcError) -> None:
         call, tasks, calls = self._call, self._tasks, list(self._calls.values())
-        self._call, self._tasks, self._calls = None, [], {}
+        self._call, self._tasks, self._calls, self._busy = None, [], {}, None
         for task in tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -215,6 +275,8 @@ class ManyStream:
     def _forget(self, call: ManyCall, cancel: bool) -> None:
         if self._calls.pop(call.stream, None) is not None and cancel and self._call is not None:
             self._send(self._frame_cls(stream=call.stream, cancel=True))
+        if not self._calls and self._busy is not None:
+            self._busy.clear()
 
 
 class ManyCall:

@@ -223,3 +223,48 @@ def test_a_dead_server_fails_every_open_call_and_the_next_call_reconnects(server
             many.close()
 
     asyncio.run(main())
+
+
+def test_pings_flow_only_while_calls_are_open(server):
+    """A stream with calls open pings when quiet (the server answers each): both sides stay warm for the
+    reply to come. With no call open it sends nothing."""
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002)
+            call = many.open(request_id="hang")
+            assert (await anext(aiter(call))).first_token_id == 7
+            await asyncio.sleep(0.3)
+            assert many.pongs >= 10  # ~one per 2 ms of quiet, fewer on a loaded machine
+            assert not call.done()  # pings are not replies
+            call.cancel()
+            await asyncio.sleep(0.05)
+            idle = many.pongs
+            await asyncio.sleep(0.3)
+            assert many.pongs == idle
+            assert await _collect(many.open(request_id="echo-2")) == [0, 1]
+            off = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.0)
+            call = off.open(request_id="hang")
+            assert (await anext(aiter(call))).first_token_id == 7
+            await asyncio.sleep(0.1)
+            assert off.pongs == 0
+            call.cancel()
+            many.close()
+            off.close()
+
+    asyncio.run(main())
+
+
+def test_a_broken_stream_reports_unavailable_unless_the_server_refused_the_method():
+    """A peer that dies can end the shared stream with INTERNAL (a write racing the reset) or UNKNOWN; the
+    calls on it report UNAVAILABLE (the worker is unreachable: the router routes around it), keeping the
+    original status in the details. A server that does not serve the method keeps UNIMPLEMENTED."""
+    from engine.mux import _stream_error, rpc_error
+
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+        err = _stream_error(rpc_error(code, "Internal error from Core"))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert code.name in err.details() and "Internal error from Core" in err.details()
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+        assert _stream_error(rpc_error(code, "x")).code() == code
