@@ -113,8 +113,16 @@ def _ident(x: bytes) -> bytes:
     return x
 
 
-async def _serve(address: str, ready: Any) -> None:
+async def _tick(period_s: float) -> None:
+    """Wake the event loop every period_s (--tick-ms): does a process that never idles long answer faster?"""
+    while True:
+        await asyncio.sleep(period_s)
+
+
+async def _serve(address: str, ready: Any, tick_s: float = 0.0) -> None:
     import grpc
+
+    ticker = asyncio.create_task(_tick(tick_s)) if tick_s else None
 
     async def uni(req: bytes, ctx: Any):
         yield _T.pack(time.perf_counter()) + b"x" * (MSG - _T.size)
@@ -133,17 +141,34 @@ async def _serve(address: str, ready: Any) -> None:
     await server.start()
     ready.set()
     await server.wait_for_termination()
+    if ticker is not None:
+        ticker.cancel()
 
 
-def _grpc_server(address: str, ready: Any) -> None:
-    asyncio.run(_serve(address, ready))
+def _grpc_server(address: str, ready: Any, tick_s: float) -> None:
+    asyncio.run(_serve(address, ready, tick_s))
 
 
-async def _grpc_client(address: str, n: int) -> dict[str, float]:
+async def _warm(ch: Any, period_s: float) -> None:
+    """--warm-ms: a tiny message each way on a stream of its own every period_s, keeping both processes'
+    gRPC paths busy between the measured messages."""
+    call = ch.stream_stream("/probe.P/B", request_serializer=_ident, response_deserializer=_ident)()
+    try:
+        while True:
+            await call.write(b"w")
+            await call.read()
+            await asyncio.sleep(period_s)
+    finally:
+        call.cancel()
+
+
+async def _grpc_client(address: str, n: int, tick_s: float = 0.0, warm_s: float = 0.0) -> dict[str, float]:
     import grpc
 
+    ticker = asyncio.create_task(_tick(tick_s)) if tick_s else None
     out: dict[str, float] = {}
     async with grpc.aio.insecure_channel(address) as ch:
+        warmer = asyncio.create_task(_warm(ch, warm_s)) if warm_s else None
         uni = ch.unary_stream("/probe.P/S", request_serializer=_ident, response_deserializer=_ident)
         there, back = [], []
         for _ in range(n + WARM):
@@ -169,20 +194,24 @@ async def _grpc_client(address: str, n: int) -> dict[str, float]:
             await asyncio.sleep(GAP_S)
         out["stream_there_ms"], out["stream_back_ms"] = _ms(there), _ms(back)
         call.cancel()
+        if warmer is not None:
+            warmer.cancel()
+    if ticker is not None:
+        ticker.cancel()
     return out
 
 
-def grpc_hops(n: int) -> dict[str, float]:
+def grpc_hops(n: int, tick_s: float = 0.0, warm_s: float = 0.0) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ready = ctx.Event()
-    p = ctx.Process(target=_grpc_server, args=(f"127.0.0.1:{port}", ready), daemon=True)
+    p = ctx.Process(target=_grpc_server, args=(f"127.0.0.1:{port}", ready, tick_s), daemon=True)
     p.start()
     ready.wait(30)
     try:
-        return asyncio.run(_grpc_client(f"127.0.0.1:{port}", n))
+        return asyncio.run(_grpc_client(f"127.0.0.1:{port}", n, tick_s, warm_s))
     finally:
         p.terminate()
 
@@ -195,6 +224,8 @@ def main() -> None:
     ap.add_argument("--pm-qos", action="store_true")
     ap.add_argument("--name", default="hop_probe_grpc_stream_there_ms")
     ap.add_argument("--only-grpc", action="store_true", help="skip the socket and thread timings")
+    ap.add_argument("--tick-ms", type=float, default=0.0, help="grpc: both event loops also wake this often")
+    ap.add_argument("--warm-ms", type=float, default=0.0, help="grpc: a tiny message each way this often")
     args = ap.parse_args()
     global GAP_S
     GAP_S = args.gap_ms / 1e3
@@ -209,7 +240,8 @@ def main() -> None:
         res["socket_block"] = socket_pair(args.n, spin=False)
         res["socket_spin"] = socket_pair(args.n, spin=True)
         res["thread_wake"] = thread_wake(args.n)
-    res["grpc"] = grpc_hops(args.n)
+    res["grpc"] = grpc_hops(args.n, args.tick_ms / 1e3, args.warm_ms / 1e3)
+    res["tick_ms"], res["warm_ms"] = args.tick_ms, args.warm_ms
     res["grpc_experiments"] = os.environ.get("GRPC_EXPERIMENTS", "")
     print(json.dumps(res, indent=1))
     if qos is not None:
