@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Job:
     descriptor: dict
+    sender_key: str  # the descriptor's canonical JSON: one sender per decode worker
     dst_block_ids: list[int] | None  # None: the decode worker's grant has not come yet
     need: int  # blocks of the prompt
     error: str | None = None
@@ -54,6 +55,7 @@ class PrefillCore:
         self.events = KVEventPublisher(config.worker_id, lambda: list(self.blocks.cached))
         self.blocks.on_event = self.events.on_block_event
         self._send_now: Callable[[list[tuple]], None] | None = None
+        self._descriptors: dict[str, tuple[dict, str]] = {}  # kv descriptor JSON -> (parsed, sender key)
 
     def bind(self, send_now: Callable[[list[tuple]], None]) -> None:
         """The engine process's sender: first tokens go out mid-step, before their KV transfer."""
@@ -115,11 +117,11 @@ class PrefillCore:
                 raise ValueError(
                     f"{len(prompt_ids)} prompt tokens need {need} blocks, got {len(dst_block_ids)}"
                 )
-            descriptor = json.loads(descriptor_json)
+            descriptor, key = self._descriptor(descriptor_json)
         except ValueError as exc:
             self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
             return
-        self.jobs[rid] = _Job(descriptor, list(dst_block_ids) or None, need)
+        self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
         self.scheduler.add(self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, salt))
 
     def step(self) -> list[tuple]:
@@ -172,11 +174,11 @@ class PrefillCore:
     def _send(self, rid: str, job: _Job, src: list[int], dst: list[int]) -> None:
         trace.mark(rid, "pcore.send")
         try:
-            self._sender(job.descriptor).send(rid, src, dst)
+            self._sender(job).send(rid, src, dst)
             trace.mark(rid, "pcore.sent")
         except KVTransferError as exc:
             job.error = f"KV transfer to the decode worker failed: {exc}"
-            self._drop_sender(job.descriptor)
+            self._drop_sender(job)
 
     def _grant(self, rid: str, dst_block_ids: list[int]) -> None:
         """The decode worker reserved the prompt's blocks: send now if the prompt is already computed."""
@@ -212,14 +214,26 @@ class PrefillCore:
                 job.error = f"the decode worker reserved no blocks within {self.config.kv_timeout_s:g} s"
                 self._unpark(rid, job)
 
-    def _sender(self, descriptor: dict) -> KVSender:
-        key = json.dumps(descriptor, sort_keys=True)
-        sender = self.senders.get(key)
+    def _descriptor(self, descriptor_json: str) -> tuple[dict, str]:
+        """(descriptor, sender key) of a request's kv descriptor. A decode worker sends the same JSON with
+        every request, so it is parsed once (ValueError for JSON that is not an object)."""
+        known = self._descriptors.get(descriptor_json)
+        if known is None:
+            descriptor = json.loads(descriptor_json)
+            if not isinstance(descriptor, dict):
+                raise ValueError(f"kv_descriptor must be a JSON object, got {type(descriptor).__name__}")
+            if len(self._descriptors) >= 64:  # decode workers come and go (restarts): keep it bounded
+                self._descriptors.clear()
+            known = self._descriptors[descriptor_json] = (descriptor, json.dumps(descriptor, sort_keys=True))
+        return known
+
+    def _sender(self, job: _Job) -> KVSender:
+        sender = self.senders.get(job.sender_key)
         if sender is None:
-            sender = self.senders[key] = connect(descriptor, self.engine.runner.kv_cache)
+            sender = self.senders[job.sender_key] = connect(job.descriptor, self.engine.runner.kv_cache)
         return sender
 
-    def _drop_sender(self, descriptor: dict) -> None:
-        sender = self.senders.pop(json.dumps(descriptor, sort_keys=True), None)
+    def _drop_sender(self, job: _Job) -> None:
+        sender = self.senders.pop(job.sender_key, None)
         if sender is not None:
             sender.close()

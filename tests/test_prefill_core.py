@@ -127,3 +127,26 @@ def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(setup, bad) -
     assert [(m[0], m[1], m[2]) for m in out] == [("error", "r6", "INVALID_ARGUMENT")]
     assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
     assert "r6" not in core.jobs and not core.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("bad", ["not json", "[1, 2]", '"a string"'])
+def test_a_kv_descriptor_that_is_not_a_json_object_is_invalid_argument(setup, bad) -> None:
+    core, _, _, _ = setup
+    free_before = core.blocks.num_free_blocks
+    core.handle(("prefill", "bad-desc", PROMPT, SamplingParams(temperature=0), None, bad, []))
+    out = run_until_idle(core)
+    assert [(m[0], m[1], m[2]) for m in out] == [("error", "bad-desc", "INVALID_ARGUMENT")]
+    assert "bad-desc" not in core.jobs and core.blocks.num_free_blocks == free_before
+
+
+def test_requests_to_one_decode_worker_share_its_parsed_descriptor_and_sender(setup) -> None:
+    """A decode worker sends the same descriptor JSON with every request: it is parsed once, and every
+    transfer to that worker goes through one sender."""
+    core, _, receiver, decode_pool = setup
+    for i, dst in enumerate(([7, 8, 9], [10, 11, 12])):
+        receiver.expect(f"s{i}", dst)
+        start(core, receiver, f"s{i}", dst)
+        run_until_idle(core)
+        receiver.wait(f"s{i}", timeout=10)
+    assert len(core._descriptors) == 1 and len(core.senders) == 1
+    assert torch.count_nonzero(decode_pool[:, :, [7, 8, 9, 10, 11, 12]]) > 0
