@@ -319,9 +319,6 @@ class ManyCall:
             raise grpc.aio.UsageError("the call has ended")
         self._owner._send(self._owner._frame(self.stream, request, more=True))
 
-    async def done_writing(self) -> None:
-        """Nothing to do: the shared stream stays open (here for grpc.aio call compatibility)."""
-
     def cancel(self) -> bool:
         """Stop the call (the server's handler is cancelled). False if it had ended already."""
         if self._done:
