@@ -10,7 +10,10 @@ Lifecycle of one request (decode worker D, prefill worker P):
 
     D: receiver.expect(rid, dst_ids)        reserve-then-announce: only announced blocks can be written
     D -> P (gRPC): prefill(rid, tokens, dst_ids); P learned receiver.descriptor() once, at connect time
+    P: sender.prepare(rid, dst_ids)         optional, at admission: asks for the blocks while the forward
+                                            pass runs (cuda_ipc), so send() finds the grant waiting
     P: sender.send(rid, src_ids, dst_ids)   returns once D has every byte, else raises KVTransferError
+       (or sender.release(rid): a prepared request P will not send after all)
     D: receiver.wait(rid, timeout)          returns once complete, else raises KVTransferError
     D: after wait() or cancel() returned or raised, nothing writes those blocks any more: free or use them.
 """
@@ -52,10 +55,22 @@ class KVSender(abc.ABC):
     may be unusable: close it and `connect` again.
     """
 
+    def prepare(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        """Announce a `send` of these destination blocks to come (when the request is admitted, before its
+        forward pass), so a transport that needs the receiver's grant before writing (cuda_ipc) asks for
+        it now and `send` does not wait for it. Optional: `send` asks itself when nothing was prepared.
+        A prepared request must end in `send` or `release`. Raises KVTransferError (a broken sender)."""
+        del request_id, dst_block_ids  # the transports that write through the receiver need no grant
+
+    def release(self, request_id: str) -> None:
+        """A prepared request will not be sent (cancelled, failed): the receiver stops holding it as
+        granted. Idempotent; a no-op for a request never prepared or already sent."""
+        del request_id
+
     @abc.abstractmethod
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         """Move the blocks. Returns once every byte arrived (the receiver confirmed it), or, for a sender
-        that only queues the copy (cuda_ipc), once it is queued: its own thread then tells the receiver."""
+        that only queues the copy (cuda_ipc), once it is queued and the receiver told to wait for it."""
 
     @abc.abstractmethod
     def close(self) -> None:

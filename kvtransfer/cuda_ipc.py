@@ -1,24 +1,21 @@
 """cuda_ipc: same host; the prefill worker writes straight into the decode worker's pool.
 
 The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
-prefill worker maps it at connect time and, per transfer, copies its blocks into the mapped pool on
-the caller's stream (on one GPU: kernels.kv_block_copy.GraphedBlockCopy, the one-pass block-copy kernel
-and its ids' upload replayed as one CUDA graph). `send` returns once the copy is queued: the prefill worker's loop
-goes on while it runs, and whatever it queues next on that stream (the next forward pass, which may
-rewrite the source blocks) runs after it. A completion thread waits for the copy and tells the receiver:
+prefill worker maps it at connect time and exports an interprocess CUDA event in its HELLO. Per
+transfer, under kvtransfer.grants' protocol (the grant asked for at admission, by `prepare`), `send`
+copies the blocks into the mapped pool on the caller's stream (on one GPU:
+kernels.kv_block_copy.GraphedBlockCopy, the one-pass block-copy kernel and its ids' upload replayed as
+one CUDA graph), records the event after the copy and sends DONE, then returns: the prefill worker's
+loop goes on while the copy runs, and whatever it queues next on that stream (the next forward pass,
+which may rewrite the source blocks) runs after it. The receiver's connection thread polls the event
+(yielding the GIL between polls) and reports the request complete: the copy's end reaches the decode
+worker with no message after it. `dst` travels packed (wire.pack_ids).
 
-    sender                                      receiver (thread per connection)
-    HELLO {layout}                   ->         check layout
-                                     <-  WELCOME
-    BEGIN {request_id, dst, nbytes}  ->         begin(): only announced blocks, only once
-                                     <-  READY  (or a refusal: nothing is written)
-    copy queued on the caller's stream; send() returns
-    (completion thread: event sync)
-    DONE {request_id, nbytes}        ->         finish(): length check; the request is complete
-
-`dst` travels packed (wire.pack_ids). The next BEGIN on a connection waits for the previous DONE. A
-sender that dies between READY and DONE closes the control socket: the request fails. A failure the
-receiver finds after DONE fails the request on the decode side (the decode worker reports it).
+The event of a process that died with work queued never completes (the poll sees the connection
+close instead), and a context torn down otherwise might read as reached; so each connection
+also gets a slot in a small counter tensor the decode worker exports beside its pool. The sender's
+stream writes the transfer's sequence number there after each copy (DONE carries it), and the
+receiver reads the slot after the event: a request is complete only when its number is there.
 """
 
 from __future__ import annotations
@@ -26,30 +23,19 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
 from typing import Any
 
 import torch
 
 from engine import trace
 from kernels.kv_block_copy import GraphedBlockCopy
-from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
-from kvtransfer.layout import (
-    PoolLayout,
-    check_pair,
-    copy_blocks,
-    field,
-    gather,
-    scatter,
-    uses_kernel,
-)
-from kvtransfer.registry import TableReceiver
-from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
+from kvtransfer.base import Descriptor, DoneCallback, KVTransferError
+from kvtransfer.grants import Completion, GrantReceiver, GrantSender
+from kvtransfer.layout import PoolLayout, copy_blocks, field, gather, scatter, uses_kernel
+from kvtransfer.wire import Channel
 
 logger = logging.getLogger(__name__)
-
-IO_TIMEOUT_S = 60.0
 
 # rebuild_cuda_tensor's arguments after (tensor_cls, size, stride, offset, storage_cls, dtype), by name
 _IPC_FIELDS = (
@@ -113,7 +99,52 @@ def _local_index(uuid: str) -> int:
     )
 
 
-class CudaIpcKVReceiver(TableReceiver):
+MAX_SENDERS = 1024  # connections one decode worker serves at once: slots of its landing counters
+LANDING_TIMEOUT_S = 60.0  # a queued copy that has not landed by then fails its request
+
+
+class _Landing(Completion):
+    """One connection's completion: the sender's interprocess event, then its landing-counter slot."""
+
+    def __init__(self, receiver: CudaIpcKVReceiver, event: torch.cuda.Event, slot: int) -> None:
+        self._receiver, self._event, self._slot = receiver, event, slot
+        self._counter = receiver._landings[slot : slot + 1]
+        self._read = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.welcome = {"slot": slot}
+
+    def landed(self, done: dict[str, Any], ch: Channel) -> str | None:
+        seq = done.get("seq")
+        if not isinstance(seq, int):
+            return "DONE carries no sequence number"
+        # Polled, not synchronize(): the event of a process that died with the copy queued never
+        # completes, and a blocked thread could not see the socket close. sleep(0) hands the GIL to the
+        # engine thread between polls; the copy takes at most a few hundred microseconds.
+        deadline = time.monotonic() + LANDING_TIMEOUT_S
+        polls = 0
+        while not self._event.query():
+            polls += 1
+            if polls % 64 == 0:
+                if ch.peer_closed():
+                    return "the sender closed the connection with its copy still queued (it died?)"
+                if time.monotonic() > deadline:
+                    return f"the copy did not land within {LANDING_TIMEOUT_S:g} s"
+            time.sleep(0 if polls < 4096 else 1e-4)
+        trace.mark(str(done.get("request_id")), "kv.event_reached")
+        stream = self._receiver._stream  # never waits on the engine's work
+        with torch.cuda.stream(stream):
+            self._read.copy_(self._counter, non_blocking=True)
+        stream.synchronize()
+        reached = int(self._read[0])
+        trace.mark(str(done.get("request_id")), "kv.landing_read")
+        if reached < seq:
+            return f"the copy never landed (counter at {reached}, not {seq}): the sender's process died?"
+        return None
+
+    def close(self) -> None:
+        self._receiver._free_slot(self._slot)
+
+
+class CudaIpcKVReceiver(GrantReceiver):
     def __init__(
         self,
         pool: torch.Tensor,
@@ -125,14 +156,18 @@ class CudaIpcKVReceiver(TableReceiver):
     ) -> None:
         if not pool.is_cuda:
             raise KVTransferError(f"cuda_ipc needs the decode pool on a CUDA device, got {pool.device}")
-        super().__init__(pool, on_done)
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._ipc = encode_ipc_args(reduce_tensor(pool)[1])  # pool must outlive the receiver
         index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
         self._uuid = _device_uuid(index)
         self._host = advertise_host or host
-        self._server = ControlServer(host, port, self._serve, "kv-cuda-ipc")
+        self._landings = torch.zeros(MAX_SENDERS, dtype=torch.int64, device=pool.device)
+        self._landings_ipc = encode_ipc_args(reduce_tensor(self._landings)[1])
+        self._slots = list(range(MAX_SENDERS - 1, -1, -1))
+        self._slots_lock = threading.Lock()
+        self._stream = torch.cuda.Stream(pool.device)  # reads the counters; never waits on the engine's work
+        super().__init__(pool, on_done, host, port, "kv-cuda-ipc")
 
     def descriptor(self) -> Descriptor:
         return {
@@ -142,60 +177,39 @@ class CudaIpcKVReceiver(TableReceiver):
             "layout": self.layout.to_dict(),
             "device_uuid": self._uuid,
             "ipc": self._ipc,
+            "landings_ipc": self._landings_ipc,
         }
 
-    def _shutdown(self) -> None:
-        self._server.close()
-
-    def _serve(self, ch: Channel) -> None:
-        if self._welcome(ch) is None:
-            return
-        while True:
-            ch.settimeout(None)  # idle between transfers
-            meta = ch.expect(Kind.BEGIN)
-            ch.settimeout(IO_TIMEOUT_S)
-            self._receive(ch, meta)
-
-    def _receive(self, ch: Channel, meta: dict[str, Any]) -> None:
-        rid, nbytes = str(meta.get("request_id")), meta.get("nbytes")
+    def _open_completion(self, hello: dict[str, Any]) -> Completion:
         try:
-            self.begin(rid, unpack_ids(meta.get("dst")), nbytes if isinstance(nbytes, int) else -1)
-        except KVTransferError as e:
-            ch.send(Kind.READY, {"request_id": rid, "error": str(e)})
-            return
-        ch.send(Kind.READY, {"request_id": rid})
-        try:
-            done = ch.expect(Kind.DONE)  # the sender copies now; EOF here = it died mid-copy
-        except KVTransferError as e:
-            self.finish(rid, f"sender gone before completing the copy: {e}")
-            raise
-        error = done.get("error")
-        if error is None and (done.get("request_id") != rid or done.get("nbytes") != nbytes):
-            error = f"sender reported {done.get('nbytes')} bytes for {done.get('request_id')!r}"
-        self.finish(rid, error)
+            handle = base64.b64decode(str(hello["event"]), validate=True)
+            event = torch.cuda.Event.from_ipc_handle(self.pool.device, handle)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise KVTransferError(f"cannot open the sender's interprocess CUDA event: {e!r}") from e
+        with self._slots_lock:
+            if not self._slots:
+                raise KVTransferError(f"this decode worker already serves {MAX_SENDERS} kv senders")
+            slot = self._slots.pop()
+        with torch.cuda.stream(self._stream):  # a new sender counts from 1
+            self._landings[slot].zero_()
+        self._stream.synchronize()
+        return _Landing(self, event, slot)
+
+    def _free_slot(self, slot: int) -> None:
+        with self._slots_lock:
+            self._slots.append(slot)
 
 
-@dataclass
-class _InFlight:
-    """A queued copy whose DONE is not out yet."""
-
-    request_id: str
-    nbytes: int
-    copied: torch.cuda.Event  # recorded after the copy on the stream that ran it
-    keep: torch.Tensor | None  # staging the copy still reads (cross-GPU path)
-
-
-class CudaIpcKVSender(KVSender):
+class CudaIpcKVSender(GrantSender):
     def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
-        self._layout = PoolLayout.of(local_pool)
-        self._remote_layout = PoolLayout.from_dict(field(descriptor, "layout", dict))
-        self._layout.check_peer(self._remote_layout)
+        remote_layout = PoolLayout.from_dict(field(descriptor, "layout", dict))
         ipc, uuid = field(descriptor, "ipc", dict), field(descriptor, "device_uuid", str)
         host, port = field(descriptor, "host", str), field(descriptor, "port", int)
         if not local_pool.is_cuda:
             raise KVTransferError(
                 f"cuda_ipc needs the prefill pool on a CUDA device, got {local_pool.device}"
             )
+        PoolLayout.of(local_pool).check_peer(remote_layout)
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         index = _local_index(uuid)
@@ -203,85 +217,52 @@ class CudaIpcKVSender(KVSender):
             self._remote = rebuild_cuda_tensor(*decode_ipc_args(ipc, index))
         except RuntimeError as e:
             raise KVTransferError(f"cannot map the decode worker's kv pool over CUDA IPC: {e}") from e
-        if PoolLayout.of(self._remote) != self._remote_layout:
+        if PoolLayout.of(self._remote) != remote_layout:
             raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
-        self._pool = local_pool
+        try:
+            self._landings = rebuild_cuda_tensor(
+                *decode_ipc_args(field(descriptor, "landings_ipc", dict), index)
+            )
+        except RuntimeError as e:
+            raise KVTransferError(f"cannot map the decode worker's landing counters: {e}") from e
+        self._seq = 0  # transfers launched on this connection
         # one GPU: the copy as a graph replay (None: eager copy_blocks, e.g. after a failed capture)
         self._graphed: GraphedBlockCopy | None = None
         if uses_kernel(local_pool, self._remote, [], []):
             self._graphed = GraphedBlockCopy(local_pool, self._remote)
-        self._cond = threading.Condition()
-        self._in_flight: _InFlight | None = None  # at most one per connection (the receiver's order)
-        self._broken: str | None = None
-        self._closing = False
-        self._ch = Channel.greet(host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict()})
-        self._completer = threading.Thread(target=self._complete, name="kv-cuda-ipc-done", daemon=True)
-        self._completer.start()
+        # recorded after every copy, on the decode GPU; the receiver waits on it
+        with torch.cuda.device(self._remote.device):
+            self._copied = torch.cuda.Event(interprocess=True)
+            handle = self._copied.ipc_handle()
+        self._keep: tuple[torch.Tensor, ...] = ()  # the cross-GPU path's staging, until the next copy
+        hello = {"event": base64.b64encode(handle).decode()}
+        super().__init__(local_pool, remote_layout, host, port, timeout, hello)
+        slot = self._ch.welcome.get("slot")
+        if not isinstance(slot, int) or not 0 <= slot < self._landings.numel():
+            self.close()
+            raise KVTransferError(f"kv receiver at {self._ch.peer} gave no landing slot (got {slot!r})")
+        self._landing = self._landings[slot]
 
-    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
-        trace.mark(request_id, "kv.send")
-        check_pair(src_block_ids, dst_block_ids)
-        self._layout.check_ids(src_block_ids, "source")
-        self._remote_layout.check_ids(dst_block_ids, "destination")
-        nbytes = len(src_block_ids) * self._layout.block_nbytes
-        src, dst = list(map(int, src_block_ids)), list(map(int, dst_block_ids))
-        queued: _InFlight | None = None
-        with self._cond:
-            self._cond.wait_for(lambda: self._in_flight is None)  # the previous DONE is out
-            if self._broken or self._closing:
-                raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken or 'closed'}")
-            try:
-                begin = {"request_id": request_id, "dst": pack_ids(dst), "nbytes": nbytes}
-                self._ch.send(Kind.BEGIN, begin)
-                trace.mark(request_id, "kv.begin_sent")
-                staged, error = self._prestage(src, dst)  # local work while the receiver answers
-                trace.mark(request_id, "kv.prestaged")
-                reply = self._ch.expect(Kind.READY)
-                trace.mark(request_id, "kv.ready")
-                refused = reply.get("error")  # then nothing was written and the connection stays usable
-                if refused is None and not error:
-                    queued, error = self._copy(request_id, nbytes, src, dst, staged)
-                if refused is None and error:
-                    self._ch.send(Kind.DONE, {"request_id": request_id, "nbytes": nbytes, **error})
-            except KVTransferError as e:
-                self._broken = str(e)
-                raise
-            if refused is not None:
-                raise KVTransferError(f"kv receiver refused request {request_id!r}: {refused}")
-            if error:
-                raise KVTransferError(f"kv copy of request {request_id!r} failed: {error['error']}")
-            self._in_flight = queued
-            self._cond.notify_all()
+    def _stage(self, src: list[int], dst: list[int]) -> torch.Tensor | None:
+        """Across GPUs, the source blocks are gathered before the grant is waited for (on one GPU the
+        graphed copy has nothing to do ahead)."""
+        if self._remote.device == self._pool.device:
+            return None
+        return gather(self._pool, src)
 
-    def _prestage(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor | None, dict[str, str]]:
-        """Work that needs no grant, done while READY is on its way: across GPUs, the source blocks are
-        gathered (on one GPU the graphed copy has nothing to do ahead)."""
-        try:  # on the caller's stream: after the forward pass that wrote the blocks
-            if self._remote.device == self._pool.device:
-                return None, {}
-            return gather(self._pool, src), {}
-        except RuntimeError as e:
-            return None, {"error": f"{type(e).__name__}: {e}"}
-
-    def _copy(
-        self, rid: str, nbytes: int, src: list[int], dst: list[int], staged: torch.Tensor | None
-    ) -> tuple[_InFlight | None, dict[str, str]]:
-        """Queue the write of the mapped pool: (the copy in flight, {}) or (None, {"error": why})."""
-        copied = torch.cuda.Event()
-        try:
-            if self._remote.device == self._pool.device:
-                self._copy_one_gpu(src, dst)
-                copied.record(torch.cuda.current_stream(self._pool.device))
-                trace.mark(rid, "kv.launched")
-                return _InFlight(rid, nbytes, copied, staged), {}
-            # the decode pool is on another GPU of this host: peer copy, then scatter there
-            assert staged is not None
+    def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
+        if self._remote.device == self._pool.device:
+            self._copy_one_gpu(src, dst)
+        else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
             peer = staged.to(self._remote.device)
             scatter(self._remote, dst, peer)
-            copied.record(torch.cuda.current_stream(self._remote.device))
-            return _InFlight(rid, nbytes, copied, peer), {}
-        except RuntimeError as e:
-            return None, {"error": f"{type(e).__name__}: {e}"}
+            self._keep = (staged, peer)
+        trace.mark(request_id, "kv.copy_queued")
+        self._seq += 1
+        with torch.cuda.device(self._remote.device):  # same stream as the copy: written only after it
+            self._landing.fill_(self._seq)
+        self._copied.record(torch.cuda.current_stream(self._remote.device))
+        return {"seq": self._seq}
 
     def _copy_one_gpu(self, src: list[int], dst: list[int]) -> None:
         if self._graphed is not None:
@@ -293,38 +274,9 @@ class CudaIpcKVSender(KVSender):
                 self._graphed = None
         copy_blocks(self._pool, src, self._remote, dst)
 
-    def _complete(self) -> None:
-        """The completion thread: wait for each queued copy, then send its DONE."""
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._in_flight is not None or self._closing)
-                item = self._in_flight
-                if item is None:
-                    return
-            done: dict[str, Any] = {"request_id": item.request_id, "nbytes": item.nbytes}
-            try:
-                item.copied.synchronize()  # releases the GIL
-            except RuntimeError as e:
-                done["error"] = f"{type(e).__name__}: {e}"
-            trace.mark(item.request_id, "kv.copied")
-            try:
-                self._ch.send(Kind.DONE, done)
-            except KVTransferError as e:  # the receiver fails the request when the socket drops
-                with self._cond:
-                    self._broken = str(e)
-            trace.mark(item.request_id, "kv.done_sent")
-            with self._cond:
-                self._in_flight = None
-                self._cond.notify_all()
+    def _drain(self) -> None:
+        self._copied.synchronize()
 
     def close(self) -> None:
-        """Waits for the copy in flight (its DONE goes out), then closes the connection."""
-        with self._cond:
-            if self._closing:
-                return
-            self._cond.wait_for(lambda: self._in_flight is None, timeout=IO_TIMEOUT_S)
-            self._closing = True
-            self._cond.notify_all()
-        self._completer.join(timeout=IO_TIMEOUT_S)
-        self._ch.close()
-        self._remote = None  # type: ignore[assignment]
+        super().close()
+        self._remote = self._landings = self._landing = None  # type: ignore[assignment]

@@ -51,9 +51,11 @@ class Kind(enum.IntEnum):
     HELLO = 1  # sender -> receiver: {layout, ...}
     WELCOME = 2  # receiver -> sender: {} or {error}
     BEGIN = 3  # sender -> receiver: {request_id, dst, nbytes}, tcp: payload follows
-    READY = 4  # receiver -> sender (cuda_ipc): {request_id} or {error}
-    DONE = 5  # sender -> receiver (cuda_ipc): {request_id, nbytes}
+    READY = 4  # receiver -> sender (cuda_ipc): {request_id} or {request_id, error}
+    DONE = 5  # sender -> receiver (cuda_ipc): {request_id, nbytes} or {request_id, error}
     ACK = 6  # receiver -> sender: {request_id} or {request_id, error}
+    RELEASE = 7  # sender -> receiver (cuda_ipc): {request_id, reason}: a granted request it will not write
+    REVOKE = 8  # receiver -> sender (cuda_ipc): {request_id}: the request was cancelled, do not write it
 
 
 @dataclass
@@ -64,11 +66,13 @@ class Message:
 
 
 class Channel:
-    """One TCP connection. Not thread-safe: one thread reads, one writes (or one does both)."""
+    """One TCP connection. One thread reads; any number may send (a frame goes out whole)."""
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
+        self.welcome: dict[str, Any] = {}  # a sender's: what the receiver's WELCOME said
+        self._send_lock = threading.Lock()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @classmethod
@@ -81,8 +85,8 @@ class Channel:
 
     @classmethod
     def greet(cls, host: str, port: int, timeout: float, io_timeout: float, hello: dict[str, Any]) -> Channel:
-        """A sender's connection, past the handshake: HELLO `hello` -> WELCOME, or KVTransferError with the
-        receiver's reason for refusing (the connection closed)."""
+        """A sender's connection, past the handshake: HELLO `hello` -> WELCOME (kept as `welcome`), or
+        KVTransferError with the receiver's reason for refusing (the connection closed)."""
         ch = cls.connect(host, port, timeout)
         ch.settimeout(max(timeout, io_timeout))
         ch.send(Kind.HELLO, hello)
@@ -90,6 +94,7 @@ class Channel:
         if "error" in welcome:
             ch.close()
             raise KVTransferError(f"kv receiver at {ch.peer} refused the connection: {welcome['error']}")
+        ch.welcome = welcome
         return ch
 
     def settimeout(self, timeout: float | None) -> None:
@@ -99,9 +104,10 @@ class Channel:
         body = json.dumps(meta, separators=(",", ":")).encode()
         n = payload.nbytes if payload is not None else 0
         try:
-            self.sock.sendall(_FRAME.pack(MAGIC, VERSION, kind, len(body), n) + body)
-            if payload is not None:
-                self.sock.sendall(payload)
+            with self._send_lock:
+                self.sock.sendall(_FRAME.pack(MAGIC, VERSION, kind, len(body), n) + body)
+                if payload is not None:
+                    self.sock.sendall(payload)
         except OSError as e:
             raise KVTransferError(f"kv connection to {self.peer} broke while sending: {e}") from e
 
@@ -145,6 +151,16 @@ class Channel:
         buf = bytearray(n)
         self.recv_into(memoryview(buf))
         return bytes(buf)
+
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed the connection (EOF next, with no message before it); for a reader
+        thread that waits on something else meanwhile. Never blocks, never consumes a byte."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False  # nothing to read: open
+        except OSError:
+            return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

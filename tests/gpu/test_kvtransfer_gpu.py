@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from kvtransfer import KVTransferError, connect, create_receiver
-from kvtransfer.wire import Kind, pack_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,12 +34,15 @@ def use(device: str) -> None:
         torch.cuda.set_device(device)
 
 
-def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any) -> None:
+def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any, prepare: bool = False) -> None:
     use(device)
     pool = make_pool(PREFILL_BLOCKS, seed, device)
     with connect(descriptor, pool) as sender:
 
         def run(mine: list) -> None:
+            if prepare:  # every grant asked for ahead, as the prefill worker does at admission
+                for rid, _, dst in mine:
+                    sender.prepare(rid, dst)
             for rid, src, dst in mine:
                 try:
                     sender.send(rid, src, dst)
@@ -55,16 +57,38 @@ def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any) -
             w.join()
 
 
-def dying_prefill_main(descriptor: dict, q: Any) -> None:
-    """Get READY for request "doomed", then die before copying or reporting DONE."""
+def dying_prefill_main(descriptor: dict, q: Any, when: str) -> None:
+    """Die holding request "doomed"'s grant ("granted": before copying) or with its copy queued behind
+    a long kernel and its DONE out ("queued")."""
     sender: Any = connect(descriptor, make_pool(PREFILL_BLOCKS, 0, "cuda:0"))
-    begin = {"request_id": "doomed", "dst": pack_ids([1, 2]), "nbytes": 2 * block_nbytes()}
-    sender._ch.send(Kind.BEGIN, begin)
-    assert "error" not in sender._ch.expect(Kind.READY)
+    sender.prepare("doomed", [1, 2])
+    deadline = time.monotonic() + 60
+    while sender._grants["doomed"].state.value != "granted":
+        assert time.monotonic() < deadline, "no grant came"
+        time.sleep(0.001)
+    if when == "queued":
+        sender.send("warm", [2], [5])  # the copy's graph is captured: the next send only queues work
+        torch.cuda.synchronize()
+        torch.cuda._sleep(3_000_000_000)  # ~2 s of GPU time before the copy can run
+        sender.send("doomed", [0, 1], [1, 2])
     q.put("started")
     q.close()
     q.join_thread()
     os._exit(1)
+
+
+def revoked_prefill_main(descriptor: dict, q: Any, go: Any) -> None:
+    """Hold request "revoked"'s grant until the test has cancelled it, then try to send it."""
+    use("cuda:0")
+    with connect(descriptor, make_pool(PREFILL_BLOCKS, 0, "cuda:0")) as sender:
+        sender.prepare("revoked", [3, 4])
+        q.put("prepared")
+        go.get(timeout=60)
+        try:
+            sender.send("revoked", [0, 1], [3, 4])
+            q.put(None)
+        except KVTransferError as e:
+            q.put(str(e))
 
 
 def reusing_prefill_main(descriptor: dict, q: Any) -> None:
@@ -79,10 +103,6 @@ def reusing_prefill_main(descriptor: dict, q: Any) -> None:
         pool.zero_()  # the next step's forward pass: must not start before the copy has read them
         torch.cuda.synchronize()
     q.put("sent")
-
-
-def block_nbytes() -> int:
-    return LAYERS * 2 * BLOCK * HEADS * DIM * 2
 
 
 def plan_jobs() -> list:
@@ -115,7 +135,7 @@ def collect(q: Any, n: int, proc: Any, timeout: float = 120.0) -> dict:
     return out
 
 
-def check_transfers(transport: str, decode_device: str, prefill_device: str) -> None:
+def check_transfers(transport: str, decode_device: str, prefill_device: str, prepare: bool = False) -> None:
     use(decode_device)
     pool = make_pool(DECODE_BLOCKS, 100, decode_device)
     before = pool.clone()
@@ -124,7 +144,7 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str) -> 
     with create_receiver(transport, pool) as receiver:
         for rid, _, dst in jobs:
             receiver.expect(rid, dst)
-        args = (receiver.descriptor(), 5, prefill_device, jobs, q)
+        args = (receiver.descriptor(), 5, prefill_device, jobs, q, prepare)
         proc = SPAWN.Process(target=prefill_main, args=args)
         proc.start()
         outcomes = collect(q, len(jobs), proc)
@@ -140,27 +160,70 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str) -> 
     assert torch.equal(pool[:, :, ~written.to(decode_device)], before[:, :, ~written.to(decode_device)])
 
 
-def test_cuda_ipc_two_processes_one_gpu_exact() -> None:
-    check_transfers("cuda_ipc", "cuda:0", "cuda:0")
+@pytest.mark.parametrize("prepare", [False, True], ids=["grant-in-send", "grant-ahead"])
+def test_cuda_ipc_two_processes_one_gpu_exact(prepare: bool) -> None:
+    check_transfers("cuda_ipc", "cuda:0", "cuda:0", prepare)
 
 
 def test_tcp_between_cuda_pools_exact() -> None:
     check_transfers("tcp", "cuda:0", "cuda:0")
 
 
-def test_cuda_ipc_sender_dies_mid_transfer() -> None:
+@pytest.mark.parametrize("when", ["granted", "queued"])
+def test_cuda_ipc_sender_dies_mid_transfer(when: str) -> None:
+    """A sender that dies holding a grant fails the request at once. One that dies with its copy queued
+    behind a long kernel (its DONE out) either fails it, or, when the driver ran the queued work before
+    tearing the process down, reports it complete with exactly the sender's blocks: never complete with
+    anything else."""
     pool = make_pool(DECODE_BLOCKS, 100, "cuda:0")
+    before = pool.clone()
     q = SPAWN.Queue()
     with create_receiver("cuda_ipc", pool) as receiver:
         receiver.expect("doomed", [1, 2])
-        proc = SPAWN.Process(target=dying_prefill_main, args=(receiver.descriptor(), q))
+        receiver.expect("warm", [5])
+        proc = SPAWN.Process(target=dying_prefill_main, args=(receiver.descriptor(), q, when))
         proc.start()
         assert q.get(timeout=120) == "started"
         t0 = time.monotonic()
-        with pytest.raises(KVTransferError, match="doomed"):
+        try:
             receiver.wait("doomed", timeout=20)
+            outcome = "complete"
+        except KVTransferError as e:
+            outcome = f"failed: {e}"
+        print(f"sender died ({when}): after {time.monotonic() - t0:.2f} s the request is {outcome}")
         assert time.monotonic() - t0 < 5
         proc.join(30)
+    torch.cuda.synchronize()
+    if when == "granted":
+        assert outcome.startswith("failed") and "doomed" in outcome
+    if outcome == "complete":
+        assert torch.equal(pool[:, :, [1, 2]], make_pool(PREFILL_BLOCKS, 0, "cuda:0")[:, :, [0, 1]])
+    else:
+        assert torch.equal(pool[:, :, [1, 2]], before[:, :, [1, 2]])
+
+
+def test_cuda_ipc_cancel_revokes_a_grant_held_by_another_process() -> None:
+    pool = make_pool(DECODE_BLOCKS, 100, "cuda:0")
+    before = pool.clone()
+    q, go = SPAWN.Queue(), SPAWN.Queue()
+    with create_receiver("cuda_ipc", pool) as receiver:
+        receiver.expect("revoked", [3, 4])
+        proc = SPAWN.Process(target=revoked_prefill_main, args=(receiver.descriptor(), q, go))
+        proc.start()
+        assert q.get(timeout=120) == "prepared"
+        deadline = time.monotonic() + 30
+        while receiver._entries["revoked"].state.name != "IN_FLIGHT":  # the grant went out
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        receiver.cancel("revoked")  # returns once the sender has handed the grant back
+        assert time.monotonic() - t0 < 2
+        go.put("send now")
+        outcome = q.get(timeout=60)
+        proc.join(30)
+    assert outcome is not None and "cancelled" in outcome, outcome
+    torch.cuda.synchronize()
+    assert torch.equal(pool, before)
 
 
 def test_cuda_ipc_copy_follows_the_forward_and_precedes_the_rewrite() -> None:
