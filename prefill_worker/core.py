@@ -40,6 +40,7 @@ class _Job:
     parked: list[int] | None = None
     reply: tuple | None = None
     parked_at: float = 0.0
+    prepared: bool = False  # the sender holds a grant for it: it ends in send() or release()
 
 
 class PrefillCore:
@@ -94,6 +95,8 @@ class PrefillCore:
             job = self.jobs.pop(rid, None)
             if job is not None and job.parked is not None:
                 self.blocks.release(job.parked)
+            if job is not None:
+                self._release(rid, job)
         elif kind == "snapshot":
             self.outbox.append(("snapshot", rid, self.events.snapshot().to_bytes()))
         else:
@@ -121,8 +124,10 @@ class PrefillCore:
         except ValueError as exc:
             self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
             return
-        self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
+        job = self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
         self.scheduler.add(self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, salt))
+        if job.dst_block_ids is not None:
+            self._prepare(rid, job)
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():
@@ -142,6 +147,7 @@ class PrefillCore:
                     job.reply = reply
                     continue
                 del self.jobs[seq.request_id]
+                self._release(seq.request_id, job)  # finished without its transfer (none when sent)
                 if job.error is not None:
                     self.outbox.append(("error", seq.request_id, "UNAVAILABLE", job.error))
                 else:
@@ -171,8 +177,33 @@ class PrefillCore:
                 continue
             self._send(item.request_id, job, item.block_table, job.dst_block_ids)
 
+    def _prepare(self, rid: str, job: _Job) -> None:
+        """Ask the decode worker's receiver for the blocks now, while the prompt computes (cuda_ipc's
+        grant; a no-op for the other transports), so the transfer does not wait for it."""
+        assert job.dst_block_ids is not None
+        try:
+            self._sender(job).prepare(rid, job.dst_block_ids)
+            job.prepared = True
+        except KVTransferError as exc:
+            job.error = f"KV transfer to the decode worker failed: {exc}"
+            self._drop_sender(job)
+
+    def _release(self, rid: str, job: _Job) -> None:
+        """A prepared request that will not be sent: hand its grant back (the decode worker frees the
+        blocks when its own side ends)."""
+        if not job.prepared:
+            return
+        job.prepared = False
+        sender = self.senders.get(job.sender_key)
+        if sender is not None:
+            try:
+                sender.release(rid)
+            except KVTransferError:
+                self._drop_sender(job)  # closing it fails the grant on the decode side
+
     def _send(self, rid: str, job: _Job, src: list[int], dst: list[int]) -> None:
         trace.mark(rid, "pcore.send")
+        job.prepared = False  # send() consumes the grant, or fails it
         try:
             self._sender(job).send(rid, src, dst)
             trace.mark(rid, "pcore.sent")
@@ -191,6 +222,8 @@ class PrefillCore:
         else:
             job.dst_block_ids = dst
         if job.parked is None:
+            if job.error is None:
+                self._prepare(rid, job)
             return  # still computing: _ship sends (or fails) it when its forward pass ends
         if job.error is None:
             self._send(rid, job, job.parked, dst)
