@@ -8,7 +8,12 @@ This process is the prefill worker; a spawned process is the decode worker, serv
 pool. Timed, per transfer (one at a time): "delivered", from `sender.send` being called to the decode
 process's receiver reporting the request complete (its on_done; one host, one CLOCK_MONOTONIC), and
 what `send` itself takes (cuda_ipc returns once the copy is queued: the prefill worker's loop waits
-only that long).
+only that long). As the prefill worker does at admission, each request is `prepare`d (cuda_ipc asks
+for its grant) GAP_S before the timed `send`; the ablation also times the grant asked in `send`.
+Between transfers (GAP_S) the sender either waits for a GPU "forward pass" of that length, as the prefill
+engine does before it sends (its step's after_run: the sampled tokens just came back, the thread has
+been waiting on the GPU), the default "step" cadence, or sleeps ("idle", --idle-too): a process that
+slept pays each host step 2-4x on these hosts, which is not how the engine sends.
 The ceiling is a device-to-device copy of the same 512 MiB measured here (payload bytes / time).
 Block ids: "contiguous" (one run each side), "scattered" (contiguous source, random destination),
 "random" (random both sides: gather + scatter, two passes); "one" (a single block) gives the fixed
@@ -32,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
+from engine import trace  # noqa: E402
 from kvtransfer import connect, create_receiver  # noqa: E402
 from kvtransfer.layout import copy_blocks  # noqa: E402
 
@@ -64,6 +70,7 @@ def decode_main(shape: dict, device: str, transports: list[str], conn: Any) -> N
     def on_done(rid: str, error: Any) -> None:
         if error is None:
             done_at[rid] = time.monotonic()
+            trace.mark(rid, "kv.on_done")
 
     receivers = {t: create_receiver(t, pool, on_done=on_done) for t in transports}
     conn.send({t: r.descriptor() for t, r in receivers.items()})
@@ -137,7 +144,26 @@ def block_ids(case: str, n: int, rng: random.Random) -> tuple[list[int], list[in
 GAP_S = 0.005  # between transfers, so each is timed alone
 
 
-def run_case(transport: str, case: str, sender: Any, pool: torch.Tensor, conn: Any, reps: int) -> dict:
+def pause(cadence: str, device: torch.device) -> None:
+    """GAP_S between transfers: a GPU kernel of that length waited for ("step"), or a sleep ("idle")."""
+    if cadence == "step" and device.type == "cuda":
+        cycles = int(GAP_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize(device)
+    else:
+        time.sleep(GAP_S)
+
+
+def run_case(
+    transport: str,
+    case: str,
+    sender: Any,
+    pool: torch.Tensor,
+    conn: Any,
+    reps: int,
+    prepare: bool = True,
+    cadence: str = "step",
+) -> dict:
     n = pool.shape[2] // 2
     src, dst = block_ids(case, n, random.Random(f"{transport}/{case}"))
     rids = [f"{transport}-{case}-{i}" for i in range(reps + 1)]
@@ -146,7 +172,9 @@ def run_case(transport: str, case: str, sender: Any, pool: torch.Tensor, conn: A
     sender.send(rids[0], src, dst)  # warm-up: index tensors, staging buffers, sockets
     times, started = [], {}
     for rid in rids[1:]:
-        time.sleep(GAP_S)
+        if prepare:  # at admission, before the forward pass (prefill_worker/core.py)
+            sender.prepare(rid, dst)
+        pause(cadence, pool.device)
         started[rid] = time.monotonic()
         t0 = time.perf_counter()
         sender.send(rid, src, dst)
@@ -241,7 +269,8 @@ def main() -> None:
 
 def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[dict]:
     """The cuda_ipc send with its copy launched eagerly (copy_blocks: the block-copy kernel for every id
-    pattern, then torch's copies for every pattern), against the default graph replay."""
+    pattern, then torch's copies for every pattern), with the sender idle between transfers, and with its
+    grant asked in send(), against the default (graph replay, grant asked ahead, "step" cadence)."""
     import kvtransfer.layout as lay
 
     chooser = lay.uses_kernel
@@ -256,6 +285,14 @@ def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[d
                     out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": variant})
     finally:
         lay.uses_kernel = chooser
+    with connect(descriptor, pool) as sender:  # the sender sleeping between transfers, not waiting on a step
+        for case in ("one", "contiguous", "scattered", "random"):
+            row = run_case("cuda_ipc", case, sender, pool, conn, reps, cadence="idle")
+            out.append({**row, "variant": "sender idle between"})
+    with connect(descriptor, pool) as sender:  # the grant asked in send(): its round trip on the path
+        for case in ("one", "contiguous", "scattered", "random"):
+            row = run_case("cuda_ipc", case, sender, pool, conn, reps, prepare=False)
+            out.append({**row, "variant": "grant in send"})
     with connect(descriptor, pool) as sender:  # the default once more: A-B-A, as these hosts drift
         for case in ("one", "contiguous", "scattered", "random"):
             out.append({**run_case("cuda_ipc", case, sender, pool, conn, reps), "variant": "graphed again"})
@@ -438,7 +475,8 @@ def report(
         )
         extra["timed"] = (
             "delivered: send() called -> the decode process's receiver reported the request complete "
-            "(on_done; one CLOCK_MONOTONIC), one transfer at a time, median"
+            "(on_done; one CLOCK_MONOTONIC), one transfer at a time, each after a 5 ms GPU step the "
+            "sender waited for (the engine's cadence; 'sender idle between' in the ablation: a sleep), median"
         )
         record(
             f"kvtransfer_{r['transport']}_{r['case']}" + ("_cpu" if cpu else ""),
