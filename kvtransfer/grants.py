@@ -84,17 +84,18 @@ class GrantReceiver(TableReceiver):
         self._server.close()
 
     def _serve(self, ch: Channel) -> None:
-        hello = ch.expect(Kind.HELLO)
-        try:
-            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
-            completion = self._open_completion(hello)
-        except KVTransferError as e:
-            ch.send(Kind.WELCOME, {"error": str(e)})
-            return
+        opened: list[Completion] = []
+
+        def check(hello: dict[str, Any]) -> dict[str, Any]:
+            opened.append(self._open_completion(hello))
+            return opened[0].welcome
+
         granted: dict[str, int] = {}  # request id -> bytes announced, begun on this connection
         gone = "the connection closed"
         try:
-            ch.send(Kind.WELCOME, completion.welcome)
+            if self._welcome(ch, check) is None:
+                return
+            completion = opened[0]
             ch.settimeout(None)  # idle between messages: the sender's liveness shows as EOF
             while True:
                 msg = ch.recv()
@@ -118,7 +119,8 @@ class GrantReceiver(TableReceiver):
         finally:
             for rid in granted:
                 self.finish(rid, f"sender gone before completing the copy: {gone}")
-            completion.close()
+            for c in opened:
+                c.close()
 
     def _grant(self, ch: Channel, rid: str, meta: dict[str, Any], granted: dict[str, int]) -> None:
         nbytes = meta.get("nbytes")

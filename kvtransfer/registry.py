@@ -57,19 +57,19 @@ class TableReceiver(KVReceiver):
         self._closed = False
 
     def _welcome(
-        self, ch: Channel, check: Callable[[dict[str, Any]], None] | None = None
+        self, ch: Channel, check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
     ) -> dict[str, Any] | None:
         """A receiver's side of the handshake: the sender's HELLO if its pool layout (and `check`, which
-        raises KVTransferError) pass, after WELCOME; else None, after WELCOME {error}."""
+        raises KVTransferError and may return fields for WELCOME) pass, after WELCOME; else None, after
+        WELCOME {error}."""
         hello = ch.expect(Kind.HELLO)
         try:
             self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
-            if check is not None:
-                check(hello)
+            fields = check(hello) if check is not None else None
         except KVTransferError as e:
             ch.send(Kind.WELCOME, {"error": str(e)})
             return None
-        ch.send(Kind.WELCOME, {})
+        ch.send(Kind.WELCOME, fields or {})
         return hello
 
     # -- decode worker side -------------------------------------------------------------------------
