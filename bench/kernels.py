@@ -26,7 +26,13 @@ from torch.nn.attention.bias import causal_lower_right
 
 from bench.record import record
 from kernels.decode_reduce import decode_reduce_triton, decode_workspace_size
-from kernels.paged_decode_attention import PDL, paged_decode_attention_triton, plan_num_splits
+from kernels.paged_decode_attention import (
+    HEAD_MAJOR,
+    PDL,
+    default_config,
+    paged_decode_attention_triton,
+    plan_num_splits,
+)
 from kernels.paged_prefill_attention import paged_prefill_attention_triton
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (q heads, kv heads, head_dim)
@@ -177,9 +183,11 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
     t_fused = time_us(decode_fns(sets, {"fused_merge": True})) if splits > 1 else None
     # and with the merge launched plainly, not as a programmatic dependent launch (the default, PDL)
     t_plain = time_us(decode_fns(sets, {"pdl": False})) if splits > 1 else None
+    # and launched in the other grid order (config "head_major"; one sequence launches alike in both)
+    t_order = time_us(decode_fns(sets, {"head_major": not HEAD_MAJOR})) if batch > 1 else None
     print(
         f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us; fused merge: {t_fused}; "
-        f"merge launched without pdl: {t_plain}"
+        f"merge launched without pdl: {t_plain}; head_major={not HEAD_MAJOR}: {t_order}"
     )
     sdpa_t, sdpa_name, sdpa_all = time_sdpa(sets, None)
     err = rel_err(decode_fns(sets[:1])[0](), sdpa_fn(sets[0], None)().squeeze(2))
@@ -191,7 +199,8 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
         baseline=sdpa_t, baseline_name=f"SDPA {sdpa_name} (us)", goal=">=0.8 copy bw and <= SDPA time" if goal else None,
         extra={"time_us": t, "sdpa_us": sdpa_t, "sdpa_all": sdpa_all, "rel_err_vs_sdpa": err, "input_sets": len(sets),
                "goal_met": met if goal else None, "bytes": per_set, "num_splits": splits,
-               "time_fused_merge_us": t_fused, "time_merge_without_pdl_us": t_plain, "pdl": PDL}, out_dir=out_dir,
+               "time_fused_merge_us": t_fused, "time_merge_without_pdl_us": t_plain, "pdl": PDL,
+               "head_major": HEAD_MAJOR, "time_other_order_us": t_order}, out_dir=out_dir,
     )  # fmt: skip
     return ("decode", f"{model} {batch} x {seq_len}", t, gbs, gbs / copy_gbs, sdpa_t, sdpa_name, t / sdpa_t,
             ("yes" if met else "NO") if goal else "-", err, rec)  # fmt: skip
@@ -231,22 +240,21 @@ def sweep(log, seconds: float) -> list[dict]:
             found.append({"op": op, "shape": shape, "config": cfg, "splits": splits, "us": t})
             log(json.dumps(found[-1]))
 
-    def tiles(ns, ws, ss):
-        return [{"block_n": n, "num_warps": w, "num_stages": s} for n, w, s in product(ns, ws, ss)]
-
-    plan = [  # the goal shapes first: unpipelined tiles (no shared-memory stages: more programs per SM),
-        # then 32-key tiles (kernels_sweep_32key_tiles.json: none better; nor an L2 eviction hint on the
-        # K/V loads, kernels_sweep_kv_eviction.json; nor an L2 prefetch of each program's first tile,
-        # kernels_sweep_prefetch.json)
-        ("llama3-8b", 64, 4096, tiles((64, 32), (2, 4, 8), (1,)), (None,)),
-        ("llama3-8b", 1, 32768, tiles((64, 32), (2, 4), (1,)), (None,)),
-        ("llama3-8b", 64, 4096, tiles((32, 64), (1, 2, 4), (2, 3, 4)), (None,)),
-        ("llama3-8b", 1, 32768, tiles((32, 64), (1, 2, 4), (2, 3)), (None, 96, 128)),
-        ("llama3-8b", 64, 4096, tiles((128,), (2, 4), (2, 3)), (None, 2)),
-        ("llama3-8b", 256, 1024, tiles((32, 64), (1, 2), (2, 3)), (None,)),
-        ("smollm2", 64, 4096, tiles((64, 128), (2, 4), (2, 3)), (None, 4, 6)),
-        ("smollm2", 256, 1024, tiles((32, 64, 128), (2, 4), (2, 3)), (None,)),
-        ("smollm2", 1, 32768, tiles((64, 128), (2, 4), (2,)), (None, 48)),
+    base = default_config(128, DTYPE)
+    orders = [{**base, "head_major": False}, {**base, "head_major": True}] * 2  # A-B-A-B: the hosts drift
+    tiles_hm = [
+        {**base, "head_major": True, "num_warps": w, "num_stages": st} for w, st in ((4, 2), (2, 3), (4, 3))
+    ]
+    plan = [  # the launch order (config "head_major"), A/B at each shape, also with the key range split
+        # (earlier sweeps: unpipelined tiles, kernels_sweep_unpipelined_tiles.json; 32-key tiles,
+        # kernels_sweep_32key_tiles.json; an L2 eviction hint on the K/V loads, kernels_sweep_kv_eviction.json;
+        # an L2 prefetch of each program's first tile, kernels_sweep_prefetch.json: none better)
+        ("llama3-8b", 64, 4096, orders, (None, 2, 3)),
+        ("llama3-8b", 256, 1024, orders, (None,)),
+        ("llama3-8b", 64, 4096, tiles_hm, (None,)),
+        ("smollm2", 64, 4096, orders, (None, 4)),
+        ("smollm2", 256, 1024, orders, (None,)),
+        ("llama3-8b", 1, 32768, orders[:2], (None,)),  # one sequence: the two orders launch alike
     ]
     for model, batch, seq_len, cfgs, splits in plan:
         heads = MODELS[model]

@@ -36,6 +36,11 @@ FUSED_MERGE = False
 # needs launch_pdl): on the H200 it saved 0.3 us at Llama-3-8B 1 x 32k and 0.7 us at SmolLM2 1 x 32k
 # (39.3 vs 39.6, 14.7 vs 15.4 us, same run, third session).
 PDL = True
+# config["head_major"] unless given: launch order. False: grid (sequence, kv head, split), programs
+# that start together read the same kv head of different sequences (256-byte rows 2 KiB apart in
+# each page at Llama-3-8B). True: grid (kv head, sequence, split), a sequence's kv heads start
+# together and between them read its pages whole.
+HEAD_MAJOR = False
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
 
 
@@ -167,11 +172,18 @@ def _paged_decode_kernel(
     MERGE_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:  # grid (kv head, sequence, split): a sequence's kv heads start side by side
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (sequence, kv head, split)
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -229,7 +241,7 @@ def _paged_decode_kernel(
             # orders this program's reads of the other partials after their writers' releases
             # (Triton broadcasts the returned ticket to all threads through a CTA barrier).
             tl.debug_barrier()
-            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            counter = counters_ptr + seq * num_kv_heads + kv_head
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             num_valid = tl.cdiv(seq_len, partition_size)  # what the reduce reads; unused splits took none
             if ticket == num_valid - 1:
@@ -278,7 +290,9 @@ def paged_decode_attention_triton(
     least decode_workspace_size(num_seqs, num_heads, num_splits, head_dim, num_kv_heads)
     elements, taking the largest num_seqs and num_splits of the calls that share it; its last
     num_seqs * num_kv_heads elements are int32 ticket counters, which every fused call leaves at
-    zero again (kernels/decode_reduce.py). Left out, it is allocated per call (zeroed when fused)."""
+    zero again (kernels/decode_reduce.py). Left out, it is allocated per call (zeroed when fused).
+    "head_major" (default HEAD_MAJOR) orders the grid (kv head, sequence, split) instead of
+    (sequence, kv head, split); the output is the same bit for bit."""
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim
@@ -321,7 +335,9 @@ def paged_decode_attention_triton(
         assert merge_s & (merge_s - 1) == 0, f"merge_splits must be a power of 2, got {merge_s}"
     else:  # the pointers are unused: the kernel writes the normalised output directly
         part, ml, counters, ws_strides = out, out, out, (0, 0, 0, 0, 0, 0)
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    head_major = bool(cfg.get("head_major", HEAD_MAJOR))
+    grid = (num_kv_heads, num_seqs, num_splits) if head_major else (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         out, part, ml, counters, query, kv_cache, seq_lens, block_tables,
         scale * LOG2E, partition,
         out.stride(0), out.stride(1), *ws_strides,
@@ -340,6 +356,7 @@ def paged_decode_attention_triton(
         MERGE_S=merge_s,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
+        HEAD_MAJOR=head_major,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -101,6 +101,29 @@ def test_decode_split_kv(num_splits, block_n, fused):
     assert not workspace_counters(workspace, len(seq_lens), 2).any(), "ticket counters left non-zero"
 
 
+@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)])
+def test_decode_head_major_order_same_bits(num_splits, fused):
+    """The (kv head, sequence, split) launch order computes what the default order does, bit for bit,
+    unsplit, split with the separate merge and split with the fused one (its counters indexed by
+    the kv head's axis of either grid)."""
+    seq_lens = [300, 0, 17, 150, 64]
+    kv_cache, tables, lens = make_paged_kv(seq_lens, 3, 64, 16)
+    query = torch.randn(len(seq_lens), 9, 64)
+    ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
+    outs = []
+    for head_major in (False, True):
+        workspace = split_workspace(len(seq_lens), 9, num_splits, 64, 3)
+        config = {"block_n": 32, "fused_merge": fused, "head_major": head_major}
+        out = paged_decode_attention_triton(
+            query, kv_cache, lens, tables, 0.125, max_seq_len=300, num_splits=num_splits,
+            config=config, workspace=workspace, out=poisoned(query),
+        )  # fmt: skip
+        outs.append(out)
+        assert not workspace_counters(workspace, len(seq_lens), 3).any(), "ticket counters left non-zero"
+    torch.testing.assert_close(outs[1], ref, **TOL)
+    assert torch.equal(outs[0], outs[1])
+
+
 # (num_heads, num_kv_heads, head_dim, block_size, num_splits, merge_splits): GQA 1/3/4 at head_dim
 # 64, 2..5 splits; merge_splits 1 or 2 walks the fused merge in several steps, the last one ragged
 FUSED_CASES = [(*HEADS[0], 2, None), (*HEADS[1], 3, 2), (*HEADS[2], 4, 1), (*HEADS[1], 5, None),

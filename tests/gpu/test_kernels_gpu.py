@@ -91,6 +91,15 @@ def test_decode_forced_splits(num_splits, merge):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("merge", ["unsplit", *MERGES])
+@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
+def test_decode_head_major_order(heads, merge):
+    """The (kv head, sequence, split) launch order: ragged lengths, unsplit and each merge path."""
+    splits = {"num_splits": 1} if merge == "unsplit" else {"num_splits": 7, "config": {**MERGES[merge]}}
+    config = {**splits.pop("config", {}), "head_major": True}
+    run_decode(heads, 16, ragged(70, 5000, 3) + [0, 1], torch.bfloat16, config=config, **splits)
+
+
 def test_decode_fused_merge_no_stale_partials():
     """The fused merge reads partials other programs wrote during the same launch. The partial
     region is NaN-poisoned before every call and the queries alternate, so a partial read before
