@@ -241,20 +241,19 @@ def sweep(log, seconds: float) -> list[dict]:
             log(json.dumps(found[-1]))
 
     base = default_config(128, DTYPE)
-    orders = [{**base, "head_major": False}, {**base, "head_major": True}] * 2  # A-B-A-B: the hosts drift
-    tiles_hm = [
-        {**base, "head_major": True, "num_warps": w, "num_stages": st} for w, st in ((4, 2), (2, 3), (4, 3))
-    ]
-    plan = [  # the launch order (config "head_major"), A/B at each shape, also with the key range split
-        # (earlier sweeps: unpipelined tiles, kernels_sweep_unpipelined_tiles.json; 32-key tiles,
-        # kernels_sweep_32key_tiles.json; an L2 eviction hint on the K/V loads, kernels_sweep_kv_eviction.json;
-        # an L2 prefetch of each program's first tile, kernels_sweep_prefetch.json: none better)
-        ("llama3-8b", 64, 4096, orders, (None, 2, 3)),
-        ("llama3-8b", 256, 1024, orders, (None,)),
-        ("llama3-8b", 64, 4096, tiles_hm, (None,)),
-        ("smollm2", 64, 4096, orders, (None, 4)),
-        ("smollm2", 256, 1024, orders, (None,)),
-        ("llama3-8b", 1, 32768, orders[:2], (None,)),  # one sequence: the two orders launch alike
+    orders = [{**base, "head_major": True}, {**base, "head_major": False}] * 2  # A-B-A-B: the hosts drift
+    # 32-key tiles: smaller stages, so 4-5 programs fit an SM and 64 x 4096's 512 programs one wave
+    small = [{"block_n": 32, "num_warps": w, "num_stages": st} for w, st in ((1, 3), (2, 3), (2, 4), (1, 4))]
+    plan = [  # the launch order (config "head_major", the default since the seventh session: its A/B in
+        # kernels_sweep_grid_order.json), then small tiles under it. Earlier sweeps, none better: unpipelined
+        # tiles, kernels_sweep_unpipelined_tiles.json; 32-key tiles in the old order, kernels_sweep_32key_tiles.json;
+        # an L2 eviction hint on the K/V loads, kernels_sweep_kv_eviction.json; an L2 prefetch of each
+        # program's first tile, kernels_sweep_prefetch.json
+        ("llama3-8b", 64, 4096, orders, (None,)),
+        ("llama3-8b", 64, 4096, small, (None,)),
+        ("llama3-8b", 256, 1024, orders[:2], (None,)),
+        ("llama3-8b", 256, 1024, small, (None,)),
+        ("llama3-8b", 1, 32768, [base, *small], (None,)),
     ]
     for model, batch, seq_len, cfgs, splits in plan:
         heads = MODELS[model]

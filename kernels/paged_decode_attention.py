@@ -36,11 +36,13 @@ FUSED_MERGE = False
 # needs launch_pdl): on the H200 it saved 0.3 us at Llama-3-8B 1 x 32k and 0.7 us at SmolLM2 1 x 32k
 # (39.3 vs 39.6, 14.7 vs 15.4 us, same run, third session).
 PDL = True
-# config["head_major"] unless given: launch order. False: grid (sequence, kv head, split), programs
-# that start together read the same kv head of different sequences (256-byte rows 2 KiB apart in
-# each page at Llama-3-8B). True: grid (kv head, sequence, split), a sequence's kv heads start
-# together and between them read its pages whole.
-HEAD_MAJOR = False
+# config["head_major"] unless given: launch order. True: grid (kv head, sequence, split), so a
+# sequence's kv heads start side by side and between them read its pages whole; False: grid (sequence,
+# kv head, split), programs that start together read one kv head of different sequences (256-byte rows
+# 2 KiB apart in each page at Llama-3-8B). On the H200, head-major was faster at every batched shape
+# (same run, A-B-A-B: Llama-3-8B 64 x 4096 244.8 vs 246.8 us, 256 x 1024 247.4 vs 252.5, SmolLM2
+# 256 x 1024 52.5 vs 53.3; seventh session, bench/results/kernels_sweep_grid_order.json).
+HEAD_MAJOR = True
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
 
 
