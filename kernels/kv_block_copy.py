@@ -149,22 +149,37 @@ class GraphedBlockCopy:
     The kernel's grid is sized for a bucket of pairs (the power of two >= n, at least MIN_BUCKET);
     programs past n, read from the device, do nothing. One graph per bucket, captured on first use (on a
     side stream, capture_error_mode="thread_local": other threads' CUDA calls go on meanwhile). A
-    bucket's pinned buffer is rewritten only after its last replay has read it (an event)."""
+    bucket's pinned buffer is rewritten only after its last replay has read it (an event).
+
+    With `landing` (one int64 in page-locked host memory, e.g. a cuda_ipc landing cell), each call also
+    takes a number `seq`, which travels up with the ids and is copied down into `landing` after the
+    kernel, in the same graph: when the host sees it there, the blocks have landed."""
 
     MIN_BUCKET = 16
 
-    def __init__(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, config: dict | None = None) -> None:
+    def __init__(
+        self,
+        src_pool: torch.Tensor,
+        dst_pool: torch.Tensor,
+        config: dict | None = None,
+        landing: torch.Tensor | None = None,
+    ) -> None:
         assert src_pool.is_cuda and dst_pool.device == src_pool.device, "both pools on one CUDA device"
-        self.src_pool, self.dst_pool, self.config = src_pool, dst_pool, config
-        # bucket -> (graph, pinned [n, src..., dst...], its numpy view, event after the last replay)
+        assert landing is None or (
+            landing.dtype == torch.int64 and landing.numel() == 1 and landing.is_pinned()
+        )
+        self.src_pool, self.dst_pool, self.config, self.landing = src_pool, dst_pool, config, landing
+        # bucket -> (graph, pinned [n, src..., dst..., pad, seq as int64], its numpy view, event after the
+        # last replay)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]] = {}
 
     def bucket(self, n: int) -> int:
         return max(self.MIN_BUCKET, triton.next_power_of_2(n))
 
-    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int], seq: int | None = None) -> None:
         n = len(src_ids)
-        if n == 0:
+        assert (seq is None) == (self.landing is None), "seq goes with a landing cell, and only with one"
+        if n == 0 and seq is None:
             return
         b = self.bucket(n)
         entry = self._graphs.get(b)
@@ -175,17 +190,24 @@ class GraphedBlockCopy:
         host[0] = n
         host[1 : 1 + n] = src_ids
         host[1 + b : 1 + b + n] = dst_ids
+        if seq is not None:
+            host.view(np.int64)[1 + b] = seq  # int32 words 2 + 2b, 3 + 2b: 8-byte aligned
         graph.replay()
         done.record()
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]:
         device = self.src_pool.device
-        pinned = torch.zeros(1 + 2 * b, dtype=torch.int32, pin_memory=True)
-        ids = torch.zeros(1 + 2 * b, dtype=torch.int32, device=device)  # count 0: a launch copies nothing
+        pinned = torch.zeros(4 + 2 * b, dtype=torch.int32, pin_memory=True)
+        ids = torch.zeros(4 + 2 * b, dtype=torch.int32, device=device)  # count 0: a launch copies nothing
 
         def launch() -> None:
             kv_block_copy_triton(
-                self.src_pool, ids[1 : 1 + b], self.dst_pool, ids[1 + b :], self.config, count=ids[:1]
+                self.src_pool,
+                ids[1 : 1 + b],
+                self.dst_pool,
+                ids[1 + b : 1 + 2 * b],
+                self.config,
+                count=ids[:1],
             )
 
         side = torch.cuda.Stream(device)
@@ -197,6 +219,8 @@ class GraphedBlockCopy:
             try:
                 ids.copy_(pinned, non_blocking=True)
                 launch()
+                if self.landing is not None:
+                    self.landing.copy_(ids[2 + 2 * b :].view(torch.int64), non_blocking=True)
             finally:
                 graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)

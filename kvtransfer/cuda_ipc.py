@@ -1,21 +1,19 @@
 """cuda_ipc: same host; the prefill worker writes straight into the decode worker's pool.
 
-The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON); each
-prefill worker maps it at connect time and exports an interprocess CUDA event in its HELLO. Per
-transfer, under kvtransfer.grants' protocol (the grant asked for at admission, by `prepare`), `send`
-copies the blocks into the mapped pool on the caller's stream (on one GPU:
-kernels.kv_block_copy.GraphedBlockCopy, the one-pass block-copy kernel and its ids' upload replayed as
-one CUDA graph), records the event after the copy and sends DONE, then returns: the prefill worker's
-loop goes on while the copy runs, and whatever it queues next on that stream (the next forward pass,
-which may rewrite the source blocks) runs after it. The receiver's connection thread polls the event
-(yielding the GIL between polls) and reports the request complete: the copy's end reaches the decode
-worker with no message after it. `dst` travels packed (wire.pack_ids).
-
-The event of a process that died with work queued never completes (the poll sees the connection
-close instead), and a context torn down otherwise might read as reached; so each connection
-also gets a slot in a small counter tensor the decode worker exports beside its pool. The sender's
-stream writes the transfer's sequence number there after each copy (DONE carries it), and the
-receiver reads the slot after the event: a request is complete only when its number is there.
+The decode worker exports its pool once (a CUDA IPC memory handle, in the descriptor as JSON) and
+creates its landing counters (kvtransfer.landings: int64 cells in a /dev/shm file, one per connection);
+each prefill worker maps both at connect time. Per transfer, under kvtransfer.grants' protocol (the grant
+asked for at admission, by `prepare`), `send` copies the blocks into the mapped pool on the caller's
+stream and, on the same stream after the copy, writes the transfer's sequence number into its
+connection's cell (on one GPU both are one CUDA graph replay: kernels.kv_block_copy.GraphedBlockCopy's
+id upload, block-copy kernel and a device-to-host copy of the number), then says DONE {seq} and returns:
+the prefill worker's loop goes on while the copy runs, and whatever it queues next on that stream (the
+next forward pass, which may rewrite the source blocks) runs after it. The receiver's connection
+thread, awake by then, reads its cell (a plain load from its own mapping; it yields the GIL between
+reads) and reports the request complete once the cell reaches the DONE's number: the copy's end reaches
+the decode worker with no message after it and no CUDA call there. A sender that dies with its copy
+queued never writes its cell; the polling thread sees the connection close instead. `dst` travels
+packed (wire.pack_ids).
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from engine import trace
 from kernels.kv_block_copy import GraphedBlockCopy
 from kvtransfer.base import Descriptor, DoneCallback, KVTransferError
 from kvtransfer.grants import Completion, GrantReceiver, GrantSender
+from kvtransfer.landings import MAX_SENDERS, NBYTES, LandingCounters
 from kvtransfer.layout import PoolLayout, copy_blocks, field, gather, scatter, uses_kernel
 from kvtransfer.wire import Channel
 
@@ -99,29 +98,28 @@ def _local_index(uuid: str) -> int:
     )
 
 
-MAX_SENDERS = 1024  # connections one decode worker serves at once: slots of its landing counters
 LANDING_TIMEOUT_S = 60.0  # a queued copy that has not landed by then fails its request
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 class _Landing(Completion):
-    """One connection's completion: the sender's interprocess event, then its landing-counter slot."""
+    """One connection's completion: its cell in the landing counters."""
 
-    def __init__(self, receiver: CudaIpcKVReceiver, event: torch.cuda.Event, slot: int) -> None:
-        self._receiver, self._event, self._slot = receiver, event, slot
-        self._counter = receiver._landings[slot : slot + 1]
-        self._read = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    def __init__(self, receiver: CudaIpcKVReceiver, slot: int) -> None:
+        self._receiver, self._slot = receiver, slot
+        self._cells = receiver._landings.cells  # keeps the mapping alive while this thread reads it
         self.welcome = {"slot": slot}
 
     def landed(self, done: dict[str, Any], ch: Channel) -> str | None:
         seq = done.get("seq")
         if not isinstance(seq, int):
             return "DONE carries no sequence number"
-        # Polled, not synchronize(): the event of a process that died with the copy queued never
-        # completes, and a blocked thread could not see the socket close. sleep(0) hands the GIL to the
-        # engine thread between polls; the copy takes at most a few hundred microseconds.
+        cells, slot = self._cells, self._slot
+        # Polled: sleep(0) hands the GIL to the engine thread between reads; the copy takes at most a few
+        # hundred microseconds, and a sender that died with its copy queued shows as the socket closing.
         deadline = time.monotonic() + LANDING_TIMEOUT_S
         polls = 0
-        while not self._event.query():
+        while cells[slot] < seq:
             polls += 1
             if polls % 64 == 0:
                 if ch.peer_closed():
@@ -129,15 +127,7 @@ class _Landing(Completion):
                 if time.monotonic() > deadline:
                     return f"the copy did not land within {LANDING_TIMEOUT_S:g} s"
             time.sleep(0 if polls < 4096 else 1e-4)
-        trace.mark(str(done.get("request_id")), "kv.event_reached")
-        stream = self._receiver._stream  # never waits on the engine's work
-        with torch.cuda.stream(stream):
-            self._read.copy_(self._counter, non_blocking=True)
-        stream.synchronize()
-        reached = int(self._read[0])
         trace.mark(str(done.get("request_id")), "kv.landing_read")
-        if reached < seq:
-            return f"the copy never landed (counter at {reached}, not {seq}): the sender's process died?"
         return None
 
     def close(self) -> None:
@@ -162,11 +152,9 @@ class CudaIpcKVReceiver(GrantReceiver):
         index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
         self._uuid = _device_uuid(index)
         self._host = advertise_host or host
-        self._landings = torch.zeros(MAX_SENDERS, dtype=torch.int64, device=pool.device)
-        self._landings_ipc = encode_ipc_args(reduce_tensor(self._landings)[1])
+        self._landings = LandingCounters.create()
         self._slots = list(range(MAX_SENDERS - 1, -1, -1))
         self._slots_lock = threading.Lock()
-        self._stream = torch.cuda.Stream(pool.device)  # reads the counters; never waits on the engine's work
         super().__init__(pool, on_done, host, port, "kv-cuda-ipc")
 
     def descriptor(self) -> Descriptor:
@@ -177,27 +165,24 @@ class CudaIpcKVReceiver(GrantReceiver):
             "layout": self.layout.to_dict(),
             "device_uuid": self._uuid,
             "ipc": self._ipc,
-            "landings_ipc": self._landings_ipc,
+            "landings": self._landings.path,
         }
 
     def _open_completion(self, hello: dict[str, Any]) -> Completion:
-        try:
-            handle = base64.b64decode(str(hello["event"]), validate=True)
-            event = torch.cuda.Event.from_ipc_handle(self.pool.device, handle)
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise KVTransferError(f"cannot open the sender's interprocess CUDA event: {e!r}") from e
         with self._slots_lock:
             if not self._slots:
                 raise KVTransferError(f"this decode worker already serves {MAX_SENDERS} kv senders")
             slot = self._slots.pop()
-        with torch.cuda.stream(self._stream):  # a new sender counts from 1
-            self._landings[slot].zero_()
-        self._stream.synchronize()
-        return _Landing(self, event, slot)
+        self._landings.cells[slot] = 0  # a new sender counts from 1
+        return _Landing(self, slot)
 
     def _free_slot(self, slot: int) -> None:
         with self._slots_lock:
             self._slots.append(slot)
+
+    def _shutdown(self) -> None:
+        super()._shutdown()
+        self._landings.close()
 
 
 class CudaIpcKVSender(GrantSender):
@@ -219,29 +204,35 @@ class CudaIpcKVSender(GrantSender):
             raise KVTransferError(f"cannot map the decode worker's kv pool over CUDA IPC: {e}") from e
         if PoolLayout.of(self._remote) != remote_layout:
             raise KVTransferError("the mapped kv pool's shape differs from the descriptor's layout")
+        self._counters = LandingCounters.attach(field(descriptor, "landings", str))
+        self._registered = False
+        self._graphed: GraphedBlockCopy | None = None  # one GPU: the copy as a graph replay
         try:
-            self._landings = rebuild_cuda_tensor(
-                *decode_ipc_args(field(descriptor, "landings_ipc", dict), index)
+            err = torch.cuda.cudart().cudaHostRegister(
+                self._counters.address(), NBYTES, CUDA_HOST_REGISTER_PORTABLE
             )
-        except RuntimeError as e:
-            raise KVTransferError(f"cannot map the decode worker's landing counters: {e}") from e
-        self._seq = 0  # transfers launched on this connection
-        # one GPU: the copy as a graph replay (None: eager copy_blocks, e.g. after a failed capture)
-        self._graphed: GraphedBlockCopy | None = None
+            if int(err) != 0:
+                raise KVTransferError(
+                    f"cannot page-lock the landing counters for CUDA (cudaError {int(err)})"
+                )
+            self._registered = True
+            cells = torch.from_numpy(self._counters.cells)
+            if not cells.is_pinned():
+                raise KVTransferError("this torch does not see the registered landing counters as pinned")
+            self._seq = 0  # transfers launched on this connection
+            self._seq_dev = torch.zeros(1, dtype=torch.int64, device=self._remote.device)
+            self._keep: tuple[torch.Tensor, ...] = ()  # the cross-GPU path's staging, until the next copy
+            super().__init__(local_pool, remote_layout, host, port, timeout, {})
+            slot = self._ch.welcome.get("slot")
+            if not isinstance(slot, int) or not 0 <= slot < MAX_SENDERS:
+                super().close()
+                raise KVTransferError(f"kv receiver at {self._ch.peer} gave no landing slot (got {slot!r})")
+        except BaseException:
+            self._unmap()
+            raise
+        self._landing = cells[slot : slot + 1]  # written by this sender's stream only
         if uses_kernel(local_pool, self._remote, [], []):
-            self._graphed = GraphedBlockCopy(local_pool, self._remote)
-        # recorded after every copy, on the decode GPU; the receiver waits on it
-        with torch.cuda.device(self._remote.device):
-            self._copied = torch.cuda.Event(interprocess=True)
-            handle = self._copied.ipc_handle()
-        self._keep: tuple[torch.Tensor, ...] = ()  # the cross-GPU path's staging, until the next copy
-        hello = {"event": base64.b64encode(handle).decode()}
-        super().__init__(local_pool, remote_layout, host, port, timeout, hello)
-        slot = self._ch.welcome.get("slot")
-        if not isinstance(slot, int) or not 0 <= slot < self._landings.numel():
-            self.close()
-            raise KVTransferError(f"kv receiver at {self._ch.peer} gave no landing slot (got {slot!r})")
-        self._landing = self._landings[slot]
+            self._graphed = GraphedBlockCopy(local_pool, self._remote, landing=self._landing)
 
     def _stage(self, src: list[int], dst: list[int]) -> torch.Tensor | None:
         """Across GPUs, the source blocks are gathered before the grant is waited for (on one GPU the
@@ -251,32 +242,46 @@ class CudaIpcKVSender(GrantSender):
         return gather(self._pool, src)
 
     def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
+        self._seq += 1
         if self._remote.device == self._pool.device:
-            self._copy_one_gpu(src, dst)
+            self._copy_one_gpu(src, dst, self._seq)
         else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
             peer = staged.to(self._remote.device)
             scatter(self._remote, dst, peer)
             self._keep = (staged, peer)
+            self._mark_landing(self._seq)
         trace.mark(request_id, "kv.copy_queued")
-        self._seq += 1
-        with torch.cuda.device(self._remote.device):  # same stream as the copy: written only after it
-            self._landing.fill_(self._seq)
-        self._copied.record(torch.cuda.current_stream(self._remote.device))
         return {"seq": self._seq}
 
-    def _copy_one_gpu(self, src: list[int], dst: list[int]) -> None:
+    def _mark_landing(self, seq: int) -> None:
+        """Eagerly: the cell := seq on the decode GPU's current stream, after the copy queued there."""
+        with torch.cuda.device(self._remote.device):
+            self._seq_dev.fill_(seq)
+            self._landing.copy_(self._seq_dev, non_blocking=True)
+
+    def _copy_one_gpu(self, src: list[int], dst: list[int], seq: int) -> None:
         if self._graphed is not None:
             try:
-                self._graphed(src, dst)
+                self._graphed(src, dst, seq)
                 return
             except RuntimeError as e:  # a capture this torch / driver refuses: copy eagerly from now on
                 logger.warning("kv copy as a CUDA graph failed (%s): launching it eagerly instead", e)
                 self._graphed = None
         copy_blocks(self._pool, src, self._remote, dst)
+        self._mark_landing(seq)
 
     def _drain(self) -> None:
-        self._copied.synchronize()
+        for device in {self._pool.device, self._remote.device}:
+            torch.cuda.synchronize(device)
+
+    def _unmap(self) -> None:
+        self._graphed = None  # its graph writes the counters
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self._counters.address())
+            self._registered = False
+        self._counters.close()
 
     def close(self) -> None:
         super().close()
-        self._remote = self._landings = self._landing = None  # type: ignore[assignment]
+        self._remote = self._landing = None  # type: ignore[assignment]
+        self._unmap()

@@ -3,16 +3,16 @@
 The sender may only write blocks the receiver has granted it, and the receiver may only free blocks it
 knows nobody writes. The grant is asked for when the prefill worker admits the request (`prepare`),
 while its forward pass runs, so a transfer's path holds no round trip: `send` launches the copy, marks
-the sender's completion signal after it (cuda_ipc: an interprocess CUDA event) and says DONE; the
-receiver, already awake, waits on that signal and reports the request complete.
+the sender's completion signal after it on the same stream (cuda_ipc: a landing counter in shared host
+memory) and says DONE; the receiver, already awake, watches that signal and reports the request complete.
 
     sender                                         receiver (a thread per connection)
-    HELLO {layout, completion}          ->         check layout, open the completion signal
+    HELLO {layout, what the transport adds} ->     check layout, set up the completion signal
                                         <-  WELCOME {what the transport adds}
     prepare: BEGIN {request_id, dst, nbytes} ->    begin(): only announced blocks, only once
                                         <-  READY {request_id} (granted) or {request_id, error}
     send: copy queued, signal marked
-          DONE {request_id, nbytes, ...} ->        wait for the signal and check the copy landed,
+          DONE {request_id, nbytes, ...} ->        watch the signal until the copy has landed,
                                                    then finish(): complete
     release: RELEASE {request_id, reason} ->       finish(error): the blocks are the receiver's again
     cancel (receiver) of a granted request:
@@ -22,9 +22,8 @@ receiver, already awake, waits on that signal and reports the request complete.
 `send` without a `prepare` asks for the grant itself (one round trip on its path). A connection holds
 any number of granted requests; DONEs come in launch order, and the signal marked last covers every
 copy launched before it (one stream). A connection that closes fails every request granted on it and
-not finished. A sender that dies after its DONE takes its queued GPU work with it, and its signal may
-then read as reached: the transport proves the landing itself (cuda_ipc: a counter the sender's
-stream writes after each copy, read back before the request is reported complete).
+not finished. A sender that dies after its DONE takes its queued GPU work with it: the signal is never
+marked, and the receiver, watching the connection meanwhile, fails the request.
 """
 
 from __future__ import annotations
@@ -230,10 +229,16 @@ class GrantSender(KVSender):
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         trace.mark(request_id, "kv.send")
-        check_pair(src_block_ids, dst_block_ids)
-        self._layout.check_ids(src_block_ids, "source")
-        self._remote_layout.check_ids(dst_block_ids, "destination")
         src, dst = list(map(int, src_block_ids)), list(map(int, dst_block_ids))
+        with self._cond:
+            grant = self._grants.get(request_id)
+        if grant is not None and grant.dst == tuple(dst):  # prepare() checked them
+            if len(src) != len(dst):
+                check_pair(src, dst)  # raises, naming both
+        else:
+            check_pair(src, dst)
+            self._remote_layout.check_ids(dst, "destination")
+        self._layout.check_ids(src, "source")
         nbytes = len(src) * self._layout.block_nbytes
         try:
             staged = self._stage(src, dst)  # on the caller's stream: after the forward pass

@@ -300,3 +300,27 @@ def test_graphed_block_copy_back_to_back_across_buckets_equals_indexing() -> Non
     torch.cuda.synchronize()
     assert sorted(copier._graphs) == [16, 32, 64]
     assert torch.equal(dst, expected)
+
+
+def test_graphed_block_copy_writes_its_landing_cell_after_the_copy() -> None:
+    """With a landing cell (page-locked host memory, as cuda_ipc's shared counters), each replay copies
+    its number down after the kernel: queued behind a long kernel, the cell keeps the old number until the
+    copy has run; an empty copy still writes it."""
+    from kernels.kv_block_copy import GraphedBlockCopy
+
+    src = make_pool(PREFILL_BLOCKS, 1, "cuda")
+    dst = torch.zeros_like(make_pool(DECODE_BLOCKS, 2, "cuda"))
+    cell = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    copier = GraphedBlockCopy(src, dst, landing=cell)
+    copier([0], [5], 1)  # captures bucket 16
+    torch.cuda.synchronize()
+    assert int(cell[0]) == 1
+    torch.cuda._sleep(200_000_000)  # ~0.1 s at H200 clocks: the next replay waits behind it
+    copier([1, 2, 3], [7, 9, 11], 2)
+    assert int(cell[0]) == 1, "the cell moved before the copy ran"
+    torch.cuda.synchronize()
+    assert int(cell[0]) == 2
+    assert torch.equal(dst[:, :, [5, 7, 9, 11]], src[:, :, [0, 1, 2, 3]])
+    copier([], [], 3 << 40)  # a number past 32 bits, and no blocks
+    torch.cuda.synchronize()
+    assert int(cell[0]) == 3 << 40
