@@ -23,6 +23,7 @@ cost of a transfer. Every case is checked bit-exact.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import random
 import statistics
@@ -338,6 +339,9 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
 
     graphed = GraphedBlockCopy(pool, local)
     graphed(src, dst)  # captures its bucket's graph
+    landed = GraphedBlockCopy(pool, local, landing=torch.zeros(1, dtype=torch.int64, pin_memory=True))
+    seqs = itertools.count(1)
+    landed(src, dst, next(seqs))
 
     def graphed_gpu_us() -> float:
         """One replay's GPU time: a ~1 ms spin queued first, so the replay is queued before the start
@@ -372,6 +376,8 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
         "kernel_launch_host_us": host_us(lambda: kv_block_copy_triton(pool, ids[0], local, ids[1])),
         # cuda_ipc's copy on one GPU: ids into a pinned buffer, one graph replay (upload + kernel)
         "graphed_copy_host_us": host_us(lambda: graphed(src, dst)),
+        # the same with its landing cell (page-locked host memory) written after the kernel, in the graph
+        "graphed_copy_with_landing_host_us": host_us(lambda: landed(src, dst, next(seqs))),
         "graphed_copy_gpu_us": graphed_gpu_us(),
     }
 
