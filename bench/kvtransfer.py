@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.record import record  # noqa: E402
 from engine import trace  # noqa: E402
 from kvtransfer import connect, create_receiver  # noqa: E402
-from kvtransfer.layout import copy_blocks  # noqa: E402
+from kvtransfer.layout import PoolLayout, copy_blocks  # noqa: E402
 
 GPU_SHAPE: dict[str, Any] = dict(layers=32, heads=8, dim=128, block=16, blocks=256, dtype="bfloat16")
 CPU_SHAPE: dict[str, Any] = dict(layers=4, heads=2, dim=32, block=16, blocks=64, dtype="bfloat16")
@@ -238,7 +238,8 @@ def main() -> None:
             f"copy_blocks host time {breakdown['copy_blocks_host_us']:.1f} us (id upload "
             f"{breakdown['upload_ids_host_us']:.1f}, kernel launch {breakdown['kernel_launch_host_us']:.1f}); "
             f"graphed copy host time {breakdown['graphed_copy_host_us']:.1f} us, "
-            f"GPU {breakdown['graphed_copy_gpu_us']:.1f} us",
+            f"GPU {breakdown['graphed_copy_gpu_us']:.1f} us; host probe (us): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in breakdown.items() if "after_step" in k or "_hot" in k),
             flush=True,
         )
     if args.sweep and not args.cpu:
@@ -369,7 +370,32 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
         torch.cuda.synchronize()
         return statistics.median(host[3:]) * 1e6
 
+    def after_step_us(fn: Any) -> float:
+        """fn's host time right after waiting for a GPU step, as the engine sends (the "step" cadence)."""
+        host = []
+        for _ in range(reps + 3):
+            pause("step", pool.device)
+            t0 = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        return statistics.median(host[3:]) * 1e6
+
+    layout = PoolLayout.of(pool)
+
+    def checks() -> None:  # send()'s pure-Python preamble on 256 ids
+        a, b = list(map(int, src)), list(map(int, dst))
+        layout.check_ids(a, "source")
+        assert tuple(b) == tuple(dst) and len(a) == len(b)
+
+    busy = lambda: sum(range(20_000))  # noqa: E731  (a fixed amount of interpreter work)
     return {
+        # the host itself: the same pure-Python work hot and right after a GPU wait
+        "python_busy_hot_us": host_us(busy),
+        "python_busy_after_step_us": after_step_us(busy),
+        "send_checks_hot_us": host_us(checks),
+        "send_checks_after_step_us": after_step_us(checks),
+        "graphed_copy_with_landing_after_step_us": after_step_us(lambda: landed(src, dst, next(seqs))),
         "kernel_only_us": kernel_us,
         "copy_blocks_host_us": host_us(lambda: copy_blocks(pool, src, local, dst, kernel=True)),
         "upload_ids_host_us": host_us(lambda: upload_ids(src, dst, pool.device)),

@@ -203,17 +203,20 @@ class EngineCore:
         )
 
     def step_core(
-        self, after_run: Callable[[SchedulerOutput, dict], None] | None = None
+        self,
+        after_run: Callable[[SchedulerOutput, dict], None] | None = None,
+        during: Callable[[], None] | None = None,
     ) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
         """One step: schedule -> run -> postprocess. Returns the sequences that got a token and their logprobs.
 
         `after_run(schedule, sampled)` sees the step after the forward pass, while every block is still held
-        (the prefill worker ships finished prompts' KV from there)."""
+        (the prefill worker ships finished prompts' KV from there). `during()` runs while the forward pass
+        computes (queued on the GPU, not yet waited for; on the CPU, after it)."""
         sched = self.scheduler.schedule()
         if trace.enabled:
             for item in sched.scheduled:
                 trace.mark(item.request_id, "core.run")
-        sampled = self.runner.run(sched) if not sched.is_empty else {}
+        sampled = self.runner.run(sched, during) if not sched.is_empty else {}
         if trace.enabled:
             for rid in sampled:
                 trace.mark(rid, "core.sampled")

@@ -11,6 +11,7 @@ pickle, so the child uses a plain Connection (`send_bytes` / `recv_bytes` / `pol
 A worker core (decode_worker/core.py, prefill_worker/core.py) implements:
     info() -> dict                  sent once as ("ready", info) after the model is loaded
     handle(msg: tuple) -> None      one inbound message
+    bind(send_now, take_inbound)    optional: sends mid-step, and takes chosen inbound messages mid-step
     has_work() -> bool
     load() -> dict                  running / waiting requests and free blocks, reported every 0.1 s
     step() -> list[tuple]           outbound messages, each (kind, request_id, *payload)
@@ -64,8 +65,25 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
                 trace.mark(m[1], f"proc.out_{m[0]}")
         send(batch)
 
+    backlog: list[tuple] = []  # read mid-step and left to this loop, in arrival order
+
+    def take_inbound(wanted: Callable[[tuple], bool]) -> list[tuple]:
+        """Mid-step, for the core: what has arrived by now (never waits), the messages `wanted` picks
+        handed over, the others kept, in order, for the loop."""
+        while conn.poll(0):
+            backlog.append(pickle.loads(conn.recv_bytes()))
+        taken: list[tuple] = []
+        kept: list[tuple] = []
+        for m in backlog:
+            (taken if m[0] != "shutdown" and wanted(m) else kept).append(m)
+        backlog[:] = kept
+        if trace.enabled:
+            for m in taken:
+                trace.mark(m[1], f"proc.in_{m[0]}")
+        return taken
+
     if hasattr(core, "bind"):  # a core that sends some messages mid-step (prefill: first tokens)
-        core.bind(send_traced)
+        core.bind(send_traced, take_inbound)
     send([("ready", "", core.info()), ("load", "", core.load())])
     parent = os.getppid()
     last_load = 0.0
@@ -74,8 +92,8 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
             if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
                 send([("load", "", core.load())])
                 last_load = time.monotonic()
-            msgs = []
-            if not core.has_work() and not conn.poll(_IDLE_WAIT_S):
+            msgs, backlog[:] = backlog[:], []
+            if not msgs and not core.has_work() and not conn.poll(_IDLE_WAIT_S):
                 if os.getppid() != parent:
                     return  # the server process is gone
                 continue

@@ -6,6 +6,7 @@ Owns the model and the worker's single KV-cache allocation; never touches schedu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -92,8 +93,11 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run the step; return {request_id: (sampled token, its logprobs or None)} for requests that sample."""
+    def run(
+        self, out: SchedulerOutput, during: Callable[[], None] | None = None
+    ) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Run the step; return {request_id: (sampled token, its logprobs or None)} for requests that sample.
+        `during()` runs once the forward pass is queued on the GPU, before the host waits for it."""
         items = out.scheduled
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
         positions = torch.tensor(
@@ -107,6 +111,8 @@ class ModelRunner:
             self.device,
         )
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta, self.kv_cache)
+        if during is not None:
+            during()
         sampling = [i for i, it in enumerate(items) if it.sample]
         if not sampling:
             return {}

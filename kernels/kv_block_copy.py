@@ -169,6 +169,8 @@ class GraphedBlockCopy:
             landing.dtype == torch.int64 and landing.numel() == 1 and landing.is_pinned()
         )
         self.src_pool, self.dst_pool, self.config, self.landing = src_pool, dst_pool, config, landing
+        self._landed = landing.numpy() if landing is not None else None  # read without a CUDA call
+        self._last_seq: dict[int, int] = {}  # bucket -> the number its last replay lands
         # bucket -> (graph, pinned [n, src..., dst..., pad, seq as int64], its numpy view, event after the
         # last replay)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]] = {}
@@ -186,12 +188,16 @@ class GraphedBlockCopy:
         if entry is None:
             entry = self._graphs[b] = self._capture(b)
         graph, _, host, done = entry
-        done.synchronize()  # the last replay's upload has read the buffer (at once when none ran yet)
+        # The last replay's upload must have read the buffer: with a landing cell, its number there says
+        # so without a CUDA call (the common case: that replay ended long ago); else wait on its event.
+        if self._landed is None or self._landed[0] < self._last_seq.get(b, 0):
+            done.synchronize()  # at once when none ran yet
         host[0] = n
         host[1 : 1 + n] = src_ids
         host[1 + b : 1 + b + n] = dst_ids
         if seq is not None:
             host.view(np.int64)[1 + b] = seq  # int32 words 2 + 2b, 3 + 2b: 8-byte aligned
+            self._last_seq[b] = seq
         graph.replay()
         done.record()
 

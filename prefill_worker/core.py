@@ -56,11 +56,18 @@ class PrefillCore:
         self.events = KVEventPublisher(config.worker_id, lambda: list(self.blocks.cached))
         self.blocks.on_event = self.events.on_block_event
         self._send_now: Callable[[list[tuple]], None] | None = None
+        self._take_inbound: Callable[[Callable[[tuple], bool]], list[tuple]] | None = None
         self._descriptors: dict[str, tuple[dict, str]] = {}  # kv descriptor JSON -> (parsed, sender key)
 
-    def bind(self, send_now: Callable[[list[tuple]], None]) -> None:
-        """The engine process's sender: first tokens go out mid-step, before their KV transfer."""
+    def bind(
+        self,
+        send_now: Callable[[list[tuple]], None],
+        take_inbound: Callable[[Callable[[tuple], bool]], list[tuple]] | None = None,
+    ) -> None:
+        """The engine process's sender (first tokens go out mid-step, before their KV transfer) and its
+        mid-step reader (grants that come while a forward pass runs are handled then)."""
         self._send_now = send_now
+        self._take_inbound = take_inbound
 
     def info(self) -> dict:
         return {
@@ -131,7 +138,7 @@ class PrefillCore:
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():
-            updated, logprobs = self.engine.step_core(after_run=self._ship)
+            updated, logprobs = self.engine.step_core(after_run=self._ship, during=self._grants_meanwhile)
             for seq in updated:
                 job = self.jobs.get(seq.request_id)
                 if job is None:
@@ -157,6 +164,20 @@ class PrefillCore:
             self.outbox.append(("kv_events", "", batch.to_bytes()))
         out, self.outbox = self.outbox, []
         return out
+
+    def _grants_meanwhile(self) -> None:
+        """While the forward pass computes: take the grants that came for requests known here. The decode
+        worker reserves its blocks as the prompt reaches this worker, so a grant often arrives just after
+        the pass started; handled now, its transfer is prepared (cuda_ipc asks for the write grant) before
+        the pass ends, and the send after it need not wait for that round trip."""
+        if self._take_inbound is None:
+            return
+        for msg in self._take_inbound(lambda m: m[0] == "grant" and m[1] in self.jobs):
+            try:
+                self.handle(msg)
+            except Exception as exc:  # as the engine loop treats a message it cannot handle
+                logger.exception("engine failed on a grant mid-step")
+                self.outbox.append(("error", msg[1], "INTERNAL", f"{type(exc).__name__}: {exc}"))
 
     def _ship(self, sched: SchedulerOutput, sampled: dict) -> None:
         """Send every prompt finished this step into its decode worker's blocks (the blocks are still held)."""

@@ -150,3 +150,42 @@ def test_requests_to_one_decode_worker_share_its_parsed_descriptor_and_sender(se
         receiver.wait(f"s{i}", timeout=10)
     assert len(core._descriptors) == 1 and len(core.senders) == 1
     assert torch.count_nonzero(decode_pool[:, :, [7, 8, 9, 10, 11, 12]]) > 0
+
+
+def test_a_grant_that_comes_while_the_forward_pass_runs_is_taken_then(setup) -> None:
+    """The engine process hands the core grants that arrive mid-step (take_inbound): one for a request
+    whose pass is running is handled before the pass ends, so its blocks go out from that step (not
+    parked until the next); a grant for a request this core does not know yet stays in the loop's backlog."""
+    core, sent_now, receiver, decode_pool = setup
+    arrived = [("grant", "unknown", [1, 2, 3]), ("grant", "r7", [4, 8, 2])]
+    left: list[tuple] = []
+    calls: list[int] = []
+
+    def take_inbound(wanted):
+        calls.append(len(arrived))
+        taken = [m for m in arrived if wanted(m)]
+        left.extend(m for m in arrived if not wanted(m))
+        arrived.clear()
+        return taken
+
+    shipped: list[tuple] = []  # (source blocks, the job's destination blocks) when the pass ended
+    ship = core._ship
+
+    def recording_ship(sched, sampled):
+        shipped.extend(
+            (list(it.block_table), core.jobs[it.request_id].dst_block_ids) for it in sched.scheduled
+        )
+        ship(sched, sampled)
+
+    core._ship = recording_ship  # type: ignore[method-assign]
+    core.bind(sent_now.extend, take_inbound)
+    start(core, receiver, "r7", [])  # no reservation when the prompt starts
+    receiver.expect("r7", [4, 8, 2])
+    out = core.step()  # the grant "arrives" during this step's forward pass
+    assert calls == [2]
+    assert left == [("grant", "unknown", [1, 2, 3])]
+    assert len(shipped) == 1 and shipped[0][1] == [4, 8, 2]  # known when the pass ended
+    assert [(m[0], m[1]) for m in out if m[0] != "kv_events"] == [("prefilled", "r7")]
+    assert "r7" not in core.jobs  # sent from the step itself: never parked
+    receiver.wait("r7", timeout=10)
+    assert torch.equal(decode_pool[:, :, [4, 8, 2]], core.engine.runner.kv_cache[:, :, shipped[0][0]])

@@ -305,7 +305,8 @@ def test_graphed_block_copy_back_to_back_across_buckets_equals_indexing() -> Non
 def test_graphed_block_copy_writes_its_landing_cell_after_the_copy() -> None:
     """With a landing cell (page-locked host memory, as cuda_ipc's shared counters), each replay copies
     its number down after the kernel: queued behind a long kernel, the cell keeps the old number until the
-    copy has run; an empty copy still writes it."""
+    copy has run; a call whose bucket's last replay has not landed waits for it before rewriting the
+    ids; an empty copy still writes its number."""
     from kernels.kv_block_copy import GraphedBlockCopy
 
     src = make_pool(PREFILL_BLOCKS, 1, "cuda")
@@ -318,9 +319,10 @@ def test_graphed_block_copy_writes_its_landing_cell_after_the_copy() -> None:
     torch.cuda._sleep(200_000_000)  # ~0.1 s at H200 clocks: the next replay waits behind it
     copier([1, 2, 3], [7, 9, 11], 2)
     assert int(cell[0]) == 1, "the cell moved before the copy ran"
+    copier([4, 6], [12, 13], 3)  # same bucket, its buffer still unread: waits for the replay before
     torch.cuda.synchronize()
-    assert int(cell[0]) == 2
-    assert torch.equal(dst[:, :, [5, 7, 9, 11]], src[:, :, [0, 1, 2, 3]])
+    assert int(cell[0]) == 3
+    assert torch.equal(dst[:, :, [5, 7, 9, 11, 12, 13]], src[:, :, [0, 1, 2, 3, 4, 6]])
     copier([], [], 3 << 40)  # a number past 32 bits, and no blocks
     torch.cuda.synchronize()
     assert int(cell[0]) == 3 << 40
