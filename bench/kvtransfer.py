@@ -217,6 +217,12 @@ def main() -> None:
         action="store_true",
         help="cuda_ipc also with the copy launched eagerly: the kernel, then torch's copies, for every id pattern",
     )
+    ap.add_argument(
+        "--profile-send",
+        type=Path,
+        default=None,
+        help="cuda_ipc: also time the contiguous case with send() under cProfile; its stats go to this file",
+    )
     args = ap.parse_args()
     device = "cpu" if args.cpu else "cuda:0"
     shape = CPU_SHAPE if args.cpu else GPU_SHAPE
@@ -258,6 +264,8 @@ def main() -> None:
                 reps = args.tcp_reps if transport == "tcp" else args.reps
                 for case in ("one", "contiguous", "scattered", "random"):
                     results.append(run_case(transport, case, sender, pool, parent, reps))
+                if transport == "cuda_ipc" and args.profile_send:
+                    profile_send(sender, pool, parent, args.reps, args.profile_send)
             if transport == "cuda_ipc" and args.ablate:
                 ablations.extend(ablate(descriptors[transport], pool, parent, args.reps))
         parent.send(("stop",))
@@ -267,6 +275,55 @@ def main() -> None:
             f"ablation {r['variant']:<22} {r['case']:<11} delivered {r['seconds'] * 1e3:9.3f} ms  exact {r['exact']}"
         )
     report(results, ceilings, in_process, nbytes, args.out, shape, ablations, breakdown)
+
+
+def profile_send(sender: Any, pool: torch.Tensor, conn: Any, reps: int, path: Path) -> None:
+    """Where send()'s host time goes: the contiguous case once more, each send() under cProfile (which
+    slows every Python call a little: read the shares, not the totals)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    plain = sender.send
+
+    def profiled(*args: Any) -> None:
+        prof.enable()
+        try:
+            plain(*args)
+        finally:
+            prof.disable()
+
+    sender.send = profiled
+    try:
+        row = run_case("cuda_ipc", "contiguous", sender, pool, conn, reps)
+    finally:
+        sender.send = plain
+    # the graph replay alone into the mapped decode pool (copy_breakdown times it into a local one); the
+    # numbers it lands go past every DONE on this connection, which sends none after this
+    graphed = getattr(sender, "_graphed", None)
+    replay_us = []
+    if graphed is not None:
+        src, dst = block_ids("contiguous", pool.shape[2] // 2, random.Random("cuda_ipc/contiguous"))
+        for _ in range(reps):
+            pause("step", pool.device)
+            sender._seq += 1
+            t0 = time.perf_counter()
+            graphed(src, dst, sender._seq)
+            replay_us.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    if replay_us:
+        out.write(
+            f"graph replay into the mapped pool alone, after a step: median {statistics.median(replay_us):.1f} us\n"
+        )
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"send() under cProfile, cuda_ipc contiguous, {reps} sends: delivered {row['seconds'] * 1e3:.3f} ms, "
+        f"send() {row['send_seconds'] * 1e3:.3f} ms (medians)\n" + out.getvalue()
+    )
+    print(out.getvalue()[:3000], flush=True)
 
 
 def ablate(descriptor: dict, pool: torch.Tensor, conn: Any, reps: int) -> list[dict]:
