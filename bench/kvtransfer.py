@@ -299,24 +299,39 @@ def profile_send(sender: Any, pool: torch.Tensor, conn: Any, reps: int, path: Pa
         row = run_case("cuda_ipc", "contiguous", sender, pool, conn, reps)
     finally:
         sender.send = plain
-    # the graph replay alone into the mapped decode pool (copy_breakdown times it into a local one); the
-    # numbers it lands go past every DONE on this connection, which sends none after this
-    graphed = getattr(sender, "_graphed", None)
-    replay_us = []
-    if graphed is not None:
-        src, dst = block_ids("contiguous", pool.shape[2] // 2, random.Random("cuda_ipc/contiguous"))
-        for _ in range(reps):
-            pause("step", pool.device)
-            sender._seq += 1
-            t0 = time.perf_counter()
-            graphed(src, dst, sender._seq)
-            replay_us.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+    # The graph replay alone, after a step, by destination (the mapped decode pool or a local one) and
+    # landing cell (this connection's, in the shared page this process registered; a cudaHostAlloc'd one;
+    # none). The numbers landed go past every DONE on this connection, which sends none after this.
+    from kernels.kv_block_copy import GraphedBlockCopy
+
     out = io.StringIO()
-    if replay_us:
-        out.write(
-            f"graph replay into the mapped pool alone, after a step: median {statistics.median(replay_us):.1f} us\n"
-        )
+    if getattr(sender, "_graphed", None) is not None:
+        src, dst = block_ids("contiguous", pool.shape[2] // 2, random.Random("cuda_ipc/contiguous"))
+        local = torch.empty_like(sender._remote)
+        pinned = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        variants = {
+            "mapped pool, shared registered cell (the sender's)": sender._graphed,
+            "mapped pool, cudaHostAlloc cell": GraphedBlockCopy(pool, sender._remote, landing=pinned),
+            "mapped pool, no cell": GraphedBlockCopy(pool, sender._remote),
+            "local pool, shared registered cell": GraphedBlockCopy(pool, local, landing=sender._landing),
+            "local pool, cudaHostAlloc cell": GraphedBlockCopy(pool, local, landing=pinned),
+            "local pool, no cell": GraphedBlockCopy(pool, local),
+        }
+        seqs = itertools.count(sender._seq + 1)
+        for _round in range(2):  # every variant in turn, twice: these hosts drift
+            for name, copier in variants.items():
+                times = []
+                for _ in range(reps + 1):
+                    pause("step", pool.device)
+                    seq = next(seqs) if copier.landing is not None else None
+                    t0 = time.perf_counter()
+                    copier(src, dst, seq)
+                    times.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+                out.write(
+                    f"graph replay after a step, {name}: median {statistics.median(times[1:]):.1f} us\n"
+                )
+        del local
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(

@@ -11,6 +11,7 @@ staging buffer), and the destination may be another process's pool mapped over C
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ from kernels import _backend
 # K/V) rows per program, warps: the best of 36 configs timed on the H200 (bench/kvtransfer.py --sweep,
 # third session: 1636 GB/s against 1498 for the first guess, 2048 / 4 / 4, with random ids)
 DEFAULT_CONFIG = {"chunk": 8192, "rows_per_program": 1, "num_warps": 8}
+LANDING_WAIT_S = 60.0  # GraphedBlockCopy: how long a call waits for its bucket's last copy to land
 
 
 @triton.jit
@@ -149,7 +151,8 @@ class GraphedBlockCopy:
     The kernel's grid is sized for a bucket of pairs (the power of two >= n, at least MIN_BUCKET);
     programs past n, read from the device, do nothing. One graph per bucket, captured on first use (on a
     side stream, capture_error_mode="thread_local": other threads' CUDA calls go on meanwhile). A
-    bucket's pinned buffer is rewritten only after its last replay has read it (an event).
+    bucket's pinned buffer is rewritten only after its last replay has read it (an event; with a
+    landing cell, that replay's number there).
 
     With `landing` (one int64 in page-locked host memory, e.g. a cuda_ipc landing cell), each call also
     takes a number `seq`, which travels up with the ids and is copied down into `landing` after the
@@ -189,9 +192,11 @@ class GraphedBlockCopy:
             entry = self._graphs[b] = self._capture(b)
         graph, _, host, done = entry
         # The last replay's upload must have read the buffer: with a landing cell, its number there says
-        # so without a CUDA call (the common case: that replay ended long ago); else wait on its event.
-        if self._landed is None or self._landed[0] < self._last_seq.get(b, 0):
+        # so without a CUDA call (the common case: that replay ended long ago); else its event does.
+        if self._landed is None:
             done.synchronize()  # at once when none ran yet
+        elif self._landed[0] < self._last_seq.get(b, 0):
+            self._wait_landed(self._last_seq[b])
         host[0] = n
         host[1 : 1 + n] = src_ids
         host[1 + b : 1 + b + n] = dst_ids
@@ -199,7 +204,16 @@ class GraphedBlockCopy:
             host.view(np.int64)[1 + b] = seq  # int32 words 2 + 2b, 3 + 2b: 8-byte aligned
             self._last_seq[b] = seq
         graph.replay()
-        done.record()
+        if self._landed is None:
+            done.record()
+
+    def _wait_landed(self, seq: int, timeout: float = LANDING_WAIT_S) -> None:
+        assert self._landed is not None
+        deadline = time.monotonic() + timeout
+        while self._landed[0] < seq:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the block copy numbered {seq} did not land within {timeout:g} s")
+            time.sleep(0)
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]:
         device = self.src_pool.device
