@@ -179,7 +179,7 @@ class GraphedBlockCopy:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, np.ndarray, torch.cuda.Event]] = {}
 
     def bucket(self, n: int) -> int:
-        return max(self.MIN_BUCKET, triton.next_power_of_2(n))
+        return max(self.MIN_BUCKET, 1 << max(n - 1, 0).bit_length())  # the power of two >= n, in plain Python
 
     def __call__(self, src_ids: Sequence[int], dst_ids: Sequence[int], seq: int | None = None) -> None:
         n = len(src_ids)

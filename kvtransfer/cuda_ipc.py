@@ -231,19 +231,20 @@ class CudaIpcKVSender(GrantSender):
             self._unmap()
             raise
         self._landing = cells[slot : slot + 1]  # written by this sender's stream only
+        self._one_gpu = self._remote.device == local_pool.device
         if uses_kernel(local_pool, self._remote, [], []):
             self._graphed = GraphedBlockCopy(local_pool, self._remote, landing=self._landing)
 
     def _stage(self, src: list[int], dst: list[int]) -> torch.Tensor | None:
         """Across GPUs, the source blocks are gathered before the grant is waited for (on one GPU the
         graphed copy has nothing to do ahead)."""
-        if self._remote.device == self._pool.device:
+        if self._one_gpu:
             return None
         return gather(self._pool, src)
 
     def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
         self._seq += 1
-        if self._remote.device == self._pool.device:
+        if self._one_gpu:
             self._copy_one_gpu(src, dst, self._seq)
         else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
             peer = staged.to(self._remote.device)

@@ -70,7 +70,7 @@ class PoolLayout:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block across all layers, K and V."""
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
+        elem = self.torch_dtype.itemsize  # not torch.empty(): this is on every send's path
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def check_peer(self, peer: PoolLayout) -> None:
