@@ -112,7 +112,8 @@ class ModelRunner:
         )
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta, self.kv_cache)
         if during is not None:
-            during()
+            with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
+                during()
         sampling = [i for i, it in enumerate(items) if it.sample]
         if not sampling:
             return {}

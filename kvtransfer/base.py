@@ -162,6 +162,11 @@ def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float 
     """
     if not isinstance(descriptor, dict):
         raise KVTransferError(f"kv descriptor must be a dict, got {type(descriptor).__name__}")
+    with torch.inference_mode(False):  # a sender's own tensors are updated in place on every send
+        return _connect(descriptor, local_pool, timeout)
+
+
+def _connect(descriptor: Descriptor, local_pool: torch.Tensor, timeout: float) -> KVSender:
     transport = descriptor.get("transport")
     if transport == "tcp":
         from kvtransfer.tcp import TcpKVSender

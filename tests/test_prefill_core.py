@@ -162,6 +162,9 @@ def test_a_grant_that_comes_while_the_forward_pass_runs_is_taken_then(setup) -> 
     calls: list[int] = []
 
     def take_inbound(wanted):
+        # outside the forward pass's inference mode: a KV sender made here (its first grant) must not hold
+        # inference tensors, which the copy then updates outside that mode (found on the GPU: cuda_ipc)
+        assert not torch.is_inference_mode_enabled()
         calls.append(len(arrived))
         taken = [m for m in arrived if wanted(m)]
         left.extend(m for m in arrived if not wanted(m))

@@ -34,10 +34,20 @@ def use(device: str) -> None:
         torch.cuda.set_device(device)
 
 
-def prefill_main(descriptor: dict, seed: int, device: str, jobs: list, q: Any, prepare: bool = False) -> None:
+def prefill_main(
+    descriptor: dict,
+    seed: int,
+    device: str,
+    jobs: list,
+    q: Any,
+    prepare: bool = False,
+    inference: bool = False,
+) -> None:
     use(device)
     pool = make_pool(PREFILL_BLOCKS, seed, device)
-    with connect(descriptor, pool) as sender:
+    with torch.inference_mode(inference):  # inference: connected inside a forward pass's inference mode
+        sender = connect(descriptor, pool)
+    with sender:
 
         def run(mine: list) -> None:
             if prepare:  # every grant asked for ahead, as the prefill worker does at admission
@@ -135,7 +145,9 @@ def collect(q: Any, n: int, proc: Any, timeout: float = 120.0) -> dict:
     return out
 
 
-def check_transfers(transport: str, decode_device: str, prefill_device: str, prepare: bool = False) -> None:
+def check_transfers(
+    transport: str, decode_device: str, prefill_device: str, prepare: bool = False, inference: bool = False
+) -> None:
     use(decode_device)
     pool = make_pool(DECODE_BLOCKS, 100, decode_device)
     before = pool.clone()
@@ -144,7 +156,7 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str, pre
     with create_receiver(transport, pool) as receiver:
         for rid, _, dst in jobs:
             receiver.expect(rid, dst)
-        args = (receiver.descriptor(), 5, prefill_device, jobs, q, prepare)
+        args = (receiver.descriptor(), 5, prefill_device, jobs, q, prepare, inference)
         proc = SPAWN.Process(target=prefill_main, args=args)
         proc.start()
         outcomes = collect(q, len(jobs), proc)
@@ -163,6 +175,13 @@ def check_transfers(transport: str, decode_device: str, prefill_device: str, pre
 @pytest.mark.parametrize("prepare", [False, True], ids=["grant-in-send", "grant-ahead"])
 def test_cuda_ipc_two_processes_one_gpu_exact(prepare: bool) -> None:
     check_transfers("cuda_ipc", "cuda:0", "cuda:0", prepare)
+
+
+def test_cuda_ipc_sender_connected_in_inference_mode_sends_outside_it() -> None:
+    """The prefill worker may connect while a forward pass runs under torch.inference_mode (a grant taken
+    mid-step) and sends after it: the sender's own tensors, updated in place on every send, must not be
+    inference tensors (seventh session: the copy failed that way)."""
+    check_transfers("cuda_ipc", "cuda:0", "cuda:0", prepare=True, inference=True)
 
 
 def test_tcp_between_cuda_pools_exact() -> None:
