@@ -146,7 +146,7 @@ class GraphedBlockCopy:
 
     An eager copy_blocks call spends its host time in torch's id upload and Triton's launch (~0.4 ms of
     the ~0.8 ms fixed cost of one cuda_ipc transfer on the H200 hosts, bench/results
-    kvtransfer_send_stages_trace_report.txt). Here the ids go into a pinned buffer with numpy, and one
+    kvtransfer_send_stages_trace_report_s5.txt). Here the ids go into a pinned buffer with numpy, and one
     graph launch runs both the upload (a host-to-device copy node reading that buffer) and the kernel.
     The kernel's grid is sized for a bucket of pairs (the power of two >= n, at least MIN_BUCKET);
     programs past n, read from the device, do nothing. One graph per bucket, captured on first use (on a
