@@ -8,7 +8,9 @@ A request's life here:
                 worker) is appended, and the sequence joins the running batch
   step       -> continuous batching as in the offline engine; ("tokens", rid, ...) per new token
 Short prompts (up to local_prefill_threshold tokens) skip the transfer and are prefilled here.
-Preempted sequences recompute locally. Every path ends in `_end`, which frees the blocks.
+Preempted sequences recompute locally. Every path ends in `_end`, which frees the blocks; a request
+ended while a transfer still writes its blocks waits in `draining` until the receiver reports the write
+stopped (`_collect_drained`), so the loop never waits on a prefill worker.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class DecodeCore:
         self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
+        # ended while a transfer still wrote their blocks: held until the receiver says it stopped
+        self.draining: dict[str, Sequence] = {}
         self.outbox: list[tuple] = []
         self._held_back = False  # the last step sent the outbox and skipped a due forward pass
         self.epoch = secrets.randbits(63) + 1  # a restarted worker is a new worker to the router
@@ -63,7 +67,12 @@ class DecodeCore:
         }
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.scheduler.has_unfinished() or self.outbox)
+        return bool(
+            self.pending
+            or self.scheduler.has_unfinished()
+            or self.outbox
+            or (self.draining and self.receiver.has_drained())
+        )
 
     # ---- inbound ------------------------------------------------------------------------------------
 
@@ -142,15 +151,13 @@ class DecodeCore:
     def _kv_failed(self, rid: str, reason: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
         if seq is not None:
-            self.receiver.cancel(rid)
-            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            self._drop_transfer(seq)
             self.outbox.append(("error", rid, "UNAVAILABLE", reason))
 
     def _abort(self, rid: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
         if seq is not None:
-            self.receiver.cancel(rid)
-            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            self._drop_transfer(seq)
             return
         for seq in list(self.pending):
             if seq.request_id == rid:
@@ -164,9 +171,27 @@ class DecodeCore:
         self.blocks.free(seq)
         seq.status = status
 
+    def _drop_transfer(self, seq: Sequence) -> None:
+        """End a request whose KV has not arrived. Its blocks are freed once nothing writes them: at once,
+        or, while a transfer is writing (cuda_ipc: a granted copy), when the receiver reports it stopped
+        (`_collect_drained`). The loop never waits for the prefill worker's answer, which a wedged
+        prefill worker would hold back for seconds."""
+        if self.receiver.cancel(seq.request_id, wait=False):
+            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+        else:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.draining[seq.request_id] = seq
+
+    def _collect_drained(self) -> None:
+        for rid in self.receiver.drained():
+            seq = self.draining.pop(rid, None)
+            if seq is not None:
+                self.blocks.free(seq)
+
     # ---- the step -----------------------------------------------------------------------------------
 
     def step(self) -> list[tuple]:
+        self._collect_drained()
         self._reserve()
         if self.outbox and not self._held_back:
             # Prefill requests for the blocks just reserved and first tokens of prompts prefilled

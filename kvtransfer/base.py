@@ -114,8 +114,23 @@ class KVReceiver(abc.ABC):
         """Block until the request's blocks are complete; raise KVTransferError on failure or timeout."""
 
     @abc.abstractmethod
-    def cancel(self, request_id: str) -> None:
-        """Forget the request (client gone); a transfer for it is refused or stopped. Idempotent."""
+    def cancel(self, request_id: str, wait: bool = True) -> bool:
+        """Forget the request (client gone); a transfer for it is refused or stopped. Idempotent.
+
+        Returns True once nothing writes the request's blocks any more (they are the caller's again);
+        with a transfer writing them, that takes a word with its sender (cuda_ipc: REVOKE -> RELEASE, or
+        the copy landing; raises KVTransferError after CANCEL_GRACE_S). wait=False never blocks: it
+        returns False at once when a transfer still writes the blocks, and the request id comes out of
+        `drained()` when that write has ended (released, landed, failed, or its sender's connection
+        closed); until then the blocks are not the caller's."""
+
+    @abc.abstractmethod
+    def drained(self) -> list[str]:
+        """Requests cancelled with wait=False whose last write has ended since the last call."""
+
+    @abc.abstractmethod
+    def has_drained(self) -> bool:
+        """Whether drained() has anything (cheap, no lock)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -6,6 +6,7 @@
     finish() (by the same thread: every byte in the pool, or the error)
                        -> DONE | FAILED
     wait() / cancel()  -> forgotten
+    cancel(wait=False) of an IN_FLIGHT request -> detached; finish() -> drained() hands its id back
 
 Only `begin` admits writes to a request's blocks, and only for the exact blocks announced, so a late or
 stray sender can never write into blocks that were freed and handed to another request.
@@ -43,6 +44,7 @@ class _Entry:
     error: str | None = None
     cancelled: bool = False
     abort: Callable[[], None] | None = None  # stops an in-flight write (closes its connection)
+    detached: bool = False  # cancelled without waiting: finish() hands it to drained()
 
 
 class TableReceiver(KVReceiver):
@@ -55,6 +57,7 @@ class TableReceiver(KVReceiver):
         self._entries: dict[str, _Entry] = {}
         self._cond = threading.Condition()
         self._closed = False
+        self._drained: list[str] = []  # detached cancels whose write has ended, for drained()
 
     def _welcome(
         self, ch: Channel, check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
@@ -101,18 +104,21 @@ class TableReceiver(KVReceiver):
         self.cancel(request_id)
         raise KVTransferError(f"kv transfer of request {request_id!r} timed out after {timeout:g} s")
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, wait: bool = True) -> bool:
         with self._cond:
             entry = self._entries.get(request_id)
             if entry is None:
-                return
+                return True
             entry.cancelled = True
             if entry.state != State.IN_FLIGHT:
                 del self._entries[request_id]
-                return
+                return True
             abort = entry.abort
+            entry.detached = not wait
         if abort is not None:
             abort()
+        if not wait:
+            return False
         with self._cond:
             ended = self._cond.wait_for(lambda: entry.state != State.IN_FLIGHT, timeout=CANCEL_GRACE_S)
             self._entries.pop(request_id, None)
@@ -121,6 +127,15 @@ class TableReceiver(KVReceiver):
                 f"request {request_id!r}: a transfer still writes its blocks {CANCEL_GRACE_S:g} s after "
                 "cancel; do not reuse them"
             )
+        return True
+
+    def drained(self) -> list[str]:
+        with self._cond:
+            out, self._drained = self._drained, []
+        return out
+
+    def has_drained(self) -> bool:
+        return bool(self._drained)
 
     def close(self) -> None:
         with self._cond:
@@ -174,6 +189,9 @@ class TableReceiver(KVReceiver):
                 error = f"request {request_id!r} was cancelled by the receiver"
             entry.state = State.DONE if error is None else State.FAILED
             entry.error, entry.abort = error, None
+            if entry.detached:  # nobody waits for it: its blocks go back through drained()
+                del self._entries[request_id]
+                self._drained.append(request_id)
             self._cond.notify_all()
         if self._on_done is not None:
             self._on_done(request_id, None if error is None else KVTransferError(error))

@@ -3,6 +3,8 @@ outbox, and when, for a prompt prefilled elsewhere."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ import torch
 from decode_worker.core import DecodeCore
 from engine.sampling_params import SamplingParams
 from kvtransfer import connect
+from kvtransfer.registry import State
+from kvtransfer.wire import _FRAME, MAGIC, VERSION, Channel, Kind
 from tests.hf_reference import tiny_worker_config
 
 
@@ -65,3 +69,38 @@ def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(core: DecodeC
     assert [(m[0], m[1], m[2]) for m in out] == [("error", "r9", "INVALID_ARGUMENT")]
     assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
     assert core.blocks.num_free_blocks == free and not core.pending
+
+
+def test_abort_while_its_kv_is_written_holds_the_blocks_until_the_write_stopped(core: DecodeCore) -> None:
+    """A request aborted while a prefill worker is writing its blocks: the engine loop does not wait for
+    the transfer to stop (cancel without waiting); the blocks stay reserved until the receiver says
+    nothing writes them, and the next step frees them."""
+    free = core.blocks.num_free_blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.handle(("add", "r5", list(range(10, 30)), params, 0, None, True))
+    out = core.step()
+    assert kinds(out) == [("prefill", "r5")]
+    dst = out[0][2]
+    # a prefill worker announces the payload and stalls in the middle of it (a real tcp connection)
+    ch = Channel.greet(
+        "127.0.0.1", core.receiver.descriptor()["port"], 5, 5, {"layout": core.receiver.layout.to_dict()}
+    )
+    nbytes = len(dst) * core.receiver.layout.block_nbytes
+    meta = json.dumps({"request_id": "r5", "dst": dst}).encode()
+    ch.sock.sendall(_FRAME.pack(MAGIC, VERSION, Kind.BEGIN, len(meta), nbytes) + meta + b"\0" * 64)
+    deadline = time.monotonic() + 5
+    while core.receiver._entries["r5"].state != State.IN_FLIGHT:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the transfer never began"
+        time.sleep(0.005)
+
+    t0 = time.monotonic()
+    core.handle(("abort", "r5"))
+    assert time.monotonic() - t0 < 0.5
+    assert "r5" in core.draining and core.blocks.num_free_blocks == free - len(dst)
+    deadline = time.monotonic() + 5
+    while not core.has_work():  # the receiver cut the write off; its id comes out of drained()
+        assert time.monotonic() < deadline, "the cancelled transfer never drained"
+        time.sleep(0.005)
+    core.step()
+    assert not core.draining and core.blocks.num_free_blocks == free
+    ch.close()

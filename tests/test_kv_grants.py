@@ -139,6 +139,52 @@ def test_cancel_revokes_an_unused_grant_and_send_then_refuses(pair: Any) -> None
     receiver.wait("after", timeout=5)
 
 
+def _drained_within(receiver: SharedReceiver, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while not receiver.has_drained() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return receiver.drained()
+
+
+def test_cancel_without_waiting_hands_the_blocks_back_through_drained(pair: Any) -> None:
+    """cancel(wait=False) of a granted request returns False at once; once the sender has released
+    the grant, drained() names the request (once), and the blocks were never written."""
+    receiver, sender, before, _ = pair
+    receiver.expect("quick", [5, 6])
+    assert receiver.cancel("unknown", wait=False) and receiver.cancel("quick", wait=False)  # not granted
+    receiver.expect("gone", [1, 2])
+    sender.prepare("gone", [1, 2])
+    _wait_granted(sender, "gone")
+    assert receiver.cancel("gone", wait=False) is False
+    assert _drained_within(receiver, 5) == ["gone"]
+    assert receiver.drained() == [] and not receiver.has_drained()
+    with pytest.raises(KVTransferError, match="cancelled"):
+        sender.send("gone", [0, 1], [1, 2])
+    assert sender.launched == [] and torch.equal(receiver.pool, before)
+
+
+def test_cancel_without_waiting_never_waits_on_a_silent_sender() -> None:
+    """A sender that holds a grant and ignores REVOKE (a wedged prefill worker): cancel(wait=False)
+    still returns at once, the request stays undrained while that sender may write, and drains when
+    its connection closes."""
+    receiver = SharedReceiver(make_pool(DECODE_BLOCKS, 1))
+    try:
+        receiver.expect("held", [3])
+        ch = Channel.greet("127.0.0.1", receiver.descriptor()["port"], 5, 5, _hello(receiver))
+        nbytes = receiver.layout.block_nbytes
+        ch.send(Kind.BEGIN, {"request_id": "held", "dst": pack_ids([3]), "nbytes": nbytes})
+        assert ch.expect(Kind.READY) == {"request_id": "held"}
+        t0 = time.monotonic()
+        assert receiver.cancel("held", wait=False) is False
+        assert time.monotonic() - t0 < 0.5
+        assert ch.expect(Kind.REVOKE) == {"request_id": "held"}  # asked, never answered
+        assert _drained_within(receiver, 0.3) == []
+        ch.close()
+        assert _drained_within(receiver, 5) == ["held"]
+    finally:
+        receiver.close()
+
+
 def test_released_grant_fails_the_request_and_writes_nothing(pair: Any) -> None:
     receiver, sender, before, _ = pair
     receiver.expect("dropped", [7, 8])
