@@ -221,7 +221,10 @@ def test_cuda_ipc_sender_dies_mid_transfer(when: str) -> None:
         assert torch.equal(pool[:, :, [1, 2]], before[:, :, [1, 2]])
 
 
-def test_cuda_ipc_cancel_revokes_a_grant_held_by_another_process() -> None:
+@pytest.mark.parametrize("wait", [True, False], ids=["waiting", "not-waiting"])
+def test_cuda_ipc_cancel_revokes_a_grant_held_by_another_process(wait: bool) -> None:
+    """cancel() returns once the sender has handed the grant back; cancel(wait=False), as the decode
+    worker calls it, returns False at once and the request comes out of drained() after that."""
     pool = make_pool(DECODE_BLOCKS, 100, "cuda:0")
     before = pool.clone()
     q, go = SPAWN.Queue(), SPAWN.Queue()
@@ -235,8 +238,15 @@ def test_cuda_ipc_cancel_revokes_a_grant_held_by_another_process() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.001)
         t0 = time.monotonic()
-        receiver.cancel("revoked")  # returns once the sender has handed the grant back
-        assert time.monotonic() - t0 < 2
+        if wait:
+            assert receiver.cancel("revoked")  # returns once the sender has handed the grant back
+            assert time.monotonic() - t0 < 2
+        else:
+            assert receiver.cancel("revoked", wait=False) is False
+            while not receiver.has_drained():
+                assert time.monotonic() - t0 < 2, "the revoked grant never drained"
+                time.sleep(0.001)
+            assert receiver.drained() == ["revoked"]
         go.put("send now")
         outcome = q.get(timeout=60)
         proc.join(30)
