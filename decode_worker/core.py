@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import deque
 
 import numpy as np
@@ -42,6 +43,9 @@ class DecodeCore:
         self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
+        # kv_done came, the receiver has not seen every byte yet: (seq, first token, its logprobs, cached
+        # tokens, deadline), checked each step
+        self.landing: dict[str, tuple[Sequence, int, dict[int, float] | None, int, float]] = {}
         # ended while a transfer still wrote their blocks: held until the receiver says it stopped
         self.draining: dict[str, Sequence] = {}
         self.outbox: list[tuple] = []
@@ -60,7 +64,7 @@ class DecodeCore:
 
     def load(self) -> dict:
         return {
-            "num_running": len(self.scheduler.running) + len(self.awaiting_kv),
+            "num_running": len(self.scheduler.running) + len(self.awaiting_kv) + len(self.landing),
             "num_waiting": len(self.scheduler.waiting) + len(self.pending),
             "num_free_blocks": self.blocks.num_free_blocks,
             "num_total_blocks": self.blocks.num_blocks,
@@ -71,6 +75,7 @@ class DecodeCore:
             self.pending
             or self.scheduler.has_unfinished()
             or self.outbox
+            or self.landing
             or (self.draining and self.receiver.has_drained())
         )
 
@@ -127,12 +132,28 @@ class DecodeCore:
         seq = self.awaiting_kv.pop(rid, None)
         if seq is None:
             return  # aborted meanwhile
+        deadline = time.monotonic() + self.config.kv_timeout_s
+        self.landing[rid] = (seq, first_token, logprobs, num_cached, deadline)
+        self._check_landed(rid)
+
+    def _check_landed(self, rid: str) -> None:
+        """The prefill worker has sent the prompt's KV: join the batch once the receiver has every byte
+        (usually at once: cuda_ipc's copy lands before kv_done crosses gRPC). Never waits: a transfer
+        still landing is checked again next step, up to kv_timeout_s."""
+        seq, first_token, logprobs, num_cached, deadline = self.landing[rid]
         try:
-            self.receiver.wait(rid, timeout=self.config.kv_timeout_s)
+            if not self.receiver.poll(rid):
+                if time.monotonic() < deadline:
+                    return
+                raise KVTransferError(
+                    f"not landed {self.config.kv_timeout_s:g} s after the prefill worker sent it"
+                )
         except KVTransferError as exc:
-            self._end(seq, SequenceStatus.FINISHED_ABORTED)
+            del self.landing[rid]
+            self._drop_transfer(seq)
             self.outbox.append(("error", rid, "UNAVAILABLE", f"KV transfer failed: {exc}"))
             return
+        del self.landing[rid]
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached
         self.blocks.cache_computed_blocks(seq)
@@ -150,12 +171,16 @@ class DecodeCore:
 
     def _kv_failed(self, rid: str, reason: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
+        if seq is None:
+            seq = self._unland(rid)
         if seq is not None:
             self._drop_transfer(seq)
             self.outbox.append(("error", rid, "UNAVAILABLE", reason))
 
     def _abort(self, rid: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
+        if seq is None:
+            seq = self._unland(rid)
         if seq is not None:
             self._drop_transfer(seq)
             return
@@ -182,6 +207,10 @@ class DecodeCore:
             seq.status = SequenceStatus.FINISHED_ABORTED
             self.draining[seq.request_id] = seq
 
+    def _unland(self, rid: str) -> Sequence | None:
+        waiting = self.landing.pop(rid, None)
+        return waiting[0] if waiting is not None else None
+
     def _collect_drained(self) -> None:
         for rid in self.receiver.drained():
             seq = self.draining.pop(rid, None)
@@ -192,6 +221,8 @@ class DecodeCore:
 
     def step(self) -> list[tuple]:
         self._collect_drained()
+        for rid in list(self.landing):
+            self._check_landed(rid)
         self._reserve()
         if self.outbox and not self._held_back:
             # Prefill requests for the blocks just reserved and first tokens of prompts prefilled

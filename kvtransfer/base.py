@@ -114,6 +114,11 @@ class KVReceiver(abc.ABC):
         """Block until the request's blocks are complete; raise KVTransferError on failure or timeout."""
 
     @abc.abstractmethod
+    def poll(self, request_id: str) -> bool:
+        """`wait` that never waits: True (and the request forgotten) once every byte is in the pool, False
+        while its transfer is still expected or under way; KVTransferError (forgotten) if it failed."""
+
+    @abc.abstractmethod
     def cancel(self, request_id: str, wait: bool = True) -> bool:
         """Forget the request (client gone); a transfer for it is refused or stopped. Idempotent.
 

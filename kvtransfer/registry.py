@@ -5,7 +5,7 @@
                        -> IN_FLIGHT
     finish() (by the same thread: every byte in the pool, or the error)
                        -> DONE | FAILED
-    wait() / cancel()  -> forgotten
+    wait() / poll() (True or raising) / cancel()  -> forgotten
     cancel(wait=False) of an IN_FLIGHT request -> detached; finish() -> drained() hands its id back
 
 Only `begin` admits writes to a request's blocks, and only for the exact blocks announced, so a late or
@@ -103,6 +103,18 @@ class TableReceiver(KVReceiver):
                 return
         self.cancel(request_id)
         raise KVTransferError(f"kv transfer of request {request_id!r} timed out after {timeout:g} s")
+
+    def poll(self, request_id: str) -> bool:
+        with self._cond:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                raise KVTransferError(f"request {request_id!r} was never expected (or already waited for)")
+            if entry.state < State.DONE:
+                return False
+            del self._entries[request_id]
+        if entry.state == State.FAILED:
+            raise KVTransferError(f"kv transfer of request {request_id!r} failed: {entry.error}")
+        return True
 
     def cancel(self, request_id: str, wait: bool = True) -> bool:
         with self._cond:

@@ -104,3 +104,31 @@ def test_abort_while_its_kv_is_written_holds_the_blocks_until_the_write_stopped(
     core.step()
     assert not core.draining and core.blocks.num_free_blocks == free
     ch.close()
+
+
+def test_kv_done_before_every_byte_landed_never_blocks_the_loop(core: DecodeCore) -> None:
+    """The prefill worker's kv_done can reach the decode engine before its receiver has the last byte
+    (a copy still landing): the loop goes on, and the request joins the batch in the step after the
+    bytes are in."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.handle(("add", "r6", list(range(10, 30)), params, 0, None, True))
+    dst = core.step()[0][2]
+    hello = {"layout": core.receiver.layout.to_dict()}
+    ch = Channel.greet("127.0.0.1", core.receiver.descriptor()["port"], 5, 5, hello)
+    nbytes = len(dst) * core.receiver.layout.block_nbytes
+    meta = json.dumps({"request_id": "r6", "dst": dst}).encode()
+    ch.sock.sendall(_FRAME.pack(MAGIC, VERSION, Kind.BEGIN, len(meta), nbytes) + meta + b"\0" * 64)
+
+    t0 = time.monotonic()
+    core.handle(("kv_done", "r6", 42, None, 0))
+    assert time.monotonic() - t0 < 0.5 and "r6" in core.landing and core.has_work()
+    assert kinds(core.step()) == []  # still landing: nothing for r6 yet, and the step did not wait
+    ch.sock.sendall(b"\0" * (nbytes - 64))
+    deadline = time.monotonic() + 5
+    out: list[tuple] = []
+    while not out:
+        assert time.monotonic() < deadline, "the request never joined the batch"
+        out = core.step()
+    assert [(m[0], m[1], m[2]) for m in out] == [("tokens", "r6", 42)]
+    assert "r6" not in core.landing
+    ch.close()

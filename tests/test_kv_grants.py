@@ -185,6 +185,28 @@ def test_cancel_without_waiting_never_waits_on_a_silent_sender() -> None:
         receiver.close()
 
 
+def test_poll_is_a_wait_that_never_waits(pair: Any) -> None:
+    receiver, sender, _, prefill = pair
+    receiver.expect("p", [9, 10])
+    assert receiver.poll("p") is False  # expected, nothing sent yet
+    sender.send("p", [0, 1], [9, 10])
+    deadline = time.monotonic() + 5
+    while not receiver.poll("p"):  # True once: every byte is in, the request forgotten
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert torch.equal(receiver.pool[:, :, [9, 10]], prefill[:, :, [0, 1]])
+    with pytest.raises(KVTransferError, match="never expected"):
+        receiver.poll("p")
+    receiver.expect("dropped", [11])
+    sender.prepare("dropped", [11])
+    sender.release("dropped")
+    deadline = time.monotonic() + 5
+    with pytest.raises(KVTransferError, match="released"):
+        while not receiver.poll("dropped"):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+
 def test_released_grant_fails_the_request_and_writes_nothing(pair: Any) -> None:
     receiver, sender, before, _ = pair
     receiver.expect("dropped", [7, 8])
