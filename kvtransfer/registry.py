@@ -91,18 +91,19 @@ class TableReceiver(KVReceiver):
     def wait(self, request_id: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with self._cond:
-            entry = self._entries.get(request_id)
-            if entry is None:
-                raise KVTransferError(f"request {request_id!r} was never expected (or already waited for)")
-            while entry.state < State.DONE and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            if entry.state >= State.DONE:
-                del self._entries[request_id]
-                if entry.state == State.FAILED:
-                    raise KVTransferError(f"kv transfer of request {request_id!r} failed: {entry.error}")
-                return
+            self._cond.wait_for(
+                lambda: self._ended(request_id), timeout=max(0.0, deadline - time.monotonic())
+            )
+        if self.poll(request_id):
+            return
         self.cancel(request_id)
         raise KVTransferError(f"kv transfer of request {request_id!r} timed out after {timeout:g} s")
+
+    def _ended(self, request_id: str) -> bool:
+        """(With the lock) whether a known request's transfer is DONE or FAILED (an unknown one: True, so
+        wait() goes on to poll()'s error)."""
+        entry = self._entries.get(request_id)
+        return entry is None or entry.state >= State.DONE
 
     def poll(self, request_id: str) -> bool:
         with self._cond:
