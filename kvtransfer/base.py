@@ -55,6 +55,10 @@ class KVSender(abc.ABC):
     may be unusable: close it and `connect` again.
     """
 
+    # send() only queues the copy on the caller's stream and tells the receiver to watch for it (cuda_ipc):
+    # the prefill worker calls it while the GPU still computes the step, before it reads the step's tokens
+    queues_copy: bool = False
+
     def prepare(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
         """Announce a `send` of these destination blocks to come (when the request is admitted, before its
         forward pass), so a transport that needs the receiver's grant before writing (cuda_ipc) asks for

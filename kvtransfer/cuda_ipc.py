@@ -19,11 +19,14 @@ packed (wire.pack_ids).
 from __future__ import annotations
 
 import base64
+import functools
 import logging
+import os
 import threading
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine import trace
@@ -99,6 +102,7 @@ def _local_index(uuid: str) -> int:
 
 
 LANDING_TIMEOUT_S = 60.0  # a queued copy that has not landed by then fails its request
+LANDING_SPIN_S = 0.02  # the receiver polls its cell yielding (~1 us a read) this long, then sleeping 0.1 ms
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
@@ -115,18 +119,25 @@ class _Landing(Completion):
         if not isinstance(seq, int):
             return "DONE carries no sequence number"
         cells, slot = self._cells, self._slot
-        # Polled: sleep(0) hands the GIL to the engine thread between reads; the copy takes at most a few
-        # hundred microseconds, and a sender that died with its copy queued shows as the socket closing.
-        deadline = time.monotonic() + LANDING_TIMEOUT_S
-        polls = 0
+        # Polled, yielding the GIL (and the core) between reads: os.sched_yield releases the GIL for the
+        # engine thread and returns in about a microsecond. time.sleep(0) would sleep: Linux's 50 us timer
+        # slack made it ~80 us a call here, which a poll loop pays as landing latency (~40 us a transfer,
+        # seen on the H200 host, eighth session). A copy takes at most a few milliseconds; past SPIN_S the
+        # loop sleeps between reads. A sender that died with its copy queued shows as the socket closing.
+        start = time.monotonic()
+        deadline, spin_until = start + LANDING_TIMEOUT_S, start + LANDING_SPIN_S
+        polls, pause = 0, os.sched_yield
         while cells[slot] < seq:
             polls += 1
             if polls % 64 == 0:
+                now = time.monotonic()
                 if ch.peer_closed():
                     return "the sender closed the connection with its copy still queued (it died?)"
-                if time.monotonic() > deadline:
+                if now > deadline:
                     return f"the copy did not land within {LANDING_TIMEOUT_S:g} s"
-            time.sleep(0 if polls < 4096 else 1e-4)
+                if now > spin_until:
+                    pause = functools.partial(time.sleep, 1e-4)
+            pause()
         trace.mark(str(done.get("request_id")), "kv.landing_read")
         return None
 
@@ -186,6 +197,8 @@ class CudaIpcKVReceiver(GrantReceiver):
 
 
 class CudaIpcKVSender(GrantSender):
+    queues_copy = True
+
     def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
         remote_layout = PoolLayout.from_dict(field(descriptor, "layout", dict))
         ipc, uuid = field(descriptor, "ipc", dict), field(descriptor, "device_uuid", str)
@@ -235,20 +248,20 @@ class CudaIpcKVSender(GrantSender):
         if uses_kernel(local_pool, self._remote, [], []):
             self._graphed = GraphedBlockCopy(local_pool, self._remote, landing=self._landing)
 
-    def _stage(self, src: list[int], dst: list[int]) -> torch.Tensor | None:
+    def _stage(self, src: np.ndarray, dst: np.ndarray) -> torch.Tensor | None:
         """Across GPUs, the source blocks are gathered before the grant is waited for (on one GPU the
         graphed copy has nothing to do ahead)."""
         if self._one_gpu:
             return None
-        return gather(self._pool, src)
+        return gather(self._pool, src.tolist())
 
-    def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
+    def _launch(self, request_id: str, src: np.ndarray, dst: np.ndarray, staged: Any) -> dict[str, Any]:
         self._seq += 1
         if self._one_gpu:
             self._copy_one_gpu(src, dst, self._seq)
         else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
             peer = staged.to(self._remote.device)
-            scatter(self._remote, dst, peer)
+            scatter(self._remote, dst.tolist(), peer)
             self._keep = (staged, peer)
             self._mark_landing(self._seq)
         trace.mark(request_id, "kv.copy_queued")
@@ -260,7 +273,7 @@ class CudaIpcKVSender(GrantSender):
             self._seq_dev.fill_(seq)
             self._landing.copy_(self._seq_dev, non_blocking=True)
 
-    def _copy_one_gpu(self, src: list[int], dst: list[int], seq: int) -> None:
+    def _copy_one_gpu(self, src: np.ndarray, dst: np.ndarray, seq: int) -> None:
         if self._graphed is not None:
             try:
                 self._graphed(src, dst, seq)
@@ -268,7 +281,7 @@ class CudaIpcKVSender(GrantSender):
             except RuntimeError as e:  # a capture this torch / driver refuses: copy eagerly from now on
                 logger.warning("kv copy as a CUDA graph failed (%s): launching it eagerly instead", e)
                 self._graphed = None
-        copy_blocks(self._pool, src, self._remote, dst)
+        copy_blocks(self._pool, src.tolist(), self._remote, dst.tolist())
         self._mark_landing(seq)
 
     def _drain(self) -> None:

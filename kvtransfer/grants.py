@@ -38,11 +38,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine import trace
 from kvtransfer.base import DoneCallback, KVSender, KVTransferError
-from kvtransfer.layout import PoolLayout, check_pair
+from kvtransfer.layout import PoolLayout
 from kvtransfer.registry import TableReceiver
 from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
 
@@ -167,6 +168,7 @@ class _State(enum.Enum):
 @dataclass
 class _Grant:
     dst: tuple[int, ...]
+    ids: np.ndarray  # dst as int64, what send() launches with
     state: _State = _State.ASKED
     error: str | None = None
 
@@ -199,12 +201,12 @@ class GrantSender(KVSender):
         self._reader.start()
 
     # -- what a transport provides ------------------------------------------------------------------
-    def _stage(self, src: list[int], dst: list[int]) -> Any:
+    def _stage(self, src: np.ndarray, dst: np.ndarray) -> Any:
         """Work that needs no grant, done before waiting for it (cuda_ipc across GPUs: the gather)."""
         del src, dst
 
     @abc.abstractmethod
-    def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
+    def _launch(self, request_id: str, src: np.ndarray, dst: np.ndarray, staged: Any) -> dict[str, Any]:
         """Queue the copy into the receiver's pool, then mark the completion signal after it; returns what
         DONE adds for the receiver's Completion. Raises RuntimeError when the copy cannot be queued."""
 
@@ -228,17 +230,20 @@ class GrantSender(KVSender):
             self._say(Kind.RELEASE, {"request_id": request_id, "reason": "the prefill worker dropped it"})
 
     def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+        # Every microsecond here is on the transfer's path (the copy is queued at the end): ids travel as
+        # numpy arrays, and a prepared request's destination is the grant's, checked by prepare().
         trace.mark(request_id, "kv.send")
-        src, dst = list(map(int, src_block_ids)), list(map(int, dst_block_ids))
+        src = self._layout.id_array(src_block_ids, "source")
         with self._cond:
             grant = self._grants.get(request_id)
-        if grant is not None and grant.dst == tuple(dst):  # prepare() checked them
-            if len(src) != len(dst):
-                check_pair(src, dst)  # raises, naming both
+        if grant is not None and tuple(dst_block_ids) == grant.dst:
+            dst = grant.ids
         else:
-            check_pair(src, dst)
-            self._remote_layout.check_ids(dst, "destination")
-        self._layout.check_ids(src, "source")
+            dst = self._remote_layout.id_array(dst_block_ids, "destination")
+            if len(np.unique(dst)) != len(dst):
+                raise KVTransferError("destination block ids repeat")
+        if len(src) != len(dst):
+            raise KVTransferError(f"{len(src)} source blocks but {len(dst)} destination blocks")
         nbytes = len(src) * self._layout.block_nbytes
         try:
             staged = self._stage(src, dst)  # on the caller's stream: after the forward pass
@@ -249,16 +254,16 @@ class GrantSender(KVSender):
             grant = self._grants.get(request_id)
             if grant is None:
                 grant = self._ask(request_id, dst)
-            elif grant.dst != tuple(dst):
+            elif grant.ids is not dst and grant.dst != tuple(dst.tolist()):
                 self.release(request_id)
                 raise KVTransferError(
                     f"request {request_id!r}: send's destination blocks differ from prepare's"
                 )
             if grant.state == _State.ASKED:
                 trace.mark(request_id, "kv.wait_grant")
-            answered = self._cond.wait_for(
-                lambda: grant.state != _State.ASKED or self._broken is not None, timeout=IO_TIMEOUT_S
-            )
+                self._cond.wait_for(
+                    lambda: grant.state != _State.ASKED or self._broken is not None, timeout=IO_TIMEOUT_S
+                )
             self._grants.pop(request_id, None)
             trace.mark(request_id, "kv.granted")
             if grant.state == _State.REFUSED:
@@ -268,7 +273,6 @@ class GrantSender(KVSender):
             if grant.state == _State.ASKED:
                 self._break(self._broken or f"no grant for request {request_id!r} in {IO_TIMEOUT_S:g} s")
                 raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
-            assert answered
             if self._broken or self._closing:  # the receiver failed the grant when the connection went
                 raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken or 'closed'}")
             # granted: launched under the lock, so a REVOKE read meanwhile finds it gone (its DONE follows)
@@ -302,13 +306,14 @@ class GrantSender(KVSender):
         self._reader.join(timeout=IO_TIMEOUT_S)
 
     # -- internals (with self._cond held) -------------------------------------------------------------
-    def _ask(self, rid: str, dst: list[int]) -> _Grant:
+    def _ask(self, rid: str, dst: Sequence[int] | np.ndarray) -> _Grant:
         if self._broken or self._closing:
             raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken or 'closed'}")
-        grant = self._grants[rid] = _Grant(tuple(dst))
+        ids = np.asarray(dst, dtype=np.int64)
+        grant = self._grants[rid] = _Grant(tuple(ids.tolist()), ids)
         self._say(
             Kind.BEGIN,
-            {"request_id": rid, "dst": pack_ids(dst), "nbytes": len(dst) * self._layout.block_nbytes},
+            {"request_id": rid, "dst": pack_ids(ids), "nbytes": len(ids) * self._layout.block_nbytes},
         )
         trace.mark(rid, "kv.begin_sent")
         return grant

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,7 +75,7 @@ class SharedSender(GrantSender):
             pool, receiver.layout, "127.0.0.1", receiver.descriptor()["port"], 5.0, {"signal": signal}
         )
 
-    def _launch(self, request_id: str, src: list[int], dst: list[int], staged: Any) -> dict[str, Any]:
+    def _launch(self, request_id: str, src: np.ndarray, dst: np.ndarray, staged: Any) -> dict[str, Any]:
         self.launched.append(request_id)
         if self.lands:  # else: as a sender whose queued copy died with its process
             self.receiver.pool[:, :, dst] = self._pool[:, :, src]
@@ -241,6 +242,31 @@ def test_send_to_other_blocks_than_prepared_is_refused(pair: Any) -> None:
     with pytest.raises(KVTransferError, match="released"):  # and the grant went back
         receiver.wait("moved", timeout=5)
     assert torch.equal(receiver.pool, before)
+
+
+def test_send_checks_every_id_before_anything_is_written(pair: Any) -> None:
+    """send() takes its ids as numpy does (lists or arrays) and checks them before it launches; a prepared
+    request's grant survives a refused call."""
+    receiver, sender, before, prefill = pair
+    receiver.expect("bad", [20, 21])
+    sender.prepare("bad", [20, 21])
+    for src, match in (
+        ([0, -1], "source block id -1 out of range"),
+        ([0, PREFILL_BLOCKS], f"source block id {PREFILL_BLOCKS} out of range"),
+        ([[0, 1]], "flat sequence"),
+        (["a", "b"], "not integers"),
+        ([0], "1 source blocks but 2 destination blocks"),
+    ):
+        with pytest.raises(KVTransferError, match=match):
+            sender.send("bad", src, [20, 21])
+    with pytest.raises(KVTransferError, match="destination block ids repeat"):
+        sender.send("unprepared", [0, 1], [7, 7])
+    with pytest.raises(KVTransferError, match=f"destination block id {DECODE_BLOCKS} out of range"):
+        sender.send("unprepared", [0, 1], [7, DECODE_BLOCKS])
+    assert sender.launched == [] and torch.equal(receiver.pool, before)
+    sender.send("bad", np.array([3, 4]), np.array([20, 21], dtype=np.int32))
+    receiver.wait("bad", timeout=5)
+    assert torch.equal(receiver.pool[:, :, [20, 21]], prefill[:, :, [3, 4]])
 
 
 def test_closed_sender_fails_its_granted_requests() -> None:
