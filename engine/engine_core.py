@@ -4,6 +4,7 @@ No tokenizer work happens here beyond loading it: LLMEngine (offline) and the wo
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,18 +206,21 @@ class EngineCore:
     def step_core(
         self,
         after_run: Callable[[SchedulerOutput, dict], None] | None = None,
-        during: Callable[[], None] | None = None,
+        during: Callable[[SchedulerOutput], None] | None = None,
     ) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
         """One step: schedule -> run -> postprocess. Returns the sequences that got a token and their logprobs.
 
-        `after_run(schedule, sampled)` sees the step after the forward pass, while every block is still held
-        (the prefill worker ships finished prompts' KV from there). `during()` runs while the forward pass
-        computes (queued on the GPU, not yet waited for; on the CPU, after it)."""
+        `during(schedule)` runs while the GPU computes the step (its forward pass and sampling queued, not
+        yet waited for; on the CPU, after them): the prefill worker takes grants and queues finished
+        prompts' KV copies there. `after_run(schedule, sampled)` sees the step once its tokens are back,
+        while every block is still held (the prefill worker sends the first tokens, and the KV it could
+        not queue earlier, from there)."""
         sched = self.scheduler.schedule()
         if trace.enabled:
             for item in sched.scheduled:
                 trace.mark(item.request_id, "core.run")
-        sampled = self.runner.run(sched, during) if not sched.is_empty else {}
+        hook = functools.partial(during, sched) if during is not None else None
+        sampled = self.runner.run(sched, hook) if not sched.is_empty else {}
         if trace.enabled:
             for rid in sampled:
                 trace.mark(rid, "core.sampled")

@@ -97,7 +97,9 @@ class ModelRunner:
         self, out: SchedulerOutput, during: Callable[[], None] | None = None
     ) -> dict[str, tuple[int, dict[int, float] | None]]:
         """Run the step; return {request_id: (sampled token, its logprobs or None)} for requests that sample.
-        `during()` runs once the forward pass is queued on the GPU, before the host waits for it."""
+        `during()` runs while the GPU computes: once the forward pass and the sampling (with the copies of
+        its results to the host) are queued, before the host waits for them. Work it queues on the current
+        stream runs after the step's and does not delay its tokens."""
         items = out.scheduled
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
         positions = torch.tensor(
@@ -111,11 +113,15 @@ class ModelRunner:
             self.device,
         )
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta, self.kv_cache)
-        if during is not None:
-            with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
-                during()
+
+        def hook() -> None:
+            if during is not None:
+                with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
+                    during()
+
         sampling = [i for i, it in enumerate(items) if it.sample]
         if not sampling:
+            hook()
             return {}
         last_rows = (meta.query_start_loc[1:].long() - 1)[sampling]  # (num_sampling,)
         logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab) float32
@@ -124,6 +130,7 @@ class ModelRunner:
             [items[i].params for i in sampling],
             [items[i].generator for i in sampling],
             [items[i].history for i in sampling],
+            before_read=hook,
         )
         return {
             items[i].request_id: (tok, lp) for i, tok, lp in zip(sampling, result.token_ids, result.logprobs)

@@ -8,6 +8,7 @@ filters). Penalties (repetition, then frequency and presence) adjust the logits 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,11 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[tuple[list[int], list[int]] | None] | None = None,  # (prompt ids, output ids)
+        before_read: Callable[[], None] | None = None,
     ) -> SamplerOutput:
+        """`before_read()` runs once every result is queued on the device (tokens, logprobs, and their
+        copies to the host), before the host waits for them: work it queues on this stream runs after
+        them and does not delay them (the prefill worker queues its KV copy there)."""
         raw = logits
         if histories is not None and any(p.has_penalties for p in params):
             logits = apply_penalties(logits, params, histories)
@@ -42,27 +47,55 @@ class Sampler:
             probs = filtered_probs(logits[idx], [params[i] for i in rows])  # (len(rows), vocab)
             q = torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]).to(probs.device)
             tokens[idx] = (probs / q).argmax(dim=-1)
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, params, token_ids))
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        results = [tokens, *self._logprob_tensors(raw, params, tokens, wanted)]
+        ready = None
+        if tokens.is_cuda:
+            results = [t.to("cpu", non_blocking=True) for t in results]  # into pinned memory
+            ready = torch.cuda.Event()
+            ready.record()
+        if before_read is not None:
+            before_read()
+        if ready is not None:
+            ready.synchronize()
+        token_ids = results[0].tolist()
+        return SamplerOutput(token_ids, self._logprobs(params, token_ids, wanted, results[1:]))
 
     def _exponential(self, vocab: int, generator: torch.Generator | None) -> torch.Tensor:
         return torch.empty(vocab).exponential_(generator=generator or self.generator)
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
-    ) -> list[dict[int, float] | None]:
-        out: list[dict[int, float] | None] = [None] * len(params)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    def _logprob_tensors(
+        logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor, wanted: list[int]
+    ) -> list[torch.Tensor]:
+        """For the rows in `wanted`: the sampled token's logprob, then each row's top-k (values, indices),
+        all on the device."""
         if not wanted:
-            return out
+            return []
         logp = torch.log_softmax(logits[wanted].float(), dim=-1)  # (len(wanted), vocab)
+        idx = torch.tensor(wanted, device=logits.device)
+        out = [logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)]
         for row, i in enumerate(wanted):
             k = params[i].logprobs or 0
-            entry = {token_ids[i]: logp[row, token_ids[i]].item()}
             if k:
                 top = logp[row].topk(k)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+                out += [top.values, top.indices]
+        return out
+
+    @staticmethod
+    def _logprobs(
+        params: list[SamplingParams], token_ids: list[int], wanted: list[int], tensors: list[torch.Tensor]
+    ) -> list[dict[int, float] | None]:
+        """_logprob_tensors' results, on the host, as one dict per row (None where not asked for)."""
+        out: list[dict[int, float] | None] = [None] * len(params)
+        if not wanted:
+            return out
+        chosen, tops = tensors[0].tolist(), iter(tensors[1:])
+        for row, i in enumerate(wanted):
+            entry = {token_ids[i]: chosen[row]}
+            if params[i].logprobs:
+                values, indices = next(tops), next(tops)
+                entry.update(zip(indices.tolist(), values.tolist()))
             out[i] = entry
         return out
 

@@ -41,6 +41,7 @@ class _Job:
     reply: tuple | None = None
     parked_at: float = 0.0
     prepared: bool = False  # the sender holds a grant for it: it ends in send() or release()
+    shipped: bool = False  # its KV copy was queued while its last step computed (_during)
 
 
 class PrefillCore:
@@ -138,7 +139,7 @@ class PrefillCore:
 
     def step(self) -> list[tuple]:
         if self.scheduler.has_unfinished():
-            updated, logprobs = self.engine.step_core(after_run=self._ship, during=self._grants_meanwhile)
+            updated, logprobs = self.engine.step_core(after_run=self._ship, during=self._during)
             for seq in updated:
                 job = self.jobs.get(seq.request_id)
                 if job is None:
@@ -165,6 +166,23 @@ class PrefillCore:
         out, self.outbox = self.outbox, []
         return out
 
+    def _during(self, sched: SchedulerOutput) -> None:
+        """While the GPU computes the step: take the grants that came meanwhile, then queue the KV copy of
+        every prompt this step finishes whose grant is in hand, behind the step's work on the GPU (a sender
+        that only queues its copy: cuda_ipc). The copy then starts when the step's sampling ends, not
+        after the host has read the tokens and gone through send(): ~0.1 ms of host time per transfer
+        off the path, and the copy runs after the tokens' copy to the host, so it delays no first token."""
+        self._grants_meanwhile()
+        for item in sched.scheduled:
+            job = self.jobs.get(item.request_id)
+            if not item.sample or job is None or not job.prepared or job.error is not None:
+                continue
+            assert job.dst_block_ids is not None  # prepared: the grant came
+            sender = self.senders.get(job.sender_key)
+            if sender is not None and sender.queues_copy:
+                job.shipped = True
+                self._send(item.request_id, job, item.block_table, job.dst_block_ids)
+
     def _grants_meanwhile(self) -> None:
         """While the forward pass computes: take the grants that came for requests known here. The decode
         worker reserves its blocks as the prompt reaches this worker, so a grant often arrives just after
@@ -189,8 +207,8 @@ class PrefillCore:
             if self._send_now is not None and seq is not None and item.request_id in sampled:
                 token, logprobs = sampled[item.request_id]  # the decode worker streams it on now
                 self._send_now([("first", item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
-            if job.error is not None:
-                continue  # a bad grant: fails when this step ends
+            if job.error is not None or job.shipped:
+                continue  # a bad grant or a failed copy: fails when this step ends; or queued already
             if job.dst_block_ids is None:  # computed before the decode worker's grant: hold the blocks
                 job.parked, job.parked_at = list(item.block_table), time.monotonic()
                 self.blocks.hold(job.parked)

@@ -192,3 +192,42 @@ def test_a_grant_that_comes_while_the_forward_pass_runs_is_taken_then(setup) -> 
     assert "r7" not in core.jobs  # sent from the step itself: never parked
     receiver.wait("r7", timeout=10)
     assert torch.equal(decode_pool[:, :, [4, 8, 2]], core.engine.runner.kv_cache[:, :, shipped[0][0]])
+
+
+@pytest.mark.parametrize("queues_copy", [False, True])
+def test_a_sender_that_queues_its_copy_ships_before_the_tokens_are_read(
+    setup, monkeypatch, queues_copy
+) -> None:
+    """A prompt whose grant is in hand when its last step runs: with a sender that only queues its copy
+    (cuda_ipc), the copy is queued while the GPU computes the step, before the host reads the sampled
+    token (the first token then still goes out, and the blocks are exact); any other sender sends once
+    the token is back."""
+    from kvtransfer.tcp import TcpKVSender
+
+    monkeypatch.setattr(TcpKVSender, "queues_copy", queues_copy)
+    core, sent_now, receiver, decode_pool = setup
+    order: list[str] = []
+    sources: list[list[int]] = []
+    send, read = core._send, core.engine.runner.sampler.__class__._logprobs
+
+    def recording_send(rid, job, src, dst):
+        order.append("send")
+        sources.append(list(src))
+        send(rid, job, src, dst)
+
+    def recording_read(*args):  # the sampler's host side, after the step's results came back
+        order.append("read")
+        return read(*args)
+
+    core._send = recording_send  # type: ignore[method-assign]
+    monkeypatch.setattr(type(core.engine.runner.sampler), "_logprobs", staticmethod(recording_read))
+    dst = [9, 4, 13]
+    receiver.expect("q", dst)
+    start(core, receiver, "q", dst)
+    out = run_until_idle(core)
+    assert order == (["send", "read"] if queues_copy else ["read", "send"])
+    assert [(m[0], m[1]) for m in sent_now] == [("first", "q")]
+    assert [(m[0], m[1], m[2]) for m in out] == [("prefilled", "q", sent_now[0][2])]
+    receiver.wait("q", timeout=10)
+    assert torch.equal(decode_pool[:, :, dst], core.engine.runner.kv_cache[:, :, sources[0]])
+    assert torch.count_nonzero(decode_pool[:, :, dst]) > 0 and not core.jobs
