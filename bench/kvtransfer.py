@@ -14,6 +14,9 @@ Between transfers (GAP_S) the sender either waits for a GPU "forward pass" of th
 engine does before it sends (its step's after_run: the sampled tokens just came back, the thread has
 been waiting on the GPU), the default "step" cadence, or sleeps ("idle", --idle-too): a process that
 slept pays each host step 2-4x on these hosts, which is not how the engine sends.
+cuda_ipc is also timed as the prefill engine now sends ("queued" cadence, records *_queued): send() is
+called while the step computes, its copy queued behind the step, and the transfer is timed from the
+step's end (the blocks ready) to the receiver's report, so send()'s host time overlaps the step.
 The ceiling is a device-to-device copy of the same 512 MiB measured here (payload bytes / time).
 Block ids: "contiguous" (one run each side), "scattered" (contiguous source, random destination),
 "random" (random both sides: gather + scatter, two passes); "one" (a single block) gives the fixed
@@ -171,10 +174,15 @@ def run_case(
     conn.send(("expect", transport, [(rid, dst) for rid in rids]))
     assert conn.recv() == "ok"
     sender.send(rids[0], src, dst)  # warm-up: index tensors, staging buffers, sockets
-    times, started = [], {}
+    times: list[float] = []
+    started: dict[str, float] = {}
+    late = 0
     for rid in rids[1:]:
         if prepare:  # at admission, before the forward pass (prefill_worker/core.py)
             sender.prepare(rid, dst)
+        if cadence == "queued":
+            late += queued_send(sender, rid, src, dst, pool.device, started, times)
+            continue
         pause(cadence, pool.device)
         started[rid] = time.monotonic()
         t0 = time.perf_counter()
@@ -202,7 +210,36 @@ def run_case(
         reps=reps,
         failures=failures[:3],
         copy_gbps=copy_gbps,
+        cadence=cadence,
+        late=late,
     )
+
+
+def queued_send(
+    sender: Any, rid: str, src: list[int], dst: list[int], device: torch.device, started: dict, times: list
+) -> int:
+    """The prefill engine's path (prefill_worker/core.py, _during): a GAP_S GPU step is queued, send() is
+    called while it computes (its copy queued behind it), and the transfer is timed from the step's end,
+    when the blocks are ready. The host polls an event recorded after the step; the start is the last
+    poll that still saw it pending (at or before the true end: never flatters the figure). A send()
+    that returned only after the step ended (late, counted) is timed from the send() call instead."""
+    cycles = int(GAP_S * torch.cuda.get_device_properties(device).clock_rate * 1e3)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(cycles)
+    step_end = torch.cuda.Event()
+    step_end.record()
+    called = time.monotonic()
+    t0 = time.perf_counter()
+    sender.send(rid, src, dst)
+    times.append(time.perf_counter() - t0)
+    pending = time.monotonic()
+    if step_end.query():
+        started[rid] = called
+        return 1
+    while not step_end.query():
+        pending = time.monotonic()
+    started[rid] = pending
+    return 0
 
 
 def main() -> None:
@@ -264,6 +301,11 @@ def main() -> None:
                 reps = args.tcp_reps if transport == "tcp" else args.reps
                 for case in ("one", "contiguous", "scattered", "random"):
                     results.append(run_case(transport, case, sender, pool, parent, reps))
+                if transport == "cuda_ipc":  # the engine's path: queued while the step computes
+                    for case in ("one", "contiguous", "scattered", "random"):
+                        results.append(
+                            run_case(transport, case, sender, pool, parent, reps, cadence="queued")
+                        )
                 if transport == "cuda_ipc" and args.profile_send:
                     profile_send(sender, pool, parent, args.reps, args.profile_send)
             if transport == "cuda_ipc" and args.ablate:
@@ -537,20 +579,20 @@ def report(
             + ", ".join(f"{k} {v:.0f} ({v / d2d:.0%})" for k, v in in_process.items())
         )
     print(
-        f"{'transport':<10} {'block ids':<11} {'delivered ms':>12} {'GB/s':>8} {'of ceil':>8}  "
+        f"{'transport':<10} {'cadence':<7} {'block ids':<11} {'delivered ms':>12} {'GB/s':>8} {'of ceil':>8}  "
         "send() ms  exact  copy-only GB/s"
     )
     for r in results:
         key = ceiling_of(r["transport"], ceilings)
         ratio = r["gbps"] / ceilings[key] if key else float("nan")
         print(
-            f"{r['transport']:<10} {r['case']:<11} {r['seconds'] * 1e3:12.3f} {r['gbps']:8.1f} "
+            f"{r['transport']:<10} {r['cadence']:<7} {r['case']:<11} {r['seconds'] * 1e3:12.3f} {r['gbps']:8.1f} "
             f"{ratio:8.1%}  {r['send_seconds'] * 1e3:9.3f}  {r['exact']!s:5}  "
             f"{r['copy_gbps'] or float('nan'):14.0f}" + (f"  {r['failures']}" if r["failures"] else "")
         )
     if out is None:
         return
-    fixed = {r["transport"]: r["seconds"] for r in results if r["case"] == "one"}
+    fixed = {(r["transport"], r["cadence"]): r["seconds"] for r in results if r["case"] == "one"}
     for r in results:
         if r["case"] == "one" or (r["transport"] == "tcp" and r["case"] != "contiguous"):
             continue  # at most 8 files come back from the device: tcp is for reference only
@@ -569,7 +611,9 @@ def report(
             same_process_torch_copy_gbps=in_process.get(r["case"] + "_torch"),
             copy_only_into_mapped_pool_gbps=r["copy_gbps"],
             copy_breakdown_random_ids=breakdown or None,
-            one_block_delivered_seconds=fixed.get(r["transport"]),
+            one_block_delivered_seconds=fixed.get((r["transport"], r["cadence"])),
+            cadence=r["cadence"],
+            late_sends=r["late"],
             tcp_all_cases_gbps={x["case"]: x["gbps"] for x in results if x["transport"] == "tcp"},
             ablation_delivered_seconds={
                 a["variant"]: a["seconds"] for a in ablations if a["case"] == r["case"]
@@ -580,10 +624,16 @@ def report(
         extra["timed"] = (
             "delivered: send() called -> the decode process's receiver reported the request complete "
             "(on_done; one CLOCK_MONOTONIC), one transfer at a time, each after a 5 ms GPU step the "
-            "sender waited for (the engine's cadence; 'sender idle between' in the ablation: a sleep), median"
+            "sender waited for ('sender idle between' in the ablation: a sleep), median"
+            if r["cadence"] != "queued"
+            else "delivered: the 5 ms GPU step ended (the blocks are ready; send() was called while it ran, "
+            "as the prefill engine does, and its copy queued behind it) -> the decode process's receiver "
+            "reported the request complete (on_done; one CLOCK_MONOTONIC); the step's end is the last host "
+            "poll of an event after it that still saw it pending; one transfer at a time, median"
         )
+        suffix = "_queued" if r["cadence"] == "queued" else ""
         record(
-            f"kvtransfer_{r['transport']}_{r['case']}" + ("_cpu" if cpu else ""),
+            f"kvtransfer_{r['transport']}_{r['case']}{suffix}" + ("_cpu" if cpu else ""),
             r["gbps"],
             "GB/s",
             ceiling=ceilings[key] if key else None,
