@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.uploads import upload
+
 
 @dataclass
 class AttentionMetadata:
@@ -56,10 +58,10 @@ class AttentionMetadata:
         width = max((len(t) for t in block_tables), default=1) or 1
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=upload(torch.tensor(slots, dtype=torch.int64), device),
+            query_start_loc=upload(torch.tensor(starts, dtype=torch.int32), device),
+            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=upload(torch.tensor(padded, dtype=torch.int32), device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )

@@ -5,6 +5,7 @@ Owns the model and the worker's single KV-cache allocation; never touches schedu
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.uploads import upload
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +114,23 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), meta, self.kv_cache)
+        sampling = [i for i, it in enumerate(items) if it.sample]
+        # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
+        # step and reaches during() while the forward pass computes
+        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+        last_rows = upload(torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long), self.device)
+        hidden = self.model(
+            upload(input_ids, self.device), upload(positions, self.device), meta, self.kv_cache
+        )
 
         def hook() -> None:
             if during is not None:
                 with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
                     during()
 
-        sampling = [i for i, it in enumerate(items) if it.sample]
         if not sampling:
             hook()
             return {}
-        last_rows = (meta.query_start_loc[1:].long() - 1)[sampling]  # (num_sampling,)
         logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab) float32
         result: SamplerOutput = self.sampler(
             logits,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.uploads import upload
 
 
 @dataclass
@@ -43,9 +44,11 @@ class Sampler:
         tokens = logits.argmax(dim=-1)  # (num_seqs,)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = upload(torch.tensor(rows), logits.device)
             probs = filtered_probs(logits[idx], [params[i] for i in rows])  # (len(rows), vocab)
-            q = torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]).to(probs.device)
+            q = upload(
+                torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]), probs.device
+            )
             tokens[idx] = (probs / q).argmax(dim=-1)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         results = [tokens, *self._logprob_tensors(raw, params, tokens, wanted)]
@@ -72,8 +75,8 @@ class Sampler:
         all on the device."""
         if not wanted:
             return []
-        logp = torch.log_softmax(logits[wanted].float(), dim=-1)  # (len(wanted), vocab)
-        idx = torch.tensor(wanted, device=logits.device)
+        idx = upload(torch.tensor(wanted), logits.device)
+        logp = torch.log_softmax(logits[idx].float(), dim=-1)  # (len(wanted), vocab)
         out = [logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)]
         for row, i in enumerate(wanted):
             k = params[i].logprobs or 0
@@ -116,10 +119,10 @@ def apply_penalties(
             continue
         prompt, output = history
         counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
-        counts = counts.to(logits.device, torch.float32)  # (vocab,)
+        counts = upload(counts.float(), logits.device)  # (vocab,)
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            seen[torch.tensor(prompt, dtype=torch.long, device=logits.device)] = True
+            seen.index_fill_(0, upload(torch.tensor(prompt, dtype=torch.long), logits.device), True)
             row = logits[i]
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             logits[i] = torch.where(seen, penalized, row)
@@ -130,12 +133,14 @@ def apply_penalties(
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature after top-k, top-p and min-p filtering; (rows, vocab)."""
     dev = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    logits = logits.float() / temperature
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+    # one upload of every row's (temperature, top_k, top_p, min_p): see upload()
+    knobs = upload(
+        torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params]),
+        dev,
+    )  # (rows, 4) float32
+    temperature, top_k, top_p, min_p = (knobs[:, j : j + 1] for j in range(4))
+    logits = logits.float() / temperature
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (rows, vocab)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)

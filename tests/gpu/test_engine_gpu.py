@@ -86,3 +86,43 @@ def test_preemption_on_cuda_recomputes_exactly(tiny):
     want = hf_greedy(tiny, batch, [60] * len(batch))
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, logprobs=3, seed=1, max_tokens=4, ignore_eos=True,
+            repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2,
+        ),
+    ],
+    ids=["greedy", "sampled_with_logprobs_and_penalties"],
+)  # fmt: skip
+def test_a_step_waits_for_nothing_before_during(tiny, params):
+    """Every step (prefill and decode) queues its whole work, uploads included, before the host waits on
+    the GPU: during() (where the prefill worker queues its KV copy) runs with nothing synchronised yet.
+    torch's sync debug mode raises on any synchronising CUDA call made before the hook turns it off."""
+    llm = LLM(str(tiny), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05)
+    engine = llm.engine
+    batch = prompts(engine.model_config.vocab_size)
+    llm.generate({"prompt_token_ids": batch[-1]}, params)  # compiles the kernels, warms the pinned cache
+    engine.add_request(batch[-2], params)
+    modes: list[int] = []
+
+    def during(sched):
+        modes.append(torch.cuda.get_sync_debug_mode())
+        torch.cuda.set_sync_debug_mode(0)
+
+    steps = 0
+    while engine.has_unfinished_requests():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            updated, _ = engine.step_core(during=during)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        steps += 1
+        for seq in updated:
+            if seq.is_finished:
+                engine.requests.clear()
+    assert steps == 4 and modes == [2] * 4  # one prefill and three decode steps, each hook with "error" on
