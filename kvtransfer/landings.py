@@ -29,6 +29,42 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+PREFIX = "pdserve-kv-landings-"
+
+
+def _namespace() -> str:
+    """This process's pid namespace (an inode number): a pid means something only inside it, and the
+    containers of one host that share /dev/shm (ipc: host) each have their own."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "0"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Remove the landing files of this pid namespace whose creator is gone; returns their paths."""
+    mine = f"{PREFIX}{_namespace()}-"
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            pid = name.removeprefix(mine).split("-")[0]
+            if name.startswith(mine) and pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(os.path.join(directory, name))
+    return removed
+
+
 class LandingCounters:
     """The mapped file: `cells` (MAX_SENDERS int64, a numpy view); `create` on the decode side (the file is
     removed by `close`), `attach` on the prefill side."""
@@ -39,7 +75,11 @@ class LandingCounters:
 
     @classmethod
     def create(cls, directory: str | None = None) -> LandingCounters:
-        fd, path = tempfile.mkstemp(prefix="pdserve-kv-landings-", dir=directory or shm_dir())
+        """A new zeroed file, named after this process (pid namespace, pid); the files that dead processes
+        of this namespace left (a killed decode worker never runs close) are removed first."""
+        directory = directory or shm_dir()
+        remove_orphans(directory)
+        fd, path = tempfile.mkstemp(prefix=f"{PREFIX}{_namespace()}-{os.getpid()}-", dir=directory)
         try:
             os.ftruncate(fd, NBYTES)  # zero-filled
             mm = mmap.mmap(fd, NBYTES)

@@ -105,3 +105,31 @@ def test_a_done_without_its_number_is_refused(landing: Any) -> None:
     assert completion.landed({"request_id": "r"}, ch) == "DONE carries no sequence number"
     completion.close()
     assert completion._receiver.freed == [3]
+
+
+def test_create_removes_the_files_of_dead_workers_of_its_namespace_only(tmp_path: Any) -> None:
+    """A decode worker killed with SIGKILL never closes its counters: the next one on the host removes
+    its file (creator pid gone, same pid namespace), and leaves a live process's and another
+    namespace's (another container sharing /dev/shm) alone."""
+    import subprocess
+    import sys
+
+    from kvtransfer.landings import PREFIX, _namespace
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    ns = _namespace()
+    stale = tmp_path / f"{PREFIX}{ns}-{dead_pid}-abc"
+    live = tmp_path / f"{PREFIX}{ns}-{os.getpid()}-def"
+    foreign = tmp_path / f"{PREFIX}{ns}1-{dead_pid}-ghi"
+    unrelated = tmp_path / f"other-{dead_pid}"
+    for f in (stale, live, foreign, unrelated):
+        f.write_bytes(b"\0" * 8)
+    counters = LandingCounters.create(str(tmp_path))
+    try:
+        assert not stale.exists() and live.exists() and foreign.exists() and unrelated.exists()
+        assert os.path.basename(counters.path).startswith(f"{PREFIX}{ns}-{os.getpid()}-")
+    finally:
+        counters.close()
