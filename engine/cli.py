@@ -81,6 +81,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.grpc_common import check_health
+
+    async def check_all() -> list[bool]:
+        return await asyncio.gather(*(check_health(a, timeout=args.timeout) for a in args.address))
+
+    failing = [a for a, ok in zip(args.address, asyncio.run(check_all()), strict=True) if not ok]
+    for address in failing:
+        print(f"pdserve health: {address} is not serving", file=sys.stderr)
+    return 1 if failing else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated LLM inference")
     parser.add_argument("--log-level", default="WARNING")
@@ -136,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.set_defaults(func=None)
+
+    h = sub.add_parser(
+        "health",
+        help="exit 0 when every address answers SERVING on the gRPC health service (compose health checks)",
+    )
+    h.add_argument("address", nargs="+", help="host:port of a router, prefill or decode worker")
+    h.add_argument("--timeout", type=float, default=3.0, help="seconds per address")
+    h.set_defaults(func=cmd_health)
 
     from gateway.cli import add_gateway_parser
 

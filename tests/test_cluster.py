@@ -310,3 +310,13 @@ def test_router_health_follows_its_workers():
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         cluster.stop()
+
+
+def test_pdserve_health_answers_for_live_workers_and_fails_for_a_dead_port(tcp_1x1) -> None:
+    """`pdserve health` (compose.yaml's health checks) asks the gRPC health service of each address."""
+    from engine.cli import main
+    from engine.roles import free_port
+
+    live = [tcp_1x1.router, *(w["address"] for w in tcp_1x1.workers)]
+    assert main(["health", *live]) == 0
+    assert main(["health", live[0], f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
