@@ -14,6 +14,7 @@ stray sender can never write into blocks that were freed and handed to another r
 
 from __future__ import annotations
 
+import collections
 import enum
 import threading
 import time
@@ -28,6 +29,7 @@ from kvtransfer.layout import PoolLayout
 from kvtransfer.wire import Channel, Kind
 
 CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
+CANCELLED_KEPT = 4096  # cancelled request ids remembered, for wait()'s error
 
 
 class State(enum.IntEnum):
@@ -58,6 +60,8 @@ class TableReceiver(KVReceiver):
         self._cond = threading.Condition()
         self._closed = False
         self._drained: list[str] = []  # detached cancels whose write has ended, for drained()
+        # the latest cancelled request ids (bounded), so a wait() on one says so, not "never expected"
+        self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def _welcome(
         self, ch: Channel, check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
@@ -87,6 +91,7 @@ class TableReceiver(KVReceiver):
             if request_id in self._entries:
                 raise KVTransferError(f"request {request_id!r} is already expected")
             self._entries[request_id] = _Entry(dst)
+            self._cancelled.pop(request_id, None)
 
     def wait(self, request_id: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -109,6 +114,8 @@ class TableReceiver(KVReceiver):
         with self._cond:
             entry = self._entries.get(request_id)
             if entry is None:
+                if request_id in self._cancelled:
+                    raise KVTransferError(f"request {request_id!r} was cancelled")
                 raise KVTransferError(f"request {request_id!r} was never expected (or already waited for)")
             if entry.state < State.DONE:
                 return False
@@ -125,6 +132,7 @@ class TableReceiver(KVReceiver):
             entry.cancelled = True
             if entry.state != State.IN_FLIGHT:
                 del self._entries[request_id]
+                self._note_cancelled(request_id)
                 return True
             abort = entry.abort
             entry.detached = not wait
@@ -134,13 +142,21 @@ class TableReceiver(KVReceiver):
             return False
         with self._cond:
             ended = self._cond.wait_for(lambda: entry.state != State.IN_FLIGHT, timeout=CANCEL_GRACE_S)
-            self._entries.pop(request_id, None)
+            if self._entries.pop(request_id, None) is not None:
+                self._note_cancelled(request_id)
         if not ended:
             raise KVTransferError(
                 f"request {request_id!r}: a transfer still writes its blocks {CANCEL_GRACE_S:g} s after "
                 "cancel; do not reuse them"
             )
         return True
+
+    def _note_cancelled(self, request_id: str) -> None:
+        """(With the lock) a cancelled request left the table: a wait() on it ends now, saying so."""
+        self._cancelled[request_id] = None
+        if len(self._cancelled) > CANCELLED_KEPT:
+            self._cancelled.popitem(last=False)
+        self._cond.notify_all()
 
     def drained(self) -> list[str]:
         with self._cond:
@@ -202,9 +218,10 @@ class TableReceiver(KVReceiver):
                 error = f"request {request_id!r} was cancelled by the receiver"
             entry.state = State.DONE if error is None else State.FAILED
             entry.error, entry.abort = error, None
-            if entry.detached:  # nobody waits for it: its blocks go back through drained()
+            if entry.detached:  # its blocks go back through drained(); a wait() on it hears "cancelled"
                 del self._entries[request_id]
                 self._drained.append(request_id)
+                self._note_cancelled(request_id)
             self._cond.notify_all()
         if self._on_done is not None:
             self._on_done(request_id, None if error is None else KVTransferError(error))

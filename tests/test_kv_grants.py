@@ -402,3 +402,39 @@ def test_peer_closed_sees_eof_without_consuming_a_message() -> None:
     assert ch.expect(Kind.READY) == {"request_id": "x"}
     assert ch.peer_closed()
     ch.close()
+
+
+def test_a_wait_ends_at_once_when_another_thread_cancels_the_request(pair: Any) -> None:
+    """wait() on a request that another thread cancels returns when it is cancelled, saying so, instead of
+    sleeping to its timeout and then calling the request unknown; for a granted one, cancelled without
+    waiting, as soon as the sender hands the grant back."""
+    receiver, sender, _, _ = pair
+    receiver.expect("announced", [30])
+    receiver.expect("granted", [31])
+    sender.prepare("granted", [31])
+    _wait_granted(sender, "granted")
+    outcomes: dict[str, tuple[str, float]] = {}
+
+    def waiter(rid: str) -> None:
+        t0 = time.monotonic()
+        try:
+            receiver.wait(rid, timeout=20)
+            outcomes[rid] = ("returned", time.monotonic() - t0)
+        except KVTransferError as e:
+            outcomes[rid] = (str(e), time.monotonic() - t0)
+
+    threads = [threading.Thread(target=waiter, args=(rid,)) for rid in ("announced", "granted")]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert receiver.cancel("announced") is True
+    assert receiver.cancel("granted", wait=False) is False
+    for t in threads:
+        t.join(timeout=10)
+    for rid in ("announced", "granted"):
+        message, waited = outcomes[rid]
+        assert "cancelled" in message and waited < 5, (rid, message, waited)
+    with pytest.raises(KVTransferError, match="was cancelled"):
+        receiver.poll("announced")
+    receiver.expect("announced", [30])  # an id cancelled before can be expected again
+    assert receiver.poll("announced") is False
