@@ -106,15 +106,20 @@ def same_bytes_copy_us(nbytes: int, rotate: int) -> float:
     return time_us([partial(torch.mul, a, 1.0, out=b) for a, b in pairs])
 
 
-def paged_set(batch: int, seq_len: int, heads: tuple[int, int, int], q_len: int):
-    """Contiguous q/K/V for SDPA and the same K/V scattered into shuffled pages."""
+def paged_set(batch: int, seq_len: int, heads: tuple[int, int, int], q_len: int, layout: str = "NHD"):
+    """Contiguous q/K/V for SDPA and the same K/V scattered into shuffled pages. layout: how a page
+    lies in memory, "NHD" (block_size, num_kv_heads, head_dim) or "HND" (num_kv_heads, block_size,
+    head_dim); the cache is always handed over as the (2, blocks, block_size, kv heads, head_dim) view."""
     num_heads, num_kv, dim = heads
     k = torch.randn(batch, num_kv, seq_len, dim, device="cuda", dtype=DTYPE)
     v = torch.randn_like(k)
     q = torch.randn(batch, num_heads, q_len, dim, device="cuda", dtype=DTYPE)
     per_seq = seq_len // BLOCK
     tables = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq).int()
-    cache = torch.empty(2, batch * per_seq, BLOCK, num_kv, dim, device="cuda", dtype=DTYPE)
+    if layout == "HND":
+        cache = torch.empty(2, batch * per_seq, num_kv, BLOCK, dim, device="cuda", dtype=DTYPE).transpose(2, 3)
+    else:
+        cache = torch.empty(2, batch * per_seq, BLOCK, num_kv, dim, device="cuda", dtype=DTYPE)
     for i, t in enumerate((k, v)):
         cache[i][tables.flatten().long()] = t.transpose(1, 2).reshape(batch * per_seq, BLOCK, num_kv, dim)
     lens = torch.full((batch,), seq_len, device="cuda", dtype=torch.int32)
