@@ -39,6 +39,10 @@ from engine import trace
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.25
+# After work, the idle loop polls at the servers' keep-warm period for their linger (engine/mux.py), so the
+# next request of a trickle finds this process warm too; past the linger it blocks for _IDLE_WAIT_S at a time.
+_WARM_WAIT_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
+_WARM_LINGER_S = float(os.environ.get("PDSERVE_KEEP_WARM_LINGER_MS", "1000")) / 1e3
 _LOAD_EVERY_S = 0.1
 
 
@@ -86,17 +90,20 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
         core.bind(send_traced, take_inbound)
     send([("ready", "", core.info()), ("load", "", core.load())])
     parent = os.getppid()
-    last_load = 0.0
+    last_load = last_busy = 0.0
     try:
         while True:
             if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
                 send([("load", "", core.load())])
                 last_load = time.monotonic()
             msgs, backlog[:] = backlog[:], []
-            if not msgs and not core.has_work() and not conn.poll(_IDLE_WAIT_S):
-                if os.getppid() != parent:
-                    return  # the server process is gone
-                continue
+            if not msgs and not core.has_work():
+                warm = _WARM_WAIT_S > 0 and time.monotonic() - last_busy < _WARM_LINGER_S
+                if not conn.poll(_WARM_WAIT_S if warm else _IDLE_WAIT_S):
+                    if os.getppid() != parent:
+                        return  # the server process is gone
+                    continue
+            last_busy = time.monotonic()
             while conn.poll(0):
                 msgs.append(pickle.loads(conn.recv_bytes()))
             for msg in msgs:

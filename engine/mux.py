@@ -9,7 +9,7 @@ replies):
 
     caller                                   server
     {stream: 7, request}          ->         starts the call's handler (a task)
-    {stream: 0}                   ->         (a ping, while calls are open and the stream is quiet)
+    {stream: 0}                   ->         (a ping: calls open, or one ended < 1 s ago, and a quiet stream)
                                   <-         {stream: 0}
     {stream: 7, request, more}    ->         hands it to the running handler (e.g. the prefill grant)
                                   <-         {stream: 7, chunk / response}   any number
@@ -45,8 +45,13 @@ Handler = Callable[[Any, AsyncIterator[Any]], AsyncIterator[Any]]  # (request, l
 # stream 0) and the server answers it: both processes' gRPC paths stay warm for the reply that is coming.
 # On the H200 hosts a message on an open stream took 0.60-0.65 ms one way after 50 ms of quiet and
 # 0.27-0.31 ms with a ping every 2 ms (bench/hop_probe.py --warm-ms); a request's first token comes back
-# over these streams after its whole forward pass. 0 turns it off. Costs CPU only while calls are open.
+# over these streams after its whole forward pass. 0 turns it off.
 KEEP_WARM_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
+# ... and for this long after the last call closed, so the next request of a steady trickle also meets warm
+# processes on its way in (before its forward pass nothing else would be open to ping). The pings stop
+# once the stream has had no call for this long: an idle server makes no wake-ups. 0: only while calls are
+# open. Costs ~500 small frames a second per stream during the window.
+KEEP_WARM_LINGER_S = float(os.environ.get("PDSERVE_KEEP_WARM_LINGER_MS", "1000")) / 1e3
 
 
 class RpcAbort(Exception):
@@ -163,11 +168,13 @@ class ManyStream:
         frame_cls: type,
         payload_field: str,
         keep_warm_s: float = KEEP_WARM_S,
+        linger_s: float = KEEP_WARM_LINGER_S,
     ) -> None:
         self._open_call = open_call
         self._frame_cls = frame_cls
         self._payload_field = payload_field
         self._keep_warm_s = keep_warm_s
+        self._linger_s = linger_s
         self._numbers = itertools.count(1)  # 0 is the pings'
         self._call: Any = None
         self._writes: asyncio.Queue = asyncio.Queue()
@@ -175,6 +182,7 @@ class ManyStream:
         self._calls: dict[int, ManyCall] = {}
         self._busy: asyncio.Event | None = None  # set while calls are open (the pinger waits on it)
         self._last_io = 0.0
+        self._last_call_end = 0.0  # when the last open call ended (the linger counts from there)
         self.pongs = 0
 
     def open(self, timeout: float | None = None, **request: Any) -> ManyCall:
@@ -227,11 +235,16 @@ class ManyStream:
         self._last_io = time.monotonic()
         self._writes.put_nowait(frame)
 
+    def _warm_wanted(self) -> bool:
+        """Calls are open, or the last one ended less than the linger ago."""
+        return bool(self._calls) or time.monotonic() - self._last_call_end < self._linger_s
+
     async def _ping_loop(self, busy: asyncio.Event) -> None:
         while True:
-            await busy.wait()  # no calls open: nothing to keep warm, no wake-ups
+            if not self._warm_wanted():
+                await busy.wait()  # no call for a while: nothing to keep warm, no wake-ups
             await asyncio.sleep(self._keep_warm_s)
-            if self._calls and time.monotonic() - self._last_io >= self._keep_warm_s:
+            if self._warm_wanted() and time.monotonic() - self._last_io >= self._keep_warm_s:
                 self._send(self._frame_cls(stream=0))
 
     async def _write_loop(self, call: Any, writes: asyncio.Queue) -> None:
@@ -275,8 +288,10 @@ class ManyStream:
     def _forget(self, call: ManyCall, cancel: bool) -> None:
         if self._calls.pop(call.stream, None) is not None and cancel and self._call is not None:
             self._send(self._frame_cls(stream=call.stream, cancel=True))
-        if not self._calls and self._busy is not None:
-            self._busy.clear()
+        if not self._calls:
+            self._last_call_end = time.monotonic()
+            if self._busy is not None:
+                self._busy.clear()
 
 
 class ManyCall:

@@ -227,12 +227,14 @@ def test_a_dead_server_fails_every_open_call_and_the_next_call_reconnects(server
 
 def test_pings_flow_only_while_calls_are_open(server):
     """A stream with calls open pings when quiet (the server answers each): both sides stay warm for the
-    reply to come. With no call open it sends nothing."""
+    reply to come. With no call open (and no linger) it sends nothing."""
     address, _ = server
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
-            many = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002)
+            many = ManyStream(
+                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.0
+            )
             call = many.open(request_id="hang")
             assert (await anext(aiter(call))).first_token_id == 7
             await asyncio.sleep(0.3)
@@ -244,7 +246,7 @@ def test_pings_flow_only_while_calls_are_open(server):
             await asyncio.sleep(0.3)
             assert many.pongs == idle
             assert await _collect(many.open(request_id="echo-2")) == [0, 1]
-            off = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.0)
+            off = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.0, 1.0)
             call = off.open(request_id="hang")
             assert (await anext(aiter(call))).first_token_id == 7
             await asyncio.sleep(0.1)
@@ -252,6 +254,37 @@ def test_pings_flow_only_while_calls_are_open(server):
             call.cancel()
             many.close()
             off.close()
+
+    asyncio.run(main())
+
+
+def test_pings_linger_after_the_last_call_then_stop(server):
+    """After its last call ends a stream keeps pinging for the linger (the next request of a trickle meets
+    warm processes), then stops; a new call starts the window again. No call yet: no pings."""
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = ManyStream(
+                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.4
+            )
+            for _ in range(2):  # the second round: a new call re-arms the linger
+                assert await _collect(many.open(request_id="echo-2")) == [0, 1]
+                start = many.pongs
+                await asyncio.sleep(0.2)  # within the linger
+                assert many.pongs >= start + 5  # ~one per 2 ms of quiet, fewer on a loaded machine
+                await asyncio.sleep(0.5)  # past it
+                settled = many.pongs
+                await asyncio.sleep(0.3)
+                assert many.pongs <= settled + 1  # one ping may have been in flight at the edge
+            many.close()
+            fresh = ManyStream(
+                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.4
+            )
+            call = fresh.open(request_id="hang")  # opens the stream
+            assert (await anext(aiter(call))).first_token_id == 7
+            call.cancel()
+            fresh.close()
 
     asyncio.run(main())
 
