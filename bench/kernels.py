@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+import kernels.paged_decode_attention as pda
 from bench.record import record
 from kernels.decode_reduce import decode_reduce_triton, decode_workspace_size
 from kernels.paged_decode_attention import (
@@ -117,7 +118,9 @@ def paged_set(batch: int, seq_len: int, heads: tuple[int, int, int], q_len: int,
     per_seq = seq_len // BLOCK
     tables = torch.randperm(batch * per_seq, device="cuda").view(batch, per_seq).int()
     if layout == "HND":
-        cache = torch.empty(2, batch * per_seq, num_kv, BLOCK, dim, device="cuda", dtype=DTYPE).transpose(2, 3)
+        cache = torch.empty(2, batch * per_seq, num_kv, BLOCK, dim, device="cuda", dtype=DTYPE).transpose(
+            2, 3
+        )
     else:
         cache = torch.empty(2, batch * per_seq, BLOCK, num_kv, dim, device="cuda", dtype=DTYPE)
     for i, t in enumerate((k, v)):
@@ -263,15 +266,18 @@ def sweep(log, seconds: float) -> list[dict]:
             log(json.dumps(found[-1]))
 
     base = default_config(128, DTYPE)
-    deeper, wider = {**base, "num_stages": 3}, {**base, "num_warps": 4}
-    plan = [  # eighth session: 1 x 32k by split count past the planner's 64 (earlier sweeps: 32 < 48 < 64),
-        # A-B as the hosts drift. Earlier sweeps, none better than the defaults: the launch order
+    merges = [{**base, "merge_warps": w, "merge_block_d": d} for w, d in ((4, None), (2, None), (1, 32), (2, 32),
+                                                                            (1, 64), (2, 64), (4, 32))]  # fmt: skip
+    plan = [  # ninth session: the separate merge launch's warps and head_dim slice per program, A-B as the
+        # hosts drift (a first run: 2 warps 38.9-39.2 us, 4 warps 39.4-39.5, 8 warps 41.4-41.5); below, the
+        # split kernel timed without its merge. Earlier sweeps, none better than the defaults: split counts
+        # past the planner's 64 (kernels_sweep_1x32k_splits.json), the launch order
         # (kernels_sweep_grid_order.json), 32-key tiles (kernels_sweep_head_major_tiles.json,
         # kernels_sweep_32key_tiles.json), unpipelined tiles (kernels_sweep_unpipelined_tiles.json), an L2
         # eviction hint (kernels_sweep_kv_eviction.json), an L2 prefetch of the first tile
         # (kernels_sweep_prefetch.json)
-        ("llama3-8b", 1, 32768, [base, deeper, wider], (None, 96, 128, None, 96, 128)),
-        ("smollm2", 1, 32768, [base], (None, 64, 128, None)),
+        ("llama3-8b", 1, 32768, merges * 2, (None,)),
+        ("smollm2", 1, 32768, merges, (None,)),
     ]
     for model, batch, seq_len, cfgs, splits in plan:
         heads = MODELS[model]
@@ -283,15 +289,31 @@ def sweep(log, seconds: float) -> list[dict]:
             lambda c, n, sets=sets: decode_fns(sets, c, n),
             product(cfgs, splits),
         )
-        if batch == 1:  # the split-KV merge on its own, to place the time
+        if batch == 1:  # where the time goes: the split kernel without its merge, and the merge on its own
+            merge = pda.decode_reduce_triton
+            pda.decode_reduce_triton = lambda out, *a, **k: out  # the output is left unmerged
+            try:
+                t_split = [time_us(decode_fns(sets), reps=10) for _ in range(2)]
+            finally:
+                pda.decode_reduce_triton = merge
+            log(json.dumps({"op": f"decode {model} split kernel alone (merge skipped)", "shape": [batch, seq_len],
+                            "us": t_split}))  # fmt: skip
             out = torch.empty_like(sets[0]["q"][:, :, 0])
             acc, ml = (
                 torch.randn(1, heads[0], 64, heads[2], device="cuda"),
                 torch.rand(2, 1, heads[0], 64, device="cuda"),
             )
-            merge = partial(decode_reduce_triton, out, acc, ml, sets[0]["lens"], seq_len // 64)
-            t = time_us([merge])
-            log(json.dumps({"op": f"decode_reduce {model}", "splits": 64, "us": t}))
+            for c in merges:
+                w, d = c["merge_warps"], c["merge_block_d"]
+                fn = partial(
+                    decode_reduce_triton, out, acc, ml, sets[0]["lens"], seq_len // 64, num_warps=w, block_d=d
+                )
+                t = time_us([fn])
+                log(
+                    json.dumps(
+                        {"op": f"decode_reduce {model}", "splits": 64, "num_warps": w, "block_d": d, "us": t}
+                    )
+                )
         del sets
     for model, q_len, prefix, batch in (("llama3-8b", 4096, 0, 1), ("llama3-8b", 1024, 3072, 4)):
         sets = [paged_set(batch, q_len + prefix, MODELS[model], q_len)]

@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     copy = copy_bandwidth()["copy_"]
     print(f"copy ceiling {copy:.0f} GB/s")
-    rows = []
+    rows: list[tuple[str, str, list[float], float | None, float | None, bool]] = []
     for model, batch, seq_len in DECODE:
         heads = MODELS[model]
         per_set = 2 * batch * seq_len * heads[1] * heads[2] * 2 + 2 * batch * heads[0] * heads[2] * 2
@@ -93,15 +93,19 @@ def main() -> None:
             record(f"kernels_layout_prefill_{model}_b{batch}x{q_len}_prefix{prefix}_{lay}", min(times[lay]), "us",
                    extra={"times_us": times[lay], "layout": lay, "bitwise_equal_across_layouts": same},
                    out_dir=args.out_dir)  # fmt: skip
-        print(json.dumps({"prefill": [model, batch, q_len, prefix], "times": times, "equal": same}), flush=True)
+        print(
+            json.dumps({"prefill": [model, batch, q_len, prefix], "times": times, "equal": same}), flush=True
+        )
     # the KV-cache write of one 4096-token prefill step (per layer), Llama-3-8B heads
     num_kv, dim, tokens = 8, 128, 4096
     blocks = 1 << 14
     k = torch.randn(tokens, num_kv, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     slots = torch.randperm(blocks * 16, device="cuda")[:tokens].long()
-    caches = {"NHD": torch.zeros(2, blocks, 16, num_kv, dim, device="cuda", dtype=torch.bfloat16),
-              "HND": torch.zeros(2, blocks, num_kv, 16, dim, device="cuda", dtype=torch.bfloat16).transpose(2, 3)}
+    caches = {
+        "NHD": torch.zeros(2, blocks, 16, num_kv, dim, device="cuda", dtype=torch.bfloat16),
+        "HND": torch.zeros(2, blocks, num_kv, 16, dim, device="cuda", dtype=torch.bfloat16).transpose(2, 3),
+    }
     times = {lay: [] for lay in LAYOUTS}
     for _ in range(args.rounds):
         for lay in LAYOUTS:
@@ -113,7 +117,9 @@ def main() -> None:
         record(f"kernels_layout_kv_write_{tokens}_{lay}", min(times[lay]), "us",
                extra={"times_us": times[lay], "layout": lay, "bitwise_equal_across_layouts": same},
                out_dir=args.out_dir)  # fmt: skip
-    print(f"\n| op | layout | times us (A-B rounds) | of copy | vs SDPA | equal |\n| --- | --- | --- | ---: | ---: | --- |")
+    print(
+        "\n| op | layout | times us (A-B rounds) | of copy | vs SDPA | equal |\n| --- | --- | --- | ---: | ---: | --- |"
+    )
     for op, lay, ts, ratio, vs, same in rows:
         fmt = lambda x: "-" if x is None else f"{x:.3f}"
         print(f"| {op} | {lay} | {' / '.join(f'{t:.1f}' for t in ts)} | {fmt(ratio)} | {fmt(vs)} | {same} |")

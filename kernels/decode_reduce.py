@@ -83,7 +83,7 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     num_valid = tl.cdiv(seq_len, partition_size)
-    dims = tl.arange(0, BLOCK_D)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)  # this program's slice of head_dim
     acc_base = acc_ptr + seq.to(tl.int64) * stride_a_seq + head * stride_a_head
     m_base = ml_ptr + seq.to(tl.int64) * stride_ml_seq + head * stride_ml_head
     m_run = tl.full((), float("-inf"), tl.float32)
@@ -116,6 +116,8 @@ def decode_reduce_triton(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     partition_size: int,
     pdl: bool = False,  # launched right after the split kernel, which called gdc_launch_dependents
+    num_warps: int = 4,
+    block_d: int | None = None,  # head_dim elements per program (a power of 2); None: all of them
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = out.shape
     num_splits = acc.shape[2]
@@ -124,16 +126,18 @@ def decode_reduce_triton(
     assert acc.stride(3) == 1 and ml.stride(3) == 1 and out.stride(2) == 1
     if num_seqs == 0:
         return out
-    _decode_reduce_kernel[(num_seqs, num_heads)](
+    block_d = min(block_d or head_dim, triton.next_power_of_2(head_dim))
+    assert block_d & (block_d - 1) == 0, f"block_d must be a power of 2, got {block_d}"
+    _decode_reduce_kernel[(num_seqs, num_heads, triton.cdiv(head_dim, block_d))](
         out, acc, ml, seq_lens,
         partition_size,
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         ml.stride(0), ml.stride(1), ml.stride(2),
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=block_d,
         BLOCK_S=min(64, triton.next_power_of_2(num_splits)),  # usually all splits in one round trip
         WAIT_FOR_PRIMARY=pdl,
-        num_warps=4,
+        num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

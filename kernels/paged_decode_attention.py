@@ -44,6 +44,13 @@ PDL = True
 # 256 x 1024 52.5 vs 53.3; seventh session, bench/results/kernels_sweep_grid_order.json).
 HEAD_MAJOR = True
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
+# config["merge_warps"] / ["merge_block_d"] unless given: the separate merge launch runs one program per
+# (sequence, query head, 32 head_dim elements) with 2 warps, not per (sequence, query head) with 4. Its work
+# is tiny (64 splits x 128 dims per head at 1 x 32k); what it costs is its latency after the split kernel
+# (the split kernel alone: 37.0-37.5 us at Llama-3-8B 1 x 32k, with the merge 39.4-40.2). On the H200,
+# same runs, A-B: 39.3-39.4 us against 40.2-40.3 with (4 warps, all 128 dims); SmolLM2 1 x 32k 14.4
+# against 14.5 (ninth session, bench/results/kernels_sweep_merge_launch.json).
+MERGE_WARPS, MERGE_BLOCK_D = 2, 32
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -284,9 +291,11 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
     """config: tile keys (block_n, num_warps, num_stages), "fused_merge" (default False: split
     partials merge in a separate decode_reduce launch; True: inside this launch), optionally
-    "merge_splits" (a power of 2: splits per step of the fused merge) and "pdl" (CUDA 12.3+, Hopper:
-    the separate merge launch is a programmatic dependent launch, so its start-up overlaps the split
-    kernel's tail; it waits for the split kernel's writes before reading them).
+    "merge_splits" (a power of 2: splits per step of the fused merge), "merge_warps" and
+    "merge_block_d" (the separate merge launch's warps and head_dim elements per program, default
+    MERGE_WARPS and MERGE_BLOCK_D) and "pdl" (CUDA 12.3+, Hopper: the separate merge launch is a
+    programmatic dependent launch, so its start-up overlaps the split kernel's tail; it waits for
+    the split kernel's writes before reading them).
 
     workspace (only used when the key range is split): allocate it once with torch.zeros, at
     least decode_workspace_size(num_seqs, num_heads, num_splits, head_dim, num_kv_heads)
@@ -363,7 +372,16 @@ def paged_decode_attention_triton(
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if split and not fused:
-        decode_reduce_triton(out, part, ml, seq_lens, partition, pdl=pdl)
+        decode_reduce_triton(
+            out,
+            part,
+            ml,
+            seq_lens,
+            partition,
+            pdl=pdl,
+            num_warps=cfg.get("merge_warps", MERGE_WARPS),
+            block_d=cfg.get("merge_block_d", MERGE_BLOCK_D),
+        )
     return out
 
 

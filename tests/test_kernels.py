@@ -181,11 +181,12 @@ def test_decode_fused_merge_own_workspace():
     torch.testing.assert_close(out, ref, **TOL)
 
 
-def test_decode_reduce_matches_reference():
+@pytest.mark.parametrize("block_d", [None, 16])  # all of head_dim per program, or a slice of it each
+def test_decode_reduce_matches_reference(block_d):
     acc, ml = torch.randn(3, 2, 4, 64), torch.rand(2, 3, 2, 4) + 0.5
     seq_lens = torch.tensor([1, 100, 0], dtype=torch.int32)
     ref = decode_reduce_reference(acc, ml, seq_lens, 32, torch.float32)
-    out = decode_reduce_triton(poisoned(ref), acc, ml, seq_lens, 32)
+    out = decode_reduce_triton(poisoned(ref), acc, ml, seq_lens, 32, block_d=block_d)
     torch.testing.assert_close(out, ref, **TOL)
 
 
