@@ -62,9 +62,17 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
         stream = self.engine.open(rid)
         prefill: asyncio.Task | None = None
+        prefill_call: ManyCall | None = None
         grant: asyncio.Future | None = None
         finished = False
         early = False  # the first token went out when the prefill worker sampled it
+        promised = self._speculate(request)
+        if promised:  # the prefill starts now; the blocks our engine reserves follow
+            self._promised += promised
+            grant = asyncio.get_running_loop().create_future()
+            # its frame is queued before anything else this request does: it is what the first token waits for
+            prefill_call = self._open_prefill(request, None)
+            prefill = asyncio.create_task(self._prefill(request, prefill_call, grant))
         self.engine.send(
             (
                 "add",
@@ -76,11 +84,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 bool(request.prefill_address),
             )
         )
-        promised = self._speculate(request)
-        if promised:  # the prefill starts now; the blocks our engine reserves follow
-            self._promised += promised
-            grant = asyncio.get_running_loop().create_future()
-            prefill = asyncio.create_task(self._prefill(request, None, grant))
         try:
             while not finished:
                 msg = await stream.get()
@@ -92,7 +95,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     if not grant.done():
                         grant.set_result(msg[2])
                 elif kind == "prefill":
-                    prefill = asyncio.create_task(self._prefill(request, msg[2], None))
+                    prefill_call = self._open_prefill(request, msg[2])
+                    prefill = asyncio.create_task(self._prefill(request, prefill_call, None))
                 elif kind == "early":  # from _prefill: streamed before the KV transfer completes
                     _, _, token, logprobs, cached = msg
                     early = True
@@ -125,6 +129,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 self.engine.send(("abort", rid))
             if prefill is not None and not prefill.done():
                 prefill.cancel()
+                assert prefill_call is not None  # opened with the task; a task cancelled before it ran
+                prefill_call.cancel()  # never got to cancel the call itself
             self.engine.close(rid)
 
     def _speculate(self, request: pb.DecodeRequest) -> int:
@@ -141,23 +147,26 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         free = load.get("num_free_blocks", 0) - self._promised
         return need if load.get("num_waiting", 1) == 0 and free >= 2 * need else 0
 
-    async def _prefill(
-        self, request: pb.DecodeRequest, dst_block_ids: list[int] | None, grant: asyncio.Future | None
-    ) -> None:
-        """Ask the prefill worker to fill our reserved blocks (`dst_block_ids`, or `grant`'s result, sent
-        when our engine has reserved them); tell the engine how it went."""
-        rid = request.request_id
+    def _open_prefill(self, request: pb.DecodeRequest, dst_block_ids: list[int] | None) -> ManyCall:
+        """Ask the prefill worker to fill our reserved blocks: `dst_block_ids`, or (None) the blocks our
+        engine reserves next, sent as the call's second message (_write_grant). Queues the frame now."""
         call = self._prefill_stream(request.prefill_address).open(
             timeout=self.prefill_timeout_s,
-            request_id=rid,
+            request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             kv_descriptor=self._kv_descriptor,
             dst_block_ids=dst_block_ids or [],
         )
+        trace.mark(request.request_id, "dserver.call_prefill")
+        return call
+
+    async def _prefill(self, request: pb.DecodeRequest, call: ManyCall, grant: asyncio.Future | None) -> None:
+        """Follow the prefill call (`_open_prefill`): send `grant`'s blocks when our engine has reserved
+        them, stream the first token on, and tell the engine how the transfer went."""
+        rid = request.request_id
         writer = asyncio.create_task(self._write_grant(call, rid, grant)) if grant is not None else None
-        trace.mark(rid, "dserver.call_prefill")
         first: pb.PrefillResponse | None = None
         kv_done = False
         try:

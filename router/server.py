@@ -22,7 +22,7 @@ import numpy as np
 from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.grpc_common import CHANNEL_OPTIONS, params_from_proto, params_to_proto
-from engine.mux import ManyStream
+from engine.mux import ManyCall, ManyStream
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -47,6 +47,21 @@ class RouterConfig:
     redis_url: str | None = None  # None: the in-memory index
     poll_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
+
+
+@dataclass
+class _Started:
+    """A completion whose decode call is open (RouterServicer._start): what its task goes on with, and what
+    it holds until `RouterServicer._release` (the router's accounting of its work, the decode call)."""
+
+    sub_id: str
+    params: SamplingParams
+    decision: RoutingDecision
+    call: ManyCall
+    prompt_list: list[int] | None
+    first_seen: bool = False  # the first chunk came: the prefill's share of the accounting is settled
+    ended: bool = False  # the decode worker ended the call itself
+    released: bool = False
 
 
 class _Stop(Exception):
@@ -225,10 +240,21 @@ class RouterServicer(pb_grpc.RouterServicer):
     ):
         """Run the n completions concurrently and interleave their chunks; usage comes last."""
         out: asyncio.Queue = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._completion(rid, i, request, prompt_ids, params, out))
-            for i in range(params.n)
-        ]
+        # Each completion is routed and its decode call's frame queued here, not a loop turn later in a task.
+        # What a started completion holds is released by its task or, should the task be cancelled before
+        # it ran, by the `finally` below (`_release` acts once).
+        started: list[_Started] = []
+        tasks: list[asyncio.Task] = []
+        try:
+            for i in range(params.n):
+                started.append(self._start(rid, i, request, prompt_ids, params))
+                tasks.append(asyncio.create_task(self._completion(rid, i, request, started[-1], out)))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for st in started:
+                self._release(st)
+            raise
         usage = pb.Usage(prompt_tokens=len(prompt_ids))
         try:
             for _ in range(params.n):
@@ -244,18 +270,19 @@ class RouterServicer(pb_grpc.RouterServicer):
         finally:
             for task in tasks:
                 task.cancel()
+            for st in started:
+                self._release(st)
 
     async def _completion(
         self,
         rid: str,
         index: int,
         request: pb.GenerateRequest,
-        prompt_ids: np.ndarray,
-        params: SamplingParams,
+        started: _Started,
         out: asyncio.Queue,
     ) -> None:
         try:
-            await self._decode(rid, index, request, prompt_ids, params, out)
+            await self._decode(rid, index, request, started, out)
         except _Stop as stop:
             out.put_nowait(stop)
         except Exception as exc:  # never leave the client waiting
@@ -285,19 +312,19 @@ class RouterServicer(pb_grpc.RouterServicer):
             raise _Stop(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
         return decision
 
-    async def _decode(
+    def _start(
         self,
         rid: str,
         index: int,
         request: pb.GenerateRequest,
         prompt_ids: np.ndarray,
         params: SamplingParams,
-        out: asyncio.Queue,
-    ) -> None:
+    ) -> _Started:
+        """Route completion `index` and queue its decode call's frame (raises _Stop: nothing is held then)."""
         child = params if params.seed is None else _replace_seed(params, params.seed + index)
         sub_id = f"{rid}.{index}" if params.n > 1 else rid
         decision = self._route(prompt_ids, request.cache_salt or None)
-        assert self.router is not None and decision.decode_worker is not None
+        assert decision.decode_worker is not None
         sampling = params_to_proto(child)
         sampling.n = 1
         by_ids = request.WhichOneof("prompt") == "token_ids"
@@ -312,14 +339,40 @@ class RouterServicer(pb_grpc.RouterServicer):
             cache_salt=request.cache_salt,
             prefill_address=decision.prefill_worker,
         )
-        text = TextStream(self.tokenizer, as_list or [], child) if self.tokenizer else None
-        shown, first, ended = 0, True, False
+        return _Started(sub_id, child, decision, call, as_list)
+
+    def _release(self, started: _Started) -> None:
+        """Settle a completion's accounting and stop its decode call unless the worker ended it; once."""
+        if started.released:
+            return
+        started.released = True
+        assert self.router is not None
+        if not started.first_seen:
+            self.router.prefill_done(started.decision)
+        self.router.request_done(started.decision)
+        if not started.ended:  # cancelled, failed or the stream broke: stop the call on the decode worker
+            started.call.cancel()
+
+    async def _decode(
+        self,
+        rid: str,
+        index: int,
+        request: pb.GenerateRequest,
+        started: _Started,
+        out: asyncio.Queue,
+    ) -> None:
+        decision, call = started.decision, started.call
+        assert self.router is not None and decision.decode_worker is not None
+        text = (
+            TextStream(self.tokenizer, started.prompt_list or [], started.params) if self.tokenizer else None
+        )
+        shown = 0
         try:
             async for chunk in call:
-                if first:
-                    trace.mark(sub_id, "router.first_chunk")
+                if not started.first_seen:
+                    trace.mark(started.sub_id, "router.first_chunk")
                     self.router.prefill_done(decision)
-                    first = False
+                    started.first_seen = True
                 if not chunk.token_ids:  # the end of a completion whose last token came in an earlier chunk
                     stopped = text is not None and text.finish()
                 else:
@@ -345,18 +398,14 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if finish:
                     if stopped:  # a stop string: the decode worker frees the request's blocks
                         call.cancel()
-                    ended = True  # otherwise the decode worker ended the call itself: nothing to cancel
+                    started.ended = True  # otherwise the decode worker ended the call itself
                     return
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.index.remove_worker(decision.decode_worker)  # routed around until it heartbeats again
             raise _Stop(exc.code(), exc.details() or exc.code().name) from exc
         finally:
-            if first:
-                self.router.prefill_done(decision)
-            self.router.request_done(decision)
-            if not ended:  # cancelled, failed or the stream broke: stop the call on the decode worker
-                call.cancel()
+            self._release(started)
         raise _Stop(
             grpc.StatusCode.UNAVAILABLE, f"decode worker {decision.decode_worker} ended the stream early"
         )
