@@ -245,18 +245,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         # it ran, by the `finally` below (`_release` acts once).
         started: list[_Started] = []
         tasks: list[asyncio.Task] = []
+        usage = pb.Usage(prompt_tokens=len(prompt_ids))
         try:
             for i in range(params.n):
                 started.append(self._start(rid, i, request, prompt_ids, params))
                 tasks.append(asyncio.create_task(self._completion(rid, i, request, started[-1], out)))
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            for st in started:
-                self._release(st)
-            raise
-        usage = pb.Usage(prompt_tokens=len(prompt_ids))
-        try:
             for _ in range(params.n):
                 while (item := await out.get()) is not None:
                     if isinstance(item, _Stop):
