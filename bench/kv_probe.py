@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench.kvtransfer import GPU_SHAPE, block_ids, make_pool, pause  # noqa: E402
+from bench.kvtransfer import GPU_SHAPE, block_ids, gpu_us_behind_spin, make_pool, pause  # noqa: E402
 from engine import trace  # noqa: E402
 from kernels.kv_block_copy import (
     GraphedBlockCopy,  # noqa: E402
@@ -133,17 +133,8 @@ def in_process(pool: torch.Tensor, reps: int, out: list[str]) -> None:
     probe("eager: fill + cell down (two launches)", eager_cell)
     # the GPU time of the graph alone, queued behind a spin
     src, dst = block_ids("contiguous", n, random.Random("contiguous"))
-    times = []
-    for _ in range(reps + 3):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        landed(src, dst, next(seqs))
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    out.append(f"graph GPU time, contiguous, queued behind a spin: {statistics.median(times[3:]):.1f} us")
+    gpu_us = gpu_us_behind_spin(lambda: landed(src, dst, next(seqs)), reps)
+    out.append(f"graph GPU time, contiguous, queued behind a spin: {gpu_us:.1f} us")
 
 
 class Stamps:

@@ -148,6 +148,23 @@ def block_ids(case: str, n: int, rng: random.Random) -> tuple[list[int], list[in
 GAP_S = 0.005  # between transfers, so each is timed alone
 
 
+def gpu_us_behind_spin(fn, reps: int) -> float:
+    """Median GPU microseconds of fn's work: a ~1 ms spin is queued first, so fn's work is queued before
+    the start event is reached (a call that waits for the previous one would otherwise time the host's
+    turnaround too). The first 3 of reps + 3 are warm-up."""
+    times = []
+    for _ in range(reps + 3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times[3:])
+
+
 def pause(cadence: str, device: torch.device) -> None:
     """GAP_S between transfers: a GPU kernel of that length waited for ("step"), or a sleep ("idle")."""
     if cadence == "step" and device.type == "cuda":
@@ -459,20 +476,7 @@ def copy_breakdown(pool: torch.Tensor, n: int, reps: int) -> dict[str, float]:
     landed(src, dst, next(seqs))
 
     def graphed_gpu_us() -> float:
-        """One replay's GPU time: a ~1 ms spin queued first, so the replay is queued before the start
-        event is reached (each call waits for the previous replay, so back-to-back calls would time the
-        host's turnaround too)."""
-        times = []
-        for _ in range(reps + 3):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphed(src, dst)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times[3:])
+        return gpu_us_behind_spin(lambda: graphed(src, dst), reps)
 
     def host_us(fn: Any) -> float:
         host = []
