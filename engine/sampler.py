@@ -1,20 +1,38 @@
 """Turn the last position's logits into tokens: greedy, or temperature / top-k / top-p / min-p sampling.
 
-Sampling draws with the "exponential race" (argmax of p / q, q ~ Exp(1)), which equals sampling from p;
-each request with a seed owns a torch.Generator, so the same seed gives the same output whatever else
-shares the batch. Logprobs are those of the raw model distribution (before penalties, temperature and
-filters). Penalties (repetition, then frequency and presence) adjust the logits first, greedy rows too.
+The host packs every row's knobs into one small tensor and uploads it once (queued, `engine/uploads.py`);
+everything after runs on the device as batched tensor ops (`engine/sampling_ops.py`) and the tokens and
+logprobs come back in one queued copy. Sampling is the Gumbel-max trick over noise that is a hash of
+(seed, position being sampled, vocab index) (`kernels/sampling_noise.py`): a request with a seed draws
+the same tokens whatever else shares the batch, alone or batched, on CPU or GPU. A request without a seed
+gets a fresh seed from the sampler's generator at each step. Logprobs are those of the raw model
+distribution (before penalties, temperature and filters). Penalties (repetition, then frequency and
+presence) adjust the logits first, greedy rows too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.sampling_ops import (
+    SamplingTensors,
+    Stages,
+    history_counts,
+    logprob_tensors,
+    sample_tokens,
+    scaled_logits,
+)
+from engine.sampling_ops import apply_penalties as penalize
+from engine.sampling_ops import filter_mask as _filter_mask
 from engine.sampling_params import SamplingParams
 from engine.uploads import upload
+
+History = tuple[list[int], list[int]]  # (prompt ids, output ids)
+_WORD = (1 << 64) - 1
 
 
 @dataclass
@@ -25,129 +43,163 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # seeds of the requests that bring none
 
     def __call__(
         self,
         logits: torch.Tensor,  # (num_seqs, vocab) float32
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        histories: list[tuple[list[int], list[int]] | None] | None = None,  # (prompt ids, output ids)
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History | None] | None = None,
         before_read: Callable[[], None] | None = None,
     ) -> SamplerOutput:
         """`before_read()` runs once every result is queued on the device (tokens, logprobs, and their
         copies to the host), before the host waits for them: work it queues on this stream runs after
-        them and does not delay them (the prefill worker queues its KV copy there)."""
+        them and does not delay them (the prefill worker queues its KV copy there).
+
+        The position a row samples is len(prompt) + len(output) of its history (0 without one); its seed
+        is `params.seed`, else its generator's initial seed, else one drawn from this sampler."""
         raw = logits
+        seeds = self._seeds(params, generators)
+        t = sampling_tensors(
+            params, seeds, _positions(histories, len(params)), logits.shape[1], logits.device
+        )
         if histories is not None and any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, params, histories)
-        tokens = logits.argmax(dim=-1)  # (num_seqs,)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = upload(torch.tensor(rows), logits.device)
-            probs = filtered_probs(logits[idx], [params[i] for i in rows])  # (len(rows), vocab)
-            q = upload(
-                torch.stack([self._exponential(probs.shape[1], generators[i]) for i in rows]), probs.device
-            )
-            tokens[idx] = (probs / q).argmax(dim=-1)
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        results = [tokens, *self._logprob_tensors(raw, params, tokens, wanted)]
+            logits = apply_penalties_with(logits, t, params, histories)
+        tokens = sample_tokens(logits, t, stages_of(params))  # (num_seqs,)
+        top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
+        packed = tokens if top < 0 else _pack([tokens, *logprob_tensors(raw, tokens, top)])
         ready = None
-        if tokens.is_cuda:
-            results = [t.to("cpu", non_blocking=True) for t in results]  # into pinned memory
+        if packed.is_cuda:
+            packed = packed.to("cpu", non_blocking=True)  # into pinned memory
             ready = torch.cuda.Event()
             ready.record()
         if before_read is not None:
             before_read()
         if ready is not None:
             ready.synchronize()
-        token_ids = results[0].tolist()
-        return SamplerOutput(token_ids, self._logprobs(params, token_ids, wanted, results[1:]))
+        if top < 0:
+            return SamplerOutput(packed.tolist(), [None] * len(params))
+        token_ids = packed[: len(params)].long().tolist()
+        return SamplerOutput(token_ids, self._logprobs(params, token_ids, top, packed))
 
-    def _exponential(self, vocab: int, generator: torch.Generator | None) -> torch.Tensor:
-        return torch.empty(vocab).exponential_(generator=generator or self.generator)
-
-    @staticmethod
-    def _logprob_tensors(
-        logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor, wanted: list[int]
-    ) -> list[torch.Tensor]:
-        """For the rows in `wanted`: the sampled token's logprob, then each row's top-k (values, indices),
-        all on the device."""
-        if not wanted:
-            return []
-        idx = upload(torch.tensor(wanted), logits.device)
-        logp = torch.log_softmax(logits[idx].float(), dim=-1)  # (len(wanted), vocab)
-        out = [logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1)]
-        for row, i in enumerate(wanted):
-            k = params[i].logprobs or 0
-            if k:
-                top = logp[row].topk(k)
-                out += [top.values, top.indices]
-        return out
+    def _seeds(self, params: list[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
+        seeds: list[int | None] = [
+            p.seed if p.seed is not None else (g.initial_seed() if g is not None else None)
+            for p, g in zip(params, generators)
+        ]
+        missing = [i for i, s in enumerate(seeds) if s is None]
+        if missing:
+            drawn = torch.randint(-(2**63), 2**63 - 1, (len(missing),), generator=self.generator)
+            for i, s in zip(missing, drawn.tolist()):
+                seeds[i] = s
+        return [_as_int64(s) for s in seeds if s is not None]
 
     @staticmethod
     def _logprobs(
-        params: list[SamplingParams], token_ids: list[int], wanted: list[int], tensors: list[torch.Tensor]
+        params: list[SamplingParams], token_ids: list[int], top: int, packed: torch.Tensor
     ) -> list[dict[int, float] | None]:
-        """_logprob_tensors' results, on the host, as one dict per row (None where not asked for)."""
-        out: list[dict[int, float] | None] = [None] * len(params)
-        if not wanted:
-            return out
-        chosen, tops = tensors[0].tolist(), iter(tensors[1:])
-        for row, i in enumerate(wanted):
-            entry = {token_ids[i]: chosen[row]}
-            if params[i].logprobs:
-                values, indices = next(tops), next(tops)
-                entry.update(zip(indices.tolist(), values.tolist()))
+        """The packed results on the host as one dict per row (None where not asked for): the sampled
+        token's logprob, then the top ones the row asked for."""
+        n = len(params)
+        chosen = packed[n : 2 * n].tolist()
+        values = packed[2 * n : 2 * n + n * top].view(n, top).tolist() if top else [[]] * n
+        ids = packed[2 * n + n * top :].view(n, top).long().tolist() if top else [[]] * n
+        out: list[dict[int, float] | None] = [None] * n
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            entry = {token_ids[i]: chosen[i]}
+            entry.update(zip(ids[i][: p.logprobs], values[i][: p.logprobs]))
             out[i] = entry
         return out
+
+
+def _as_int64(seed: int) -> int:
+    """Any Python int as the int64 with its low 64 bits."""
+    word = seed & _WORD
+    return word - (1 << 64) if word >> 63 else word
+
+
+def _positions(histories: Sequence[History | None] | None, rows: int) -> list[int]:
+    if histories is None:
+        return [0] * rows
+    return [0 if h is None else len(h[0]) + len(h[1]) for h in histories]
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tokens and logprobs as one float64 vector (ids are exact there), so one copy brings them back."""
+    return torch.cat([x.double().flatten() for x in tensors])
+
+
+def stages_of(params: list[SamplingParams]) -> Stages:
+    sampling = [p for p in params if not p.greedy]
+    return Stages(
+        sample=bool(sampling),
+        sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
+        min_p=any(p.min_p > 0.0 for p in sampling),
+    )
+
+
+def sampling_tensors(
+    params: list[SamplingParams], seeds: list[int], positions: list[int], vocab: int, device: torch.device
+) -> SamplingTensors:
+    """Every row's knobs on `device` in one upload."""
+    floats = [
+        [
+            0.0 if p.greedy else p.temperature,
+            float(p.top_k if 0 < p.top_k < vocab else vocab),
+            p.top_p,
+            p.min_p,
+            p.repetition_penalty,
+            p.frequency_penalty,
+            p.presence_penalty,
+            0.0,  # FLOAT_KNOBS' pad: the knobs fill whole int64 words
+        ]
+        for p in params
+    ]
+    words = torch.tensor(floats, dtype=torch.float32).view(torch.int64)  # (rows, 4)
+    ints = torch.tensor([seeds, positions], dtype=torch.int64).T  # (rows, 2)
+    packed = torch.cat([ints, words.reshape(len(params), -1)], dim=1)  # (rows, 6)
+    return SamplingTensors.unpack(upload(packed, device))
+
+
+def apply_penalties_with(
+    logits: torch.Tensor,
+    t: SamplingTensors,
+    params: list[SamplingParams],
+    histories: Sequence[History | None],
+) -> torch.Tensor:
+    """Penalized logits: each penalized row's history tokens go up in one upload and are counted on the
+    device (a row's prompt only where it has a repetition penalty)."""
+    rows, tokens, kinds = [], [], []
+    for i, (p, h) in enumerate(zip(params, histories)):
+        if not p.has_penalties or h is None:
+            continue
+        prompt = h[0] if p.repetition_penalty != 1.0 else []
+        rows.append(torch.full((len(prompt) + len(h[1]),), i, dtype=torch.int64))
+        tokens.append(torch.tensor(list(itertools.chain(prompt, h[1])), dtype=torch.int64))
+        kinds.append(torch.tensor([0] * len(prompt) + [1] * len(h[1]), dtype=torch.int64))
+    if not rows:
+        return logits
+    flat = upload(torch.stack([torch.cat(rows), torch.cat(tokens), torch.cat(kinds)]), logits.device)
+    counts, seen = history_counts(flat, logits.shape[0], logits.shape[1])
+    return penalize(logits, t, counts, seen)
 
 
 def apply_penalties(
     logits: torch.Tensor,  # (rows, vocab)
     params: list[SamplingParams],
-    histories: list[tuple[list[int], list[int]] | None],
+    histories: Sequence[History | None],
 ) -> torch.Tensor:
-    """A penalized copy of the logits. Repetition (vLLM/HF): a logit of a token seen in the prompt or the
-    output is divided by the penalty when positive, multiplied when negative. Then OpenAI's
-    `logit -= frequency * count_in_output + presence * (count_in_output > 0)`."""
-    logits = logits.float().clone()
-    vocab = logits.shape[1]
-    for i, p in enumerate(params):
-        history = histories[i]
-        if not p.has_penalties or history is None:
-            continue
-        prompt, output = history
-        counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
-        counts = upload(counts.float(), logits.device)  # (vocab,)
-        if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            seen.index_fill_(0, upload(torch.tensor(prompt, dtype=torch.long), logits.device), True)
-            row = logits[i]
-            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            logits[i] = torch.where(seen, penalized, row)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    return logits
+    """A penalized copy of the logits (see `engine.sampling_ops.apply_penalties`)."""
+    t = sampling_tensors(params, [0] * len(params), [0] * len(params), logits.shape[1], logits.device)
+    return apply_penalties_with(logits, t, params, histories).clone()
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Softmax of logits / temperature after top-k, top-p and min-p filtering; (rows, vocab)."""
-    dev = logits.device
-    vocab = logits.shape[1]
-    # one upload of every row's (temperature, top_k, top_p, min_p): see upload()
-    knobs = upload(
-        torch.tensor([[p.temperature, p.top_k if p.top_k > 0 else vocab, p.top_p, p.min_p] for p in params]),
-        dev,
-    )  # (rows, 4) float32
-    temperature, top_k, top_p, min_p = (knobs[:, j : j + 1] for j in range(4))
-    logits = logits.float() / temperature
-
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (rows, vocab)
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    drop = ranks >= top_k
-    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p  # keeps at least the top token
-    drop |= sorted_probs < min_p * sorted_probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    t = sampling_tensors(params, [0] * len(params), [0] * len(params), logits.shape[1], logits.device)
+    scaled = scaled_logits(logits, t)
+    keep = _filter_mask(scaled, t, Stages(sample=True, sort=True, min_p=True))
+    return scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)

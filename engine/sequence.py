@@ -50,14 +50,13 @@ class Sequence:
     _hashes: list[BlockHash] = field(default_factory=list, init=False, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     stop_reason: int | str | None = None
+    # sampling noise is a function of (params.seed, position) (engine/sampler.py): no generator state to carry
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_tokens(self) -> int:

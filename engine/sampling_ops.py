@@ -1,0 +1,139 @@
+"""The sampler's device side: per-row knobs in, tokens out, as batched tensor ops.
+
+Every function here takes device tensors of fixed shapes and never waits for the device (no `.item()`, no
+data-dependent shapes), so a step's sampling can be queued ahead of the forward pass's end or captured in a
+CUDA graph. Which optional stages run (filters, min-p) is decided on the host from the requests'
+parameters (`Stages`), never from device data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling_noise import gumbel_noise
+
+INT_KNOBS = ("seed", "position")
+FLOAT_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition", "frequency", "presence", "pad")
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What a step's rows need, known on the host from their parameters."""
+
+    sample: bool  # some row samples (temperature > 0)
+    sort: bool  # some sampling row has top-k or top-p
+    min_p: bool  # some sampling row has min-p
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row knobs on the device; float knobs are (rows, 1) so they broadcast over the vocabulary."""
+
+    seed: torch.Tensor  # (rows,) int64: a 64-bit word
+    position: torch.Tensor  # (rows,) int64: position of the token being sampled
+    temperature: torch.Tensor  # 0: greedy
+    top_k: torch.Tensor  # the vocabulary size when off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> SamplingTensors:
+        """From (rows, 2 + 4) int64: INT_KNOBS, then FLOAT_KNOBS as float32 pairs sharing a word."""
+        ints = packed[:, : len(INT_KNOBS)]
+        floats = packed[:, len(INT_KNOBS) :].contiguous().view(torch.float32)  # (rows, 8)
+        cols = {name: floats[:, j : j + 1] for j, name in enumerate(FLOAT_KNOBS) if name != "pad"}
+        return SamplingTensors(seed=ints[:, 0], position=ints[:, 1], **cols)
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # (rows, vocab)
+    t: SamplingTensors,
+    counts: torch.Tensor,  # (rows, vocab) float32: occurrences of each token in the row's output
+    seen: torch.Tensor,  # (rows, vocab) bool: the token is in the row's prompt or output
+) -> torch.Tensor:
+    """Repetition (vLLM/HF): a seen token's logit is divided by the penalty when positive, multiplied when
+    not. Then OpenAI's `logit -= frequency * count + presence * (count > 0)`. Neutral knobs (1, 0, 0)
+    leave a row's logits bit-exact."""
+    logits = logits.float()
+    rep = t.repetition
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - (t.frequency * counts + t.presence * (counts > 0).float())
+
+
+def history_counts(
+    flat: torch.Tensor,  # (3, n) int64: row, token id, 1 if an output token else 0 (a prompt token)
+    rows: int,
+    vocab: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts, seen), each (rows, vocab), from every row's history tokens in one scatter."""
+    row, token, is_output = flat[0], flat[1], flat[2]
+    index = row * (vocab + 1) + token.clamp(0, vocab)  # ids past the vocabulary land in a spare column
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.float32, device=flat.device)
+    counts.view(-1).index_add_(0, index, is_output.float())
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=flat.device)
+    seen.view(-1).index_fill_(0, index, True)
+    return counts[:, :vocab], seen[:, :vocab]
+
+
+def top_k_top_p_cutoff(
+    scaled: torch.Tensor,  # (rows, vocab) float32: logits / temperature
+    top_k: torch.Tensor,  # (rows, 1)
+    top_p: torch.Tensor,  # (rows, 1); 1: off
+) -> torch.Tensor:  # (rows, 1): the smallest logit the filters keep
+    """Top-k, then top-p over the top-k renormalized (vLLM's order): keep the fewest top tokens whose
+    probability reaches top_p. One sort of the rows; the cutoff is a value, so tokens tied with the last
+    kept one are kept too."""
+    vocab = scaled.shape[1]
+    ordered = scaled.sort(dim=-1, descending=True).values  # (rows, vocab)
+    in_k = torch.arange(vocab, device=scaled.device) < top_k  # (rows, vocab)
+    probs = ordered.masked_fill(~in_k, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    in_p = (before < top_p) | (top_p >= 1.0)  # the top token always stays
+    num_kept = (in_k & in_p).sum(dim=-1, keepdim=True)  # (rows, 1), at least 1
+    return ordered.gather(1, num_kept - 1)
+
+
+def filter_mask(scaled: torch.Tensor, t: SamplingTensors, stages: Stages) -> torch.Tensor:
+    """(rows, vocab) bool: the tokens top-k, top-p and min-p leave to sample from."""
+    threshold = torch.full_like(scaled[:, :1], float("-inf"))  # (rows, 1)
+    if stages.sort:
+        threshold = torch.maximum(threshold, top_k_top_p_cutoff(scaled, t.top_k, t.top_p))
+    if stages.min_p:  # p >= min_p * p_max, in logits: scaled >= max + log(min_p)
+        threshold = torch.maximum(threshold, scaled.amax(dim=-1, keepdim=True) + torch.log(t.min_p))
+    return scaled >= threshold
+
+
+def scaled_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logits / temperature; greedy rows (temperature 0) divided by 1."""
+    return logits.float() / torch.where(t.temperature > 0, t.temperature, 1.0)
+
+
+def sample_tokens(logits: torch.Tensor, t: SamplingTensors, stages: Stages) -> torch.Tensor:
+    """(rows,) int64: greedy rows take the argmax of `logits`, the others the Gumbel-max of their filtered
+    softmax(logits / temperature) with noise from (seed, position)."""
+    greedy = logits.argmax(dim=-1)  # (rows,)
+    if not stages.sample:
+        return greedy
+    scaled = scaled_logits(logits, t)  # (rows, vocab)
+    noise = gumbel_noise(t.seed, t.position, scaled.shape[1])  # (rows, vocab)
+    scores = torch.where(filter_mask(scaled, t, stages), scaled + noise, float("-inf"))
+    return torch.where(t.temperature.squeeze(1) > 0, scores.argmax(dim=-1), greedy)
+
+
+def logprob_tensors(
+    raw: torch.Tensor,  # (rows, vocab): the model's logits
+    tokens: torch.Tensor,  # (rows,) int64
+    top: int,  # how many top logprobs the most demanding row asked for
+) -> list[torch.Tensor]:
+    """The sampled token's logprob (rows,) and, when top > 0, the top-`top` values and ids (rows, top)."""
+    logp = torch.log_softmax(raw.float(), dim=-1)  # (rows, vocab)
+    out = [logp.gather(1, tokens.unsqueeze(1)).squeeze(1)]
+    if top:
+        best = logp.topk(top, dim=-1)
+        out += [best.values, best.indices]
+    return out
