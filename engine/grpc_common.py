@@ -33,6 +33,11 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),  # servers accept those pings
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.max_ping_strikes", 0),  # servers never GOAWAY a peer for pinging (too_many_pings)
+    # A peer that restarts on its address is reached again within ~0.5 s (gRPC's default backoff grows to
+    # 120 s, so a worker back after a minute could wait another minute to be used).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 

@@ -1,51 +1,95 @@
-"""Start the router: `pdserve router --prefill ADDR,... --decode ADDR,...`."""
+"""Start the router: `pdserve router --prefill ADDR,... --decode ADDR,...`.
+
+On SIGTERM or SIGINT it drains: health goes NOT_SERVING and new requests are refused with UNAVAILABLE
+"server shutting down" at once; requests in flight may finish for `drain_timeout_s`, then the rest end
+with that same status (their worker calls cancelled, freeing their blocks); then the server stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
 import grpc
+from grpc_health.v1 import health
 
 from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servicer
+from router.supervise import run_forever
 
 logger = logging.getLogger(__name__)
+
+_HEALTH_EVERY_S = 0.25
+_UNWIND_S = 5.0  # for requests ended at the drain timeout to finish their calls
 
 
 async def serve_router(config: RouterConfig, address: str) -> None:
     servicer = RouterServicer(config)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     add_servicer(servicer, server)
     port = server.add_insecure_port(address)
+    if config.metrics_port:
+        servicer.metrics.serve(config.metrics_port)
+        logger.info("router metrics on port %d", config.metrics_port)
     await server.start()
-    poller = asyncio.create_task(servicer.poll_forever())
-    while not servicer.ready():  # serving once a prefill and a decode worker have answered
-        await asyncio.sleep(0.1)
-    mark_serving(health, [SERVICE_NAME])
-    logger.info("router ready on port %d", port)
+    logger.info("router listening on port %d; serving once a prefill and a decode worker answer", port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watch = asyncio.create_task(_follow_workers(servicer, health))
+    follower = HealthFollower(servicer, health_servicer)
+    tasks = [
+        asyncio.create_task(servicer.poll_forever()),
+        asyncio.create_task(run_forever("the health follower", follower.update, _HEALTH_EVERY_S, logger)),
+    ]
     await stop.wait()
-    watch.cancel()
-    poller.cancel()
+    await drain(servicer, health_servicer, config.drain_timeout_s)
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     await server.stop(grace=1.0)
+    await servicer.close()
+    logger.info("router stopped")
 
 
-async def _follow_workers(servicer: RouterServicer, health) -> None:
-    """SERVING while a prefill and a decode worker are live, NOT_SERVING while a role has none."""
-    serving = True
-    while True:
-        await asyncio.sleep(0.25)
-        ready = servicer.ready()
-        if ready != serving:
-            mark_serving(health, [SERVICE_NAME], serving=ready)
-            logger.warning(
-                "router %s", "serving again" if ready else "not serving: a worker role has no live worker"
-            )
-            serving = ready
+async def drain(servicer: RouterServicer, health_servicer: health.HealthServicer, timeout_s: float) -> None:
+    servicer.draining = True
+    mark_serving(health_servicer, [SERVICE_NAME], serving=False)
+    logger.info(
+        "router shutting down: refusing new requests; %d in flight, waiting up to %g s for them",
+        servicer.in_flight,
+        timeout_s,
+    )
+    if await servicer.wait_idle(timeout_s):
+        return
+    logger.warning("ending %d requests still in flight after %g s", servicer.end_all(), timeout_s)
+    await servicer.wait_idle(_UNWIND_S)
+
+
+class HealthFollower:
+    """Keeps the gRPC health service SERVING while the router can serve, NOT_SERVING otherwise, and logs each
+    change once with its reason."""
+
+    def __init__(self, servicer: RouterServicer, health_servicer: health.HealthServicer) -> None:
+        self.servicer = servicer
+        self.health = health_servicer
+        self.serving: bool | None = None
+        self.reason: str | None = None
+        self.ever_served = False
+
+    async def update(self) -> None:
+        reason = self.servicer.not_serving_reason()
+        serving = reason is None
+        if serving != self.serving:
+            mark_serving(self.health, [SERVICE_NAME], serving=serving)
+        if serving and not self.serving:
+            logger.info("router serving" + (" again" if self.ever_served else ""))
+            self.ever_served = True
+        elif not serving and reason != self.reason and (self.serving or self.ever_served):
+            logger.warning("router not serving: %s", reason)
+        self.serving, self.reason = serving, reason

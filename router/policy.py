@@ -250,7 +250,8 @@ class PrefixRouter:
     """The per-request routing path: look up, choose, speculate, and count work in flight.
 
     The router service calls `route` for each request, `prefill_done` when its first token arrives
-    and `request_done` when it ends. Thread-safe.
+    and `request_done` when it ends. Thread-safe. `live`, if given, says which workers are live and their
+    loads (the router's own polls); otherwise the index's heartbeats do.
     """
 
     def __init__(
@@ -262,8 +263,10 @@ class PrefixRouter:
         speculate_ttl: float = 5.0,
         share_window_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        live: Callable[[], Mapping[str, WorkerLoad]] | None = None,
     ) -> None:
         self.index = index
+        self._live = live
         self.policy = policy
         self.block_size = block_size
         self.speculate_ttl = speculate_ttl
@@ -276,10 +279,11 @@ class PrefixRouter:
         uses_index = self.policy.uses_index
         # One round trip; workers come sorted by id, so ties break the same way in every router.
         lookup = self.index.lookup(block_hashes if uses_index else ())
-        prefill = {w: load for w, load in lookup.workers.items() if load.role != "decode"}
+        workers = lookup.workers if self._live is None else self._live()
+        prefill = {w: load for w, load in workers.items() if load.role != "decode"}
         if not prefill:
             raise NoWorkersError("no live prefill worker")
-        decode = {w: load for w, load in lookup.workers.items() if load.role != "prefill"}
+        decode = {w: load for w, load in workers.items() if load.role != "prefill"}
         with self._lock:
             view = RoutingView(
                 num_tokens,

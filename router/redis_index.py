@@ -24,6 +24,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from engine.block_hash import BlockHash
 from router.events import EventBatch, WorkerLoad, encode_events
@@ -270,6 +272,10 @@ class RedisPrefixIndex(PrefixIndex):
 
     `reap` runs at most every `reap_interval_s` from `heartbeat`; between reaps a dead worker's entries
     are still stored but every query leaves out workers whose heartbeat key has expired.
+
+    Given a URL, the client waits at most `timeout_s` per call (connecting included) and never retries: a
+    router treats a failed call as "no index" and goes on (router/fallback_index.py), so a hung or absent
+    Redis costs a request no more than that.
     """
 
     def __init__(
@@ -280,8 +286,18 @@ class RedisPrefixIndex(PrefixIndex):
         heartbeat_ttl: float = 5.0,
         reap_interval_s: float = 1.0,
         max_log: int = 4096,
+        timeout_s: float | None = None,
     ) -> None:
-        self.redis = redis.Redis.from_url(client) if isinstance(client, str) else client
+        self.redis = (
+            redis.Redis.from_url(
+                client,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+            if isinstance(client, str)
+            else client
+        )
         self.prefix = prefix
         self.heartbeat_ttl = heartbeat_ttl
         self.reap_interval_s = reap_interval_s

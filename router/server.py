@@ -1,9 +1,11 @@
 """gRPC Router service: tokenize, pick a prefill and a decode worker, stream detokenized tokens back.
 
-Workers are found by address (flags); a poller asks each for its load every `poll_s` and heartbeats the
-prefix index with it, so a worker that stops answering drops out of routing within the index's TTL, and a
-decode worker whose stream breaks is dropped at once. `n > 1` fans out into n decode requests (seeds
-seed, seed+1, ...); the prefill worker's prefix cache makes the copies of the prompt cheap.
+Workers are found by address (flags); a poller asks each for its load every `poll_s` and keeps what it
+learns in the router's own table (router/workers.py): a worker is routed to from its first answer, and
+dropped when it stops answering (at once when nobody listens there, or after `heartbeat_ttl_s`) or its
+decode stream breaks. The prefix index (in memory or Redis) is heartbeated too and says who holds which
+blocks; when it fails, routing goes on by load alone (router/fallback_index.py). `n > 1` fans out into n
+decode requests (seeds seed, seed+1, ...); the prefill worker's prefix cache makes the copies cheap.
 """
 
 from __future__ import annotations
@@ -28,9 +30,15 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.events import EventBatch, Snapshot, WorkerLoad
+from router.errors import SHUTTING_DOWN, Stop, decode_failure
+from router.events import EventBatch, Snapshot
+from router.fallback_index import FallbackIndex
 from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
+from router.metrics import RouterMetrics
 from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
+from router.prompts import Overloaded, PromptEncoder
+from router.supervise import Failures, run_forever
+from router.workers import WorkerTable
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,19 @@ class RouterConfig:
     redis_url: str | None = None  # None: the in-memory index
     poll_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
+    redis_timeout_s: float = 0.05  # per Redis call; past it the request is routed by load alone
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long streams in flight may take to finish
+    metrics_port: int | None = None  # Prometheus /metrics; None or 0: off
+    tokenize_threads: int = 2
+    max_pending_prompts: int = 16  # prompts being tokenized or queued for it; past that RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        if min(self.poll_s, self.heartbeat_ttl_s, self.redis_timeout_s) <= 0 or self.drain_timeout_s < 0:
+            raise ValueError(
+                "poll_s, heartbeat_ttl_s and redis_timeout_s must be positive, drain_timeout_s >= 0"
+            )
+        if self.tokenize_threads < 1 or self.max_pending_prompts < 1:
+            raise ValueError("tokenize_threads and max_pending_prompts must be at least 1")
 
 
 @dataclass
@@ -64,10 +85,7 @@ class _Started:
     released: bool = False
 
 
-class _Stop(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
+_Stop = Stop
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -76,59 +94,100 @@ class RouterServicer(pb_grpc.RouterServicer):
         # a dummy-weights model has no tokenizer: token-id prompts only, no text
         has_tokenizer = Path(config.model_dir, "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model_dir) if has_tokenizer else None
-        self.index = index or _make_index(config)
+        self.prompts = (
+            PromptEncoder(self.tokenizer, config.tokenize_threads, config.max_pending_prompts)
+            if self.tokenizer
+            else None
+        )
+        self.metrics = RouterMetrics()
+        self.index = FallbackIndex(index or _make_index(config), retry_s=config.poll_s, metrics=self.metrics)
         self.router: PrefixRouter | None = None
         self.channels = {
             a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
             for a in (*config.prefill, *config.decode)
         }
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
+        self.workers = WorkerTable(self.roles, config.heartbeat_ttl_s, self.metrics)
+        self._poll_failures = {a: Failures(f"polling {a}", logger) for a in self.channels}
         self._decode_streams: dict[str, ManyStream] = {}
         self.model_info: pb.ModelInfo | None = None
         self._event_pos: dict[str, tuple[int, int]] = {}  # prefill address -> (epoch, last seq applied)
         self._ids = itertools.count()
+        self._active: dict[int, asyncio.Queue] = {}  # each Generate call's queue of chunks, for the drain
+        self.draining = False  # refusing new requests (SIGTERM)
+        self._background: set[asyncio.Task] = set()
+
+    def not_serving_reason(self) -> str | None:
+        """None while the router can serve: a prefill and a decode worker are up. Else why not."""
+        if self.draining:
+            return SHUTTING_DOWN
+        if self.model_info is None:
+            return "no worker has answered yet"
+        return self.workers.not_serving_reason()
 
     def ready(self) -> bool:
-        """A prefill and a decode worker are live (heartbeating)."""
-        roles = {load.role for load in self.index.workers().values()}
-        return self.model_info is not None and {"prefill", "decode"} <= roles
+        return self.not_serving_reason() is None
 
     # ---- workers -----------------------------------------------------------------------------------
 
     async def poll_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self._poll(a) for a in self.channels))
-            self.index.reap()
-            await asyncio.sleep(self.config.poll_s)
+        await run_forever("the worker poller", self.poll_once, self.config.poll_s, logger)
+
+    async def poll_once(self) -> None:
+        """Ask every worker for its load (and a prefill worker for its KV events) once."""
+        await asyncio.gather(*(self._poll(a) for a in self.channels))
+        for address in self.workers.expire():
+            self._drop_decode_stream(address)
+        self.index.reap()
+        if self.index.take_recovered():  # the index is back, maybe empty: every prefill worker resends all
+            self._event_pos.clear()
 
     async def _poll(self, address: str) -> None:
+        failures = self._poll_failures[address]
+        try:
+            await self._poll_worker(address)
+        except Exception:  # one worker's surprise must not stop the others' polls, nor the next round
+            failures.failed()
+            return
+        failures.ok()
+
+    async def _poll_worker(self, address: str) -> None:
         stub = pb_grpc.DecodeStub if self.roles[address] == "decode" else pb_grpc.PrefillStub
         try:
-            load = await stub(self.channels[address]).GetLoad(pb.LoadRequest(), timeout=1.0)
-        except grpc.aio.AioRpcError:
-            return  # no heartbeat: the index drops the worker after its TTL
-        if self.router is None:
-            self.router = PrefixRouter(
-                self.index, make_policy(self.config.policy), block_size=load.block_size
-            )
-            self.model_info = pb.ModelInfo(
-                model=self.config.served_model_name,
-                max_model_len=load.max_model_len,
-                vocab_size=load.vocab_size,
-                block_size=load.block_size,
-            )
-        self.index.heartbeat(
-            address,
-            load.epoch,
-            WorkerLoad(
-                role=load.role,
-                running_requests=load.num_running + load.num_waiting,
-                free_blocks=load.num_free_blocks,
-                total_blocks=load.num_total_blocks,
-            ),
+            reply = await stub(self.channels[address]).GetLoad(pb.LoadRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError as exc:
+            unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
+            if self.workers.failed(address, f"GetLoad: {exc.code().name}", at_once=unreachable):
+                self._drop_decode_stream(address)
+            return
+        self._learn_model(reply)
+        if self.workers.seen(address, reply):
+            self._event_pos.pop(address, None)  # restarted: its events start over
+        pos = self._event_pos.get(address)
+        seq = pos[1] if pos is not None and pos[0] == reply.epoch else None
+        load = self.workers.load(address)
+        result = self.index.heartbeat(address, reply.epoch, load, seq)
+        if reply.role != "prefill" or not self.index.up:
+            return  # while the index is down its events wait on the worker; a snapshot follows its return
+        if result is ApplyResult.RESYNC_NEEDED:
+            self._event_pos.pop(address, None)
+        await self._pull_events(address)
+
+    def _learn_model(self, reply: pb.WorkerLoad) -> None:
+        if self.router is not None:
+            return
+        self.router = PrefixRouter(
+            self.index,
+            make_policy(self.config.policy),
+            block_size=reply.block_size,
+            live=self.workers.routable,
         )
-        if load.role == "prefill":
-            await self._pull_events(address)
+        self.model_info = pb.ModelInfo(
+            model=self.config.served_model_name,
+            max_model_len=reply.max_model_len,
+            vocab_size=reply.vocab_size,
+            block_size=reply.block_size,
+        )
 
     async def _pull_events(self, address: str) -> None:
         """Apply the prefill worker's new prefix-cache events; a gap or a new epoch brings a full snapshot."""
@@ -143,33 +202,81 @@ class RouterServicer(pb_grpc.RouterServicer):
             snap = Snapshot.from_bytes(reply.snapshot)
             self.index.resync(address, snap.epoch, snap.seq, snap.hashes)
             self._event_pos[address] = (snap.epoch, snap.seq)
-            return
         for data in reply.batches:
             batch = dataclasses.replace(EventBatch.from_bytes(data), worker_id=address)
             if self.index.apply(batch) == ApplyResult.RESYNC_NEEDED:
-                self._event_pos[address] = (0, 0)  # the next poll asks for a snapshot
-                return
+                break
             self._event_pos[address] = (batch.epoch, batch.seq)
+        else:
+            if self.index.up:
+                return
+        self._event_pos.pop(address, None)  # a gap, or the index failed: the next poll asks for a snapshot
+
+    def _drop_decode_stream(self, address: str) -> None:
+        """A decode worker went down: its stream's calls fail now, and its return gets a fresh stream."""
+        stream = self._decode_streams.pop(address, None)
+        if stream is not None:
+            stream.close()
 
     # ---- the public API ----------------------------------------------------------------------------
 
     async def GetModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        if self.model_info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker has answered yet")
+        """The model's limits; UNAVAILABLE, with the reason, while the router cannot serve."""
+        reason = self.not_serving_reason()
+        if reason is not None or self.model_info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason or "no worker has answered yet")
             raise AssertionError("abort raises")
         return self.model_info
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
         trace.mark(rid, "router.recv")
+        key = next(self._ids)
+        out: asyncio.Queue = asyncio.Queue()
+        self._active[key] = out
         try:
+            if self.draining:
+                raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             prompt_ids, params = await self._admit(request)
-            async for chunk in self._fan_out(rid, request, prompt_ids, params):
+            async for chunk in self._fan_out(rid, request, prompt_ids, params, out):
                 yield chunk
         except _Stop as stop:
             await context.abort(stop.code, stop.details)
+        except Exception:
+            logger.exception("request %s failed in the router", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, "the router failed on this request; see its log")
+        finally:
+            self._active.pop(key, None)
+
+    # ---- the drain ---------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for every Generate call to end; True if they did."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._active and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._active
+
+    def end_all(self) -> int:
+        """End every request in flight with UNAVAILABLE "server shutting down" (their worker calls are
+        cancelled, which frees their blocks); return how many."""
+        for out in self._active.values():
+            out.put_nowait(_Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN))
+        return len(self._active)
+
+    async def close(self) -> None:
+        for stream in self._decode_streams.values():
+            stream.close()
+        self._decode_streams.clear()
+        await asyncio.gather(*(ch.close() for ch in self.channels.values()), return_exceptions=True)
+        if self.prompts is not None:
+            self.prompts.close()
 
     async def _admit(self, request: pb.GenerateRequest) -> tuple[np.ndarray, SamplingParams]:
         info = self.model_info
@@ -185,9 +292,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
                 prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
             else:
-                prompt_ids = np.array(  # long prompts are tokenized off the loop
-                    await asyncio.to_thread(self._tokenize, request), dtype=np.int64
-                )
+                prompt_ids = np.array(await self._tokenize(request, params, info), dtype=np.int64)
         except ValueError as exc:
             raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if params.stop_strings and self.tokenizer is None:
@@ -220,26 +325,43 @@ class RouterServicer(pb_grpc.RouterServicer):
             )
         return prompt_ids, params
 
-    def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
-        """A text or chat prompt's token ids (token_ids prompts never come here)."""
-        which = request.WhichOneof("prompt")
-        if which is None:
+    async def _tokenize(
+        self, request: pb.GenerateRequest, params: SamplingParams, info: pb.ModelInfo
+    ) -> list[int]:
+        """A text or chat prompt's token ids (token_ids prompts never come here), in the tokenizing pool; a
+        prompt too long to fit is refused from its size alone, before any of that."""
+        if request.WhichOneof("prompt") is None:
             raise ValueError("the request has no prompt: set text, chat or token_ids")
-        if self.tokenizer is None:
+        if self.prompts is None:
             raise ValueError("this model has no tokenizer: send token_ids")
-        if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.chat.add_generation_prompt
+        least = self.prompts.min_tokens(request)
+        if least + (params.max_tokens or 1) > info.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {info.max_model_len} tokens, but the prompt alone "
+                f"is at least {least} tokens long: shorten the prompt"
+                + ("" if params.max_tokens is None else " or lower max_tokens")
             )
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(request.text)
+        try:
+            return await self.prompts.encode(request)
+        except Overloaded:
+            raise _Stop(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "the router is overloaded: too many prompts are being tokenized; retry later",
+            ) from None
 
     async def _fan_out(
-        self, rid: str, request: pb.GenerateRequest, prompt_ids: np.ndarray, params: SamplingParams
+        self,
+        rid: str,
+        request: pb.GenerateRequest,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        out: asyncio.Queue | None = None,
     ):
-        """Run the n completions concurrently and interleave their chunks; usage comes last."""
-        out: asyncio.Queue = asyncio.Queue()
+        """Run the n completions concurrently and interleave their chunks; usage comes last. A `Stop` put on
+        `out` (the drain's) ends the request."""
+        out = asyncio.Queue() if out is None else out
+        if self.draining and not out.empty():
+            raise out.get_nowait()
         # Each completion is routed and its decode call's frame queued here, not a loop turn later in a task.
         # What a started completion holds is released by its task or, should the task be cancelled before
         # it ran, by the `finally` below (`_release` acts once).
@@ -278,9 +400,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             await self._decode(rid, index, request, started, out)
         except _Stop as stop:
             out.put_nowait(stop)
-        except Exception as exc:  # never leave the client waiting
+        except Exception:  # never leave the client waiting
             logger.exception("completion %s/%d failed", rid, index)
-            out.put_nowait(_Stop(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            out.put_nowait(_Stop(grpc.StatusCode.INTERNAL, "the router failed on this request; see its log"))
         finally:
             out.put_nowait(None)
 
@@ -300,9 +422,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             decision = self.router.route(hashes, len(prompt_ids))
         except NoWorkersError as exc:
-            raise _Stop(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("prefill")) from exc
         if decision.decode_worker is None:
-            raise _Stop(grpc.StatusCode.UNAVAILABLE, "no live decode worker")
+            self.router.prefill_done(decision)  # routed, but it will not run
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("decode"))
         return decision
 
     def _start(
@@ -333,6 +456,15 @@ class RouterServicer(pb_grpc.RouterServicer):
             prefill_address=decision.prefill_worker,
         )
         return _Started(sub_id, child, decision, call, as_list)
+
+    def _decode_worker_failed(self, address: str, exc: grpc.aio.AioRpcError) -> None:
+        """Route around a decode worker whose call broke until it answers a poll again (one is made now)."""
+        logger.info("a call to decode worker %s failed: %s: %s", address, exc.code().name, exc.details())
+        if self.workers.failed(address, "its call failed", at_once=True):
+            self._drop_decode_stream(address)
+            task = asyncio.get_running_loop().create_task(self._poll(address))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _release(self, started: _Started) -> None:
         """Settle a completion's accounting and stop its decode call unless the worker ended it; once."""
@@ -394,9 +526,10 @@ class RouterServicer(pb_grpc.RouterServicer):
                     started.ended = True  # otherwise the decode worker ended the call itself
                     return
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.index.remove_worker(decision.decode_worker)  # routed around until it heartbeats again
-            raise _Stop(exc.code(), exc.details() or exc.code().name) from exc
+            failure = decode_failure(exc, decision.decode_worker, decision.prefill_worker)
+            if failure.worker_down:
+                self._decode_worker_failed(decision.decode_worker, exc)
+            raise failure.stop from exc
         finally:
             self._release(started)
         raise _Stop(
@@ -408,7 +541,9 @@ def _make_index(config: RouterConfig) -> PrefixIndex:
     if config.redis_url:
         from router.redis_index import RedisPrefixIndex
 
-        return RedisPrefixIndex(config.redis_url, heartbeat_ttl=config.heartbeat_ttl_s)
+        return RedisPrefixIndex(
+            config.redis_url, heartbeat_ttl=config.heartbeat_ttl_s, timeout_s=config.redis_timeout_s
+        )
     return InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
 
 

@@ -1,0 +1,84 @@
+"""Text and chat prompts to token ids, with bounded work per request and none of it on the event loop.
+
+Tokenizing runs in a small pool of threads of its own; at most `max_pending` prompts are queued or running
+at once, and a prompt beyond that is refused (`Overloaded`), so a burst of huge prompts cannot starve the
+router's polls and health answers or queue without bound. Before any of that, `min_tokens` bounds a
+prompt's length from its size alone: no token is longer than `max_token_chars` characters, so a prompt of
+C characters has at least ceil(C / max_token_chars) tokens, and one that cannot fit is refused unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.tokenizer import Tokenizer
+from protos import pdserve_pb2 as pb
+
+
+class Overloaded(Exception):
+    """Too many prompts are being tokenized already."""
+
+
+def longest_token_chars(tokenizer: Tokenizer) -> int:
+    """An upper bound on how many characters of input one token covers.
+
+    The longer of each vocabulary entry's spelling (byte-level BPE spells each byte as one character, so the
+    spelling is never shorter than the text) and its decoded text. A normalizer could fold several input
+    characters into one (Unicode composition), so with one the bound is taken four times over.
+    """
+    backend = tokenizer.backend
+    vocab = backend.get_vocab(with_added_tokens=True)
+    longest = max(
+        max(map(len, vocab), default=1),
+        max((len(backend.decode([i], skip_special_tokens=False)) for i in vocab.values()), default=1),
+    )
+    has_normalizer = json.loads(backend.to_str()).get("normalizer") is not None
+    return max(1, longest) * (4 if has_normalizer else 1)
+
+
+def prompt_chars(request: pb.GenerateRequest) -> int:
+    """Characters of prompt text: the text, or every chat message's content (the template adds more)."""
+    if request.WhichOneof("prompt") == "chat":
+        return sum(len(m.content) for m in request.chat.messages)
+    return len(request.text)
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, threads: int = 2, max_pending: int = 16) -> None:
+        self.tokenizer = tokenizer
+        self.max_token_chars = longest_token_chars(tokenizer)
+        self.max_pending = max_pending
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        self._lock = threading.Lock()
+        self._pending = 0  # queued or running; released when the thread is done, even for a cancelled wait
+
+    def min_tokens(self, request: pb.GenerateRequest) -> int:
+        return -(-prompt_chars(request) // self.max_token_chars)
+
+    async def encode(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt's token ids (ValueError for a prompt that cannot be encoded; Overloaded)."""
+        with self._lock:
+            if self._pending >= self.max_pending:
+                raise Overloaded
+            self._pending += 1
+        future = self._pool.submit(self._encode, request)
+        future.add_done_callback(self._release)
+        return await asyncio.wrap_future(future)
+
+    def _release(self, _future: object) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _encode(self, request: pb.GenerateRequest) -> list[int]:
+        tok = self.tokenizer
+        if request.WhichOneof("prompt") == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            text = tok.apply_chat_template(messages, add_generation_prompt=request.chat.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(request.text)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
