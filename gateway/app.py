@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,11 +19,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from engine.grpc_common import CHANNEL_OPTIONS
 from engine.tokenizer import Tokenizer
-from gateway.errors import APIError, from_grpc, install_handlers
+from gateway.access import AccessLog, AccessRecord, record_of
+from gateway.auth import BearerAuth
+from gateway.drain import Admission, Drain
+from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
+from gateway.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.responses import Choice, Formatter, TokenText, Totals
@@ -40,6 +43,14 @@ class GatewayConfig:
     router: str  # host:port of pdserve.v1.Router
     api_key: str | None = None  # bearer token the /v1 endpoints require; None: open
     model_dir: str | None = None  # tokenizer for logprobs' token text; None: the bundled model's
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, unread
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run on
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be at least 1, got {self.max_request_bytes}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
 
 def _load_tokenizer(model_dir: str | None) -> Tokenizer | None:
@@ -60,6 +71,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
+        self.drain = Drain()
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.RouterStub | None = None
         self.token_text = TokenText(None)
@@ -100,6 +112,7 @@ class Gateway:
         self, request: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
     ) -> Response:
         start = time.monotonic()
+        record = record_of(request.scope)
         chat = isinstance(body, ChatCompletionRequest)
         try:
             info = await self.model_info()
@@ -112,27 +125,40 @@ class Gateway:
                 reqs = build(lambda: completion_requests(body))
             assert self.stub is not None
             streams = RouterStreams(self.stub, reqs)
+            self.drain.watch(streams)
             await _unless_disconnected(request, streams, streams.start())
             self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
+            record.first_token()
             fmt = Formatter(chat, info.model, body.num_logprobs(), self.token_text)
             if body.stream:
-                events = self._events(streams, fmt, body.include_usage, endpoint, start)
+                events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))
                 return _EventStream(events, media_type="text/event-stream")
             choices, totals = await _unless_disconnected(request, streams, _collect(streams))
         except APIError as exc:
-            self.metrics.done(endpoint, exc.status)
+            self._finished((endpoint, start, record), exc.status, Totals())
             return exc.response()
-        self._finished(endpoint, 200, totals, start)
+        self._finished((endpoint, start, record), 200, totals)
         return JSONResponse(fmt.whole(choices, totals))
 
-    def _finished(self, endpoint: str, status: int, totals: Totals, start: float) -> None:
+    def _finished(self, where: tuple[str, float, AccessRecord], status: int, totals: Totals) -> None:
+        endpoint, start, record = where
         self.metrics.done(endpoint, status, totals.prompt_tokens, totals.completion_tokens)
-        self.metrics.e2e.labels(endpoint).observe(time.monotonic() - start)
+        if status < 400:
+            self.metrics.e2e.labels(endpoint).observe(time.monotonic() - start)
+        elif status == 499:
+            logger.info("the client closed its %s request", endpoint)
+        record.status = status
+        record.prompt_tokens, record.completion_tokens = totals.prompt_tokens, totals.completion_tokens
 
     async def _events(
-        self, streams: RouterStreams, fmt: Formatter, include_usage: bool, endpoint: str, start: float
+        self,
+        streams: RouterStreams,
+        fmt: Formatter,
+        include_usage: bool,
+        where: tuple[str, float, AccessRecord],
     ) -> AsyncIterator[str]:
-        """Server-sent events; a client disconnect cancels this generator, which cancels the router calls."""
+        """Server-sent events; a client disconnect cancels this generator, which cancels the router calls.
+        A failure mid-way, shutdown included, is a last error event; `data: [DONE]` always ends it."""
         choices: dict[int, Choice] = {}
         totals, status = Totals(), 499
         try:
@@ -153,7 +179,7 @@ class Gateway:
             yield _sse(exc.body())
         finally:
             streams.cancel()
-            self._finished(endpoint, status, totals, start)
+            self._finished(where, status, totals)
         yield "data: [DONE]\n\n"
 
 
@@ -167,27 +193,6 @@ class _EventStream(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-class _BearerAuth:
-    """ASGI middleware: paths under /v1/ need `Authorization: Bearer KEY`; /health and /metrics stay open."""
-
-    def __init__(self, app: ASGIApp, key: str, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.expected = f"Bearer {key}".encode()
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                error = APIError(401, "invalid or missing API key", None, "invalid_api_key")
-                endpoint = scope["path"].removeprefix("/v1/").split("/")[0]
-                if endpoint in ("chat", "completions"):
-                    self.metrics.done(endpoint, 401)
-                await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _sse(obj: dict) -> str:
@@ -223,7 +228,7 @@ async def _unless_disconnected(request: Request, streams: RouterStreams, work): 
         return task.result()
     streams.cancel()
     task.cancel()
-    raise APIError(499, "the client closed the request")
+    raise client_closed()
 
 
 async def _disconnected(request: Request) -> None:
@@ -236,8 +241,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pdserve gateway", version="0.1", lifespan=gw.lifespan)
     app.state.gateway = gw
     install_handlers(app)
+
+    def refused(path: str, status: int) -> None:
+        endpoint = endpoint_of(path)
+        if endpoint is not None:
+            gw.metrics.done(endpoint, status)
+
+    # outermost last: access log, drain admission, auth, then the body limit (no body read before auth)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_refused=refused)
     if config.api_key:
-        app.add_middleware(_BearerAuth, key=config.api_key, metrics=gw.metrics)
+        app.add_middleware(BearerAuth, key=config.api_key, on_refused=refused)
+    app.add_middleware(Admission, drain=gw.drain, on_refused=refused)
+    app.add_middleware(AccessLog)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -255,6 +270,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if gw.drain.draining:
+            return JSONResponse({"status": "unavailable", "reason": "draining"}, status_code=503)
         if await gw.healthy():
             return JSONResponse({"status": "ok"})
         return APIError(503, "the router or its workers are not serving").response()

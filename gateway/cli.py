@@ -1,13 +1,19 @@
 """`pdserve gateway --router HOST:PORT --port 8000`: the OpenAI-compatible HTTP server.
 
 engine/cli.py wires it with `add_gateway_parser(sub)`; `python -m gateway.cli ...` runs it alone.
+SIGTERM or Ctrl-C drains it (gateway/drain.py) and it exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+
+from gateway.limits import DEFAULT_MAX_REQUEST_BYTES
+
+_AFTER_DRAIN_S = 5.0  # uvicorn's own graceful shutdown, once the drain is over: nothing should be left
 
 
 def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,19 +35,61 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="tokenizer directory for logprobs' token text (default: bundled)"
     )
+    add_serving_args(p)
     p.add_argument("--uvicorn-log-level", default="warning")
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """Flags `python -m gateway.stack` shares with `pdserve gateway`."""
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="larger request bodies get 413 without being read (default: 4 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long requests in flight may finish before they are stopped (default: 30)",
+    )
+
+
+def _log_access() -> None:
+    access = logging.getLogger("pdserve.access")
+    if not access.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import GatewayConfig, create_app
+    from gateway.drain import DrainingServer
 
-    app = create_app(GatewayConfig(router=args.router, api_key=args.api_key, model_dir=args.model))
-    print(f"pdserve gateway: http://{args.host}:{args.port}/v1 -> router {args.router}", flush=True)
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+    config = GatewayConfig(
+        router=args.router,
+        api_key=args.api_key,
+        model_dir=args.model,
+        max_request_bytes=args.max_request_bytes,
+        drain_timeout_s=args.drain_timeout_s,
     )
+    app = create_app(config)
+    _log_access()
+    print(f"pdserve gateway: http://{args.host}:{args.port}/v1 -> router {args.router}", flush=True)
+    server_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=False,  # pdserve.access writes one line per request, with its final status
+        timeout_graceful_shutdown=int(_AFTER_DRAIN_S),
+    )
+    DrainingServer(server_config, app.state.gateway.drain, config.drain_timeout_s).run()
     return 0
 
 

@@ -1,8 +1,10 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and where they come from.
 
 A user's mistake is a 4xx: validation errors (FastAPI's 422 becomes 400), bad sampling values or a prompt
-over max_model_len (the router's INVALID_ARGUMENT), an unknown model (404). Load is 429, no router or
-worker is 503. Only the server's own faults are 5xx.
+over max_model_len (the router's INVALID_ARGUMENT), an unknown model (404), a body over the size limit
+(413). Load is 429, no router or worker is 503, a deadline 504. Only the server's own faults are 5xx, and
+their messages are plain sentences: transport text (`Stream removed`, `ipv4:...`) and class reprs stay in
+the gateway's log.
 """
 
 from __future__ import annotations
@@ -18,21 +20,52 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
 
-_GRPC_TO_HTTP = {
+_SERVER_SIDE = {  # status, code, the sentence a client sees when the router's own words are transport text
+    grpc.StatusCode.UNAVAILABLE: (503, "unavailable", "a worker became unavailable; retry the request"),
+    grpc.StatusCode.CANCELLED: (503, "unavailable", "a worker became unavailable; retry the request"),
+    grpc.StatusCode.ABORTED: (503, "unavailable", "a worker became unavailable; retry the request"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "the request timed out"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        429,
+        "overloaded",
+        "the server is overloaded; retry the request later",
+    ),
+}
+_INTERNAL = (500, "internal_error", "the server failed to handle the request")
+_CLIENT_SIDE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.CANCELLED: 499,
 }
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
 }
+# Words that mark a message as transport or Python text rather than a sentence written for people.
+_TRANSPORT_WORDS = (
+    "stream removed",
+    "sendmsg",
+    "recvmsg",
+    "socket closed",
+    "failed to connect",
+    "connection reset",
+    "connection refused",
+    "ipv4:",
+    "ipv6:",
+    "unix:",
+    "exception",
+    "traceback",
+    "<class",
+    "errno",
+    "rst_stream",
+    "grpc_",
+    "locally cancelled",
+)
+
+SHUTTING_DOWN = "server shutting down"
 
 
 class APIError(Exception):
@@ -51,20 +84,40 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def shutting_down() -> APIError:
+    return APIError(503, SHUTTING_DOWN, None, "unavailable")
+
+
+def client_closed() -> APIError:
+    return APIError(499, "the client closed the request", None, "client_closed")
+
+
+def is_plain(message: str) -> bool:
+    """A sentence fit for a client: not empty, not transport text, not a Python repr."""
+    low = message.lower()
+    return bool(message.strip()) and not any(word in low for word in _TRANSPORT_WORDS)
+
+
 _CONTEXT_WORDS = ("this model's maximum context length", "but max_model_len is")  # router/server.py's words
 
 
 def from_grpc(exc: grpc.aio.AioRpcError) -> APIError:
+    """The router's status as an HTTP error. CANCELLED here comes from the server side: a call the gateway
+    cancels itself never reaches this (its reads raise asyncio.CancelledError instead)."""
     code = exc.code()
-    message = exc.details() or code.name
-    if code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("unknown model"):
-        return APIError(404, message, "model", "model_not_found")
-    if code == grpc.StatusCode.INVALID_ARGUMENT and any(w in message for w in _CONTEXT_WORDS):
-        return APIError(400, message, None, "context_length_exceeded")  # OpenAI's code for it
-    status = _GRPC_TO_HTTP.get(code, 500)
+    message = exc.details() or ""
+    if code in _CLIENT_SIDE:
+        if code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith("unknown model"):
+            return APIError(404, message, "model", "model_not_found")
+        if code == grpc.StatusCode.INVALID_ARGUMENT and any(w in message for w in _CONTEXT_WORDS):
+            return APIError(400, message, None, "context_length_exceeded")  # OpenAI's code for it
+        return APIError(_CLIENT_SIDE[code], message or "invalid request", None, code.name.lower())
+    status, kind, sentence = _SERVER_SIDE.get(code, _INTERNAL)
     if status == 500:
         logger.error("router failed: %s %s", code.name, message)
-    return APIError(status, message, None, code.name.lower())
+    elif not is_plain(message):
+        logger.warning("router call ended with %s: %s", code.name, message)
+    return APIError(status, message if is_plain(message) else sentence, None, kind)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -79,10 +132,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def endpoint_of(path: str) -> str | None:
+    """The metrics label of an OpenAI endpoint's path; None for other paths."""
+    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path)
+
+
 def _count(request: Request, status: int) -> None:
     """Requests refused before the gateway's handler ran still count in the metrics, when they hit an endpoint."""
     gateway = getattr(request.app.state, "gateway", None)
-    endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(request.url.path)
+    endpoint = endpoint_of(request.url.path)
     if gateway is not None and endpoint is not None:
         gateway.metrics.done(endpoint, status)
 
@@ -107,3 +165,9 @@ def install_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else phrase
         _count(request, exc.status_code)
         return APIError(exc.status_code, message).response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        """A fault of the gateway itself; uvicorn logs its traceback, the client gets a plain 500."""
+        _count(request, 500)
+        return APIError(500, _INTERNAL[2], None, _INTERNAL[1]).response()

@@ -86,6 +86,7 @@ class RouterStreams:
         self.calls = [stub.Generate(r) for r in requests]
         self.offsets = [i * max(r.sampling.n, 1) for i, r in enumerate(requests)]
         self._first: list[pb.GenerateResponse | None] = []
+        self._stopped: APIError | None = None
 
     async def start(self) -> None:
         try:
@@ -97,6 +98,12 @@ class RouterStreams:
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()
+
+    def stop(self, error: APIError) -> None:
+        """End the calls on the server's behalf (shutting down): their readers get `error`, not a cancel."""
+        if self._stopped is None:
+            self._stopped = error
+        self.cancel()
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
         if len(self.calls) == 1:
@@ -130,10 +137,15 @@ class RouterStreams:
             yield self.offsets[i], msg
             msg = await self._read(self.calls[i])
 
-    @staticmethod
-    async def _read(call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse | None:
+    async def _read(self, call: grpc.aio.UnaryStreamCall) -> pb.GenerateResponse | None:
         try:
             msg = await call.read()
         except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc) from exc
+            raise (self._stopped or from_grpc(exc)) from exc
+        except asyncio.CancelledError:
+            # a call cancelled locally fails its reads with CancelledError; only `stop` makes that an error
+            task = asyncio.current_task()
+            if self._stopped is None or (task is not None and task.cancelling()):
+                raise
+            raise self._stopped from None
         return None if msg is grpc.aio.EOF else msg
