@@ -133,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--redis-url", default=None, help="share the prefix index through Redis (default: in memory)"
     )
+    r.add_argument(
+        "--redis-timeout-s",
+        type=float,
+        default=0.05,
+        help="seconds per Redis call; a request whose index lookup fails or times out is routed by load",
+    )
+    r.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended",
+    )
+    r.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: off)")
     r.set_defaults(func=cmd_router)
     up = sub.add_parser(
         "up",

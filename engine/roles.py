@@ -110,6 +110,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name or Path(directory).name,
         policy=args.policy,
         redis_url=args.redis_url,
+        redis_timeout_s=args.redis_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        metrics_port=args.metrics_port or None,
     )
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
     return 0
