@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default="prefix_aware")
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
+    up.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds the router and workers get to finish what they hold",
+    )
     up.set_defaults(func=None)
 
     h = sub.add_parser(

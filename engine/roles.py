@@ -6,12 +6,12 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from engine.supervisor import Child, StopSignals, Supervisor
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV cache on the CPU")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to finish the requests in flight before ending them",
+    )
 
 
 def worker_config(args: argparse.Namespace, role: str):
@@ -84,8 +90,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         core = "prefill_worker.core.PrefillCore"
     servicer = mod.DecodeServicer if args.command == "decode" else mod.PrefillServicer  # type: ignore[attr-defined]
+    address = f"{args.host}:{args.port}"
     asyncio.run(
-        run_worker(core, config, mod.SERVICE_NAME, mod.add_servicer, servicer, f"{args.host}:{args.port}")
+        run_worker(core, config, mod.SERVICE_NAME, mod.add_servicer, servicer, address, args.drain_timeout_s)
     )
     return 0
 
@@ -125,101 +132,67 @@ def free_port() -> int:
 
 
 def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
-    """Start router + N prefill + M decode workers as processes; wait until healthy; stop all on Ctrl-C."""
+    """Start router + N prefill + M decode workers as processes; wait until healthy; keep them running
+    (engine/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
+    signals = StopSignals().install()
+    children = _children(args, passthrough)
+    supervisor = Supervisor(children, args.drain_timeout_s)
+    try:
+        supervisor.start_all()
+        addresses = [c.address for c in children]
+        if not asyncio.run(_wait_healthy(addresses, supervisor, signals, args.startup_timeout)):
+            if signals.stopping:
+                return supervisor.drain(signals)
+            print("pdserve up: the cluster did not become healthy", file=sys.stderr)
+            return 1
+        router, workers = children[-1], children[:-1]
+        prefill = ",".join(c.address for c in workers if c.role == "prefill")
+        decode = ",".join(c.address for c in workers if c.role == "decode")
+        print(f"pdserve ready: router at {router.address} (prefill {prefill}; decode {decode})")
+        listing = {
+            "router": {"address": router.address, "pid": router.pid},
+            "workers": [{"role": c.role, "address": c.address, "pid": c.pid} for c in workers],
+        }
+        print("pdserve cluster: " + json.dumps(listing), flush=True)
+        supervisor.run(signals)
+        return supervisor.drain(signals)
+    finally:
+        supervisor.kill_all()
+
+
+def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
+    """Every worker, then the router; each with the command line it is started (and restarted) with."""
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
     exe = [sys.executable, "-m", "engine.cli", "--log-level", args.log_level]
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
-    prefill = [f"127.0.0.1:{free_port()}" for _ in range(args.prefill)]
-    decode = [f"127.0.0.1:{free_port()}" for _ in range(args.decode)]
-    procs: list[subprocess.Popen] = []
-    try:
-        for role, addrs in (("prefill", prefill), ("decode", decode)):
-            for i, addr in enumerate(addrs):
-                cmd = [
-                    *exe,
-                    role,
-                    "--port",
-                    addr.rsplit(":", 1)[1],
-                    "--worker-id",
-                    f"{role}-{i}",
-                    "--kv-transport",
-                    args.kv_transport,
-                    *model,
-                    *passthrough,
-                ]
-                procs.append(subprocess.Popen(cmd, start_new_session=True))
-        router_addr = f"{args.host}:{args.port or free_port()}"
-        procs.append(
-            subprocess.Popen(
-                [
-                    *exe,
-                    "router",
-                    "--host",
-                    args.host,
-                    "--port",
-                    router_addr.rsplit(":", 1)[1],
-                    "--prefill",
-                    ",".join(prefill),
-                    "--decode",
-                    ",".join(decode),
-                    "--policy",
-                    args.policy,
-                    *(["--redis-url", args.redis_url] if args.redis_url else []),
-                    *model,
-                ],
-                start_new_session=True,
-            )
-        )
-        if not asyncio.run(_wait_healthy([*prefill, *decode, router_addr], procs, args.startup_timeout)):
-            print("pdserve up: the cluster did not become healthy", file=sys.stderr)
-            return 1
-        print(
-            f"pdserve ready: router at {router_addr} (prefill {','.join(prefill)}; decode {','.join(decode)})"
-        )
-        workers = [
-            (role, addr) for role, addrs in (("prefill", prefill), ("decode", decode)) for addr in addrs
-        ]
-        listing = {
-            "router": {"address": router_addr, "pid": procs[-1].pid},
-            "workers": [{"role": r, "address": a, "pid": p.pid} for (r, a), p in zip(workers, procs)],
-        }
-        print("pdserve cluster: " + json.dumps(listing), flush=True)
-        return _supervise(procs)
-    finally:
-        _stop_all(procs)
+    drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
+    children = []
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            port = free_port()
+            cmd = [*exe, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
+            cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
+            children.append(Child(role, f"127.0.0.1:{port}", cmd))
+    port = args.port or free_port()
+    prefill = ",".join(c.address for c in children if c.role == "prefill")
+    decode = ",".join(c.address for c in children if c.role == "decode")
+    cmd = [*exe, "router", "--host", args.host, "--port", str(port), "--prefill", prefill]
+    cmd += ["--decode", decode, "--policy", args.policy, *drain, *model]
+    cmd += ["--redis-url", args.redis_url] if args.redis_url else []
+    children.append(Child("router", f"{args.host}:{port}", cmd))
+    return children
 
 
-async def _wait_healthy(addrs: list[str], procs: list[subprocess.Popen], timeout: float) -> bool:
+async def _wait_healthy(
+    addrs: list[str], supervisor: Supervisor, signals: StopSignals, timeout: float
+) -> bool:
     from engine.grpc_common import check_health
 
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
+    while time.monotonic() < deadline and not signals.stopping:
+        if supervisor.any_exited():
             return False
         if all(await asyncio.gather(*(check_health(a) for a in addrs))):
             return True
         await asyncio.sleep(0.5)
     return False
-
-
-def _supervise(procs: list[subprocess.Popen]) -> int:
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    try:
-        while not stop["now"]:
-            time.sleep(0.5)  # workers may die and come back; the router routes around them
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
