@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from engine import trace
+from engine.drain import Drain
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
 from engine.mux import ManyCall, ManyStream, RpcAbort, serve_many
@@ -24,8 +25,12 @@ SERVICE_NAME = "pdserve.v1.Decode"
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, engine: EngineProcess, prefill_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, engine: EngineProcess, drain: Drain | None = None, prefill_timeout_s: float = 600.0
+    ) -> None:
         self.engine = engine
+        self.drain = drain or Drain()
+        self._admitted = self.drain.admit(lambda request, _: self._generate(request))
         self.prefill_timeout_s = prefill_timeout_s
         self._streams: dict[str, ManyStream] = {}  # prefill worker address -> its shared stream
         self._descriptor_json: str | None = None
@@ -34,16 +39,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
-            async for chunk in self._generate(request):
+            async for chunk in self._admitted(request, None):
                 yield chunk
         except RpcAbort as abort:
             await context.abort(abort.code, abort.details)
 
     async def GenerateMany(self, frames, context: grpc.aio.ServicerContext):
         """Generate calls multiplexed on one stream (the router's; engine/mux.py)."""
-        async for reply in serve_many(
-            frames, lambda request, _: self._generate(request), pb.DecodeReply, "chunk"
-        ):
+        async for reply in serve_many(frames, self._admitted, pb.DecodeReply, "chunk", self.drain.started):
             yield reply
 
     async def _generate(self, request: pb.DecodeRequest):
@@ -231,7 +234,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode engine is not running")
-        return worker_load(self.engine)
+        return worker_load(self.engine, self.drain.draining)
+
+    async def close(self) -> None:
+        """End the streams to prefill workers (every request has ended: nothing is on them)."""
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
 
 
 def add_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:

@@ -26,6 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import struct
 import time
@@ -52,6 +53,9 @@ def id_list(ids: np.ndarray | Sequence[int]) -> list[int]:
 
 
 def _child_main(core_path: str, config: Any, conn: Any) -> None:
+    # Ctrl-C reaches the whole process group; the server decides when this process stops ("shutdown"),
+    # and it stops by itself once the server is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     module, _, name = core_path.rpartition(".")
 
     def send(batch: list[tuple]) -> None:
@@ -142,6 +146,7 @@ class EngineProcess:
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
         self.handlers: dict[str, Callable[[tuple], None]] = {}  # by message kind, run on the server's loop
         self.alive = False
+        self.died = False  # it stopped without being asked to
         self._read_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
 
@@ -223,20 +228,38 @@ class EngineProcess:
     def _died(self) -> None:
         if not self.alive:
             return
-        self.alive = False
+        self.alive, self.died = False, True
         logger.error("engine process died (exit code %s)", self.proc.exitcode)
         for rid, q in list(self.streams.items()):
             q.put_nowait(("error", rid, "UNAVAILABLE", "the worker's engine process died"))
 
-    def shutdown(self) -> None:
-        for task in (self._read_task, self._watch_task):
-            if task is not None:
-                task.cancel()
+    def abort_all(self, code: str, details: str) -> int:
+        """End every request the engine holds: the engine aborts it (its blocks are freed) and its stream
+        reads ("error", rid, code, details). Returns how many there were."""
+        streams = list(self.streams.items())
+        for rid, q in streams:
+            self.send(("abort", rid))
+            q.put_nowait(("error", rid, code, details))
+        return len(streams)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process: ask it to, wait up to `timeout` seconds, then kill it."""
+        self.alive = False  # a stop asked for, not a death: nothing to report
+        tasks = [t for t in (self._read_task, self._watch_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.proc.is_alive():
-            self.send(("shutdown", ""))  # a small write goes out at once (nothing is buffered at rest)
-            self.proc.join(timeout=5)
+            self.send(("shutdown", ""))
+            if self._writer is not None:
+                with contextlib.suppress(OSError, RuntimeError, ConnectionError):
+                    await self._writer.drain()
+            await asyncio.to_thread(self.proc.join, timeout)
             if self.proc.is_alive():
+                logger.warning("the engine process did not stop within %g s: killing it", timeout)
                 self.proc.kill()
+                await asyncio.to_thread(self.proc.join, timeout)
         if self._writer is not None:
-            with contextlib.suppress(OSError, RuntimeError):
+            with contextlib.suppress(OSError, RuntimeError, ConnectionError):
                 self._writer.close()
+                await self._writer.wait_closed()

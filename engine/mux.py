@@ -90,10 +90,15 @@ def _code(name: str) -> grpc.StatusCode:
 
 
 async def serve_many(
-    frames: AsyncIterator[Any], handler: Handler, reply_cls: type, payload_field: str
+    frames: AsyncIterator[Any],
+    handler: Handler,
+    reply_cls: type,
+    payload_field: str,
+    closing: asyncio.Event | None = None,
 ) -> AsyncIterator[Any]:
     """The server side of a *Many method: yields `reply_cls` frames. `handler(request, more)` runs per call;
-    its replies go out as reply_cls(stream=..., <payload_field>=reply)."""
+    its replies go out as reply_cls(stream=..., <payload_field>=reply). Once `closing` is set (the server
+    is draining), the stream ends as soon as no call is left on it: the caller sees the server end it."""
     out: asyncio.Queue = asyncio.Queue()
     tasks: dict[int, asyncio.Task] = {}
     inboxes: dict[int, asyncio.Queue] = {}
@@ -144,12 +149,21 @@ async def serve_many(
         finally:
             out.put_nowait(None)
 
+    async def end_when_idle(closing: asyncio.Event) -> None:
+        await closing.wait()
+        while tasks:
+            await asyncio.gather(*list(tasks.values()), return_exceptions=True)
+        out.put_nowait(None)
+
     reader = asyncio.create_task(read())
+    closer = None if closing is None else asyncio.create_task(end_when_idle(closing))
     try:
         while (item := await out.get()) is not None:
             yield item
     finally:  # the stream ended or was cancelled: so is every call still on it
         reader.cancel()
+        if closer is not None:
+            closer.cancel()
         for task in list(tasks.values()):
             task.cancel()
 

@@ -1,4 +1,4 @@
-"""Start a worker: its engine process, then a grpc.aio server in front of it, until SIGINT/SIGTERM."""
+"""Start a worker: its engine process, then a grpc.aio server in front of it; on SIGINT/SIGTERM, drain."""
 
 from __future__ import annotations
 
@@ -6,15 +6,19 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
+from engine.drain import SHUTTING_DOWN, Drain
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 from protos import pdserve_pb2 as pb
 
 logger = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 2.0  # for calls that are not requests (load, health) when the server stops after the drain
+_UNWIND_S = 5.0  # for requests the engine aborted at the drain timeout to end their calls
 
 STATUS = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -24,7 +28,7 @@ STATUS = {
 }
 
 
-def worker_load(engine: EngineProcess) -> pb.WorkerLoad:
+def worker_load(engine: EngineProcess, draining: bool = False) -> pb.WorkerLoad:
     """The worker's identity and limits (fixed at start) with its engine's latest load report."""
     info = engine.info
     return pb.WorkerLoad(
@@ -35,8 +39,14 @@ def worker_load(engine: EngineProcess) -> pb.WorkerLoad:
         max_model_len=info["max_model_len"],
         vocab_size=info["vocab_size"],
         epoch=info["epoch"],
+        draining=draining,
         **engine.load,
     )
+
+
+class Servicer(Protocol):
+    async def close(self) -> None:
+        """Called once every request has ended, before the server stops: close the worker's own calls."""
 
 
 async def run_worker(
@@ -44,36 +54,81 @@ async def run_worker(
     config: Any,
     service_name: str,
     add_servicer: Callable[[Any, grpc.aio.Server], None],
-    make_servicer: Callable[[EngineProcess], Any],
+    make_servicer: Callable[[EngineProcess, Drain], Servicer],
     address: str,
+    drain_timeout_s: float = 30.0,
 ) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING and `draining` in GetLoad at once, new requests
+    refused, those in flight finished within `drain_timeout_s` (past it ended with UNAVAILABLE), then the
+    server and the engine process stop. Exits 1 (SystemExit) if the engine process died or never started."""
+    stop = _stop_on_signals()
     engine = EngineProcess(core_path, config)
+    drain = Drain()
+    servicer = make_servicer(engine, drain)
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health = add_health_and_reflection(server, [service_name])
-    add_servicer(make_servicer(engine), server)
+    add_servicer(servicer, server)
     port = server.add_insecure_port(address)
     await server.start()  # health answers NOT_SERVING while the model loads
     logger.info("%s listening on port %d, loading the model", service_name, port)
-    try:
-        await engine.start()
-    except RuntimeError as exc:
-        logger.error("%s", exc)
+    if not await _start_engine(engine, stop):
         await server.stop(0)
-        raise SystemExit(1) from exc
+        await engine.shutdown()
+        if stop.is_set():
+            return  # asked to stop while the model loaded
+        raise SystemExit(1)
     mark_serving(health, [service_name])
     logger.info("%s ready on port %d", service_name, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     watch = asyncio.create_task(_watch_engine(engine, stop))
     await stop.wait()
     watch.cancel()
     mark_serving(health, [service_name], serving=False)
-    await server.stop(grace=1.0)
-    engine.shutdown()
-    if not engine.alive and engine.proc.exitcode not in (0, None):
+    await _drain(engine, drain, drain_timeout_s)
+    await servicer.close()
+    await server.stop(grace=_STOP_GRACE_S)
+    await engine.shutdown()
+    await asyncio.gather(watch, return_exceptions=True)
+    logger.info("%s on port %d stopped", service_name, port)
+    if engine.died:
         raise SystemExit(1)
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _start_engine(engine: EngineProcess, stop: asyncio.Event) -> bool:
+    """Start the engine process; False if it failed or a stop was asked for first."""
+    start = asyncio.create_task(engine.start())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not start.done():
+        start.cancel()
+    try:
+        await start
+    except asyncio.CancelledError:
+        return False
+    except RuntimeError as exc:
+        logger.error("%s", exc)
+        return False
+    return True
+
+
+async def _drain(engine: EngineProcess, drain: Drain, timeout: float) -> None:
+    drain.start()
+    if drain.active:
+        logger.info("draining: %d requests in flight, up to %g s", drain.active, timeout)
+    if await drain.wait_idle(timeout):
+        return
+    n = engine.abort_all("UNAVAILABLE", SHUTTING_DOWN)
+    logger.warning("drain timeout: %d requests still running after %g s were ended", n, timeout)
+    if not await drain.wait_idle(_UNWIND_S):
+        logger.warning("%d requests did not end after the engine aborted them", drain.active)
 
 
 async def _watch_engine(engine: EngineProcess, stop: asyncio.Event) -> None:

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from engine import trace
+from engine.drain import Drain
 from engine.engine_proc import EngineProcess
 from engine.grpc_common import logprobs_to_proto, params_from_proto
 from engine.mux import RpcAbort, serve_many
@@ -26,8 +27,10 @@ SERVICE_NAME = "pdserve.v1.Prefill"
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, engine: EngineProcess, keep_batches: int = 4096) -> None:
+    def __init__(self, engine: EngineProcess, drain: Drain | None = None, keep_batches: int = 4096) -> None:
         self.engine = engine
+        self.drain = drain or Drain()
+        self._admitted = self.drain.admit(self._prefill)  # a grant for an admitted call is not a new request
         self.events: deque[tuple[int, bytes]] = deque(maxlen=keep_batches)  # (seq, EventBatch bytes)
         self._snapshots = itertools.count()
         engine.handlers["kv_events"] = self._on_events
@@ -67,14 +70,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no PrefillRequest was sent")
             raise AssertionError("abort raises") from None
         try:
-            async for reply in self._prefill(request, requests):
+            async for reply in self._admitted(request, requests):
                 yield reply
         except RpcAbort as abort:
             await context.abort(abort.code, abort.details)
 
     async def PrefillMany(self, frames, context: grpc.aio.ServicerContext):
         """Prefill calls multiplexed on one stream (a decode worker's; engine/mux.py)."""
-        async for reply in serve_many(frames, self._prefill, pb.PrefillReply, "response"):
+        async for reply in serve_many(
+            frames, self._admitted, pb.PrefillReply, "response", self.drain.started
+        ):
             yield reply
 
     async def _prefill(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):
@@ -137,7 +142,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill engine is not running")
-        return worker_load(self.engine)
+        return worker_load(self.engine, self.drain.draining)
+
+    async def close(self) -> None:
+        """Nothing of its own to close: its calls are the decode workers'."""
 
 
 def _first_token(token: int, logprobs: dict[int, float] | None, cached: int) -> pb.PrefillResponse:

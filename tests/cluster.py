@@ -18,11 +18,58 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 
+class _Lines:
+    """A pipe read line by line on a thread: every line kept, new ones waited for, echoed to file
+    descriptor `echo` (2: where pytest's capture shows it with a failing test)."""
+
+    def __init__(self, pipe, echo: int | None) -> None:
+        self.all: list[str] = []
+        self._new: queue.Queue = queue.Queue()
+        self._echo = echo
+        threading.Thread(target=self._pump, args=(pipe,), daemon=True).start()
+
+    def _pump(self, pipe) -> None:
+        for line in pipe:
+            self.all.append(line)
+            self._new.put(line)
+            if self._echo is not None:
+                os.write(self._echo, line.encode())
+        self._new.put("")  # the end
+
+    def next(self, timeout: float) -> str | None:
+        """The next line not taken yet; "" at the end of the pipe, None if none came within `timeout`."""
+        try:
+            return self._new.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def text(self) -> str:
+        return "".join(self.all)
+
+
 @dataclass
 class Cluster:
     proc: subprocess.Popen
     router: str
     workers: list[dict]
+    stdout: _Lines | None = None
+    stderr: _Lines | None = None  # the whole tree's: `pdserve up`'s and every child's
+
+    def output(self) -> str:
+        """Everything the cluster's processes printed so far, stdout then stderr."""
+        return "".join(x.text() for x in (self.stdout, self.stderr) if x is not None)
+
+    def wait_line(self, prefix: str, timeout: float) -> str:
+        """The next stdout line starting with `prefix` (e.g. "pdserve restarted: "), its rest."""
+        assert self.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.stdout.next(timeout=max(0.01, deadline - time.monotonic()))
+            if line == "":
+                raise AssertionError(f"pdserve up ended before printing {prefix!r}")
+            if line is not None and line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise AssertionError(f"no {prefix!r} line within {timeout:g} s")
 
     def stub(self) -> pb_grpc.RouterStub:
         return pb_grpc.RouterStub(grpc.insecure_channel(self.router))
@@ -52,16 +99,27 @@ class Cluster:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
 
-def start_cluster(prefill: int, decode: int, transport: str, *extra: str, timeout: float = 300.0) -> Cluster:
+def start_cluster(
+    prefill: int,
+    decode: int,
+    transport: str,
+    *extra: str,
+    timeout: float = 300.0,
+    log_level: str = "WARNING",
+) -> Cluster:
+    """`pdserve up` with these workers; `extra` flags go to `up` (its own, then the workers'). Its stdout and
+    stderr are kept (Cluster.output), stderr echoed to this process's."""
     cmd = [
         sys.executable,
         "-m",
         "engine.cli",
+        "--log-level",
+        log_level,
         "up",
         "--prefill",
         str(prefill),
@@ -82,28 +140,19 @@ def start_cluster(prefill: int, decode: int, transport: str, *extra: str, timeou
         *extra,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    stdout = proc.stdout
-    assert stdout is not None
-    lines: queue.Queue = queue.Queue()
-
-    def pump() -> None:  # the cluster's stdout, line by line, then "" at its end
-        for line in stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=pump, daemon=True).start()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = _Lines(proc.stdout, None)
+    err = _Lines(proc.stderr, 2)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
+        line = out.next(timeout=1.0)
+        if line is None:
             continue
         if line.startswith("pdserve cluster: "):
             info = json.loads(line.split(": ", 1)[1])
-            return Cluster(proc, info["router"]["address"], info["workers"])
+            return Cluster(proc, info["router"]["address"], info["workers"], out, err)
         if not line:
-            raise RuntimeError(f"pdserve up exited with {proc.wait()}")
+            raise RuntimeError(f"pdserve up exited with {proc.wait()}:\n{err.text()[-4000:]}")
     proc.kill()
     raise RuntimeError("the cluster did not start in time")
 

@@ -1,0 +1,70 @@
+"""A worker's shutdown state: once draining it refuses new requests and counts down the ones it holds.
+
+`run_worker` (engine/serving.py) starts the drain on SIGTERM/SIGINT; the servicers wrap each request's
+handler with `admit`, so a request that arrived before the drain runs to its end (a decode worker's
+stream, a prefill worker's KV for a request already admitted there, its later grant included) and a new
+one is refused with UNAVAILABLE "server shutting down". Shared streams (engine/mux.py: serve_many) end
+once the drain has begun and none of their calls is left, so no stream is cut by the server stopping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import grpc
+
+from engine.mux import RpcAbort
+
+SHUTTING_DOWN = "server shutting down"
+
+Handler = Callable[[Any, Any], AsyncGenerator[Any, None]]
+
+
+class Drain:
+    """Which thread: all of it runs on the server's event loop."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.started = asyncio.Event()  # set when the drain begins
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not yet ended."""
+        return self._active
+
+    def start(self) -> None:
+        self.draining = True
+        self.started.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no admitted request is left; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def admit(self, handler: Handler) -> Handler:
+        """`handler(request, later)` refused while draining, and counted while it runs."""
+
+        async def admitted(request: Any, later: Any) -> AsyncGenerator[Any, None]:
+            if self.draining:
+                raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            self._active += 1
+            self._idle.clear()
+            try:
+                async with contextlib.aclosing(handler(request, later)) as replies:
+                    async for reply in replies:
+                        yield reply
+            finally:
+                self._active -= 1
+                if not self._active:
+                    self._idle.set()
+
+        return admitted
