@@ -156,3 +156,86 @@ def test_repetition_penalty_equals_transformers():
     ours = apply_penalties(logits, [SamplingParams(repetition_penalty=1.3)], [(prompt, output)])
     ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([prompt + output]), logits.clone())
     assert torch.equal(ours, ref)
+
+
+def _splitmix_noise(seed: int, position: int, v: int) -> float:
+    """kernels/sampling_noise.py's construction in Python integers."""
+    from kernels.sampling_noise import GAMMA, MIX1, MIX2
+
+    word = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = ((x ^ (x >> 30)) * MIX1) & word
+        x = ((x ^ (x >> 27)) * MIX2) & word
+        return x ^ (x >> 31)
+
+    key = mix((mix(seed & word) + (position + 1) * GAMMA) & word)
+    u = ((mix((key + (v + 1) * GAMMA) & word) >> 11) + 0.5) * 2.0**-53
+    return -math.log(-math.log(u))
+
+
+def test_noise_is_the_documented_hash_and_the_kernel_matches_its_reference():
+    from kernels.sampling_noise import gumbel_noise_reference, gumbel_noise_triton
+
+    seeds = torch.tensor([0, 1, -5, 2**62, -(2**63), 2**63 - 1], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 100, 3, 2**40, 1], dtype=torch.int64)
+    ref = gumbel_noise_reference(seeds, positions, 1500)
+    for r in range(len(seeds)):
+        for v in (0, 1, 777, 1023, 1024, 1499):
+            want = _splitmix_noise(seeds[r].item(), positions[r].item(), v)
+            assert ref[r, v].item() == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert torch.equal(gumbel_noise_triton(seeds, positions, 1500), ref)  # Triton's interpreter here
+
+
+def test_a_seeded_row_depends_on_its_seed_and_position_only():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=99)
+    others = [SamplingParams(), SamplingParams(temperature=0), SamplingParams(top_k=5, seed=1)]
+    history = ([1, 2, 3], [4] * 10)  # samples position 13
+    alone = Sampler(seed=0)(logits[:1], [seeded], [None], [history]).token_ids
+    batch = Sampler(seed=5)(
+        torch.cat([logits[1:4], logits[:1]]), [*others, seeded], [None] * 4, [([0], [])] * 3 + [history]
+    ).token_ids
+    assert batch[3] == alone[0]
+    # another position draws other noise: over many positions the tokens vary
+    tokens = {
+        Sampler()(logits[:1], [seeded], [None], [(history[0], [4] * n)]).token_ids[0] for n in range(40)
+    }
+    assert len(tokens) > 5
+
+
+def test_greedy_rows_stay_argmax_beside_sampling_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(8, 300)
+    params = [
+        SamplingParams(temperature=0) if i % 2 else SamplingParams(top_k=50, min_p=0.01) for i in range(8)
+    ]
+    out = Sampler()(logits, params, [None] * 8).token_ids
+    assert out[1::2] == logits[1::2].argmax(-1).tolist()
+
+
+def test_logprobs_per_row_as_asked_while_sampling():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 40)
+    params = [
+        SamplingParams(temperature=0.7, logprobs=4, seed=3),
+        SamplingParams(temperature=0.7, seed=4),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    out = Sampler()(logits, params, [None] * 3)
+    ref = torch.log_softmax(logits, -1)
+    assert out.logprobs[1] is None
+    first, third = out.logprobs[0], out.logprobs[2]
+    assert first is not None and third is not None
+    assert list(third) == [out.token_ids[2]]
+    top4 = ref[0].topk(4).indices.tolist()
+    assert set(first) == set(top4) | {out.token_ids[0]}
+    for tok, val in first.items():
+        assert val == pytest.approx(ref[0, tok].item(), rel=1e-6)
+
+
+def test_top_k_keeps_the_tokens_tied_at_its_cutoff():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    keep = (filtered_probs(logits, [SamplingParams(top_k=2)])[0] > 0).tolist()
+    assert keep == [True, True, True, False]
