@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -23,7 +24,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.block_hash import extra_keys, hash_prompt_blocks
-from engine.grpc_common import add_health_and_reflection
+from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.main import HealthFollower
@@ -115,7 +116,7 @@ class Harness:
         self.address = address
         self.prefill = prefill  # [(FakePrefill, address)]
         self.decode = decode
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.RouterStub(self.channel)
 
     async def health(self) -> int:
@@ -163,7 +164,7 @@ async def running_router(
         **{"poll_s": 0.25, **config},
     )
     servicer = RouterServicer(cfg)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     add_servicer(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -187,12 +188,16 @@ async def running_router(
         await h.channel.close()
         await server.stop(0)
         await servicer.close()
-        for _, _, s in [*prefill, *decode]:
-            await s.stop(0)
+        for _, a, _ in [*prefill, *decode]:
+            await _servers.pop(a).stop(0)
+
+
+_servers: dict[str, grpc.aio.Server] = {}  # address -> the fake worker's server now
 
 
 async def _started(worker):
     server, address = await start(worker)
+    _servers[address] = server
     return worker, address, server
 
 
@@ -285,3 +290,333 @@ def test_redis_hung_by_sigstop(redis_server: RedisServer, caplog: pytest.LogCapt
     assert len(messages(caplog, "the prefix index failed")) == 1
     assert len(messages(caplog, "the prefix index answers again")) == 1
     assert not messages(caplog, "is down")
+
+
+# ---- background tasks ----------------------------------------------------------------------------
+
+
+def test_poller_and_health_follower_survive_exceptions(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router")
+
+    async def main() -> None:
+        async with running_router() as h:
+            s = h.servicer
+            faults = {"expire": 3, "reason": 3, "heartbeat": 5}
+
+            def failing(name: str, real: Callable) -> Callable:
+                def call(*args, **kwargs):
+                    if faults[name] > 0:
+                        faults[name] -= 1
+                        raise RuntimeError(f"injected {name} failure")
+                    return real(*args, **kwargs)
+
+                return call
+
+            s.workers.expire = failing("expire", s.workers.expire)  # type: ignore[method-assign]
+            s.not_serving_reason = failing("reason", s.not_serving_reason)  # type: ignore[method-assign]
+            s.index.index.heartbeat = failing("heartbeat", s.index.index.heartbeat)  # type: ignore[method-assign]
+            polls = h.decode[0][0].polls
+            await h.wait_for("the injected faults", lambda: not any(faults.values()))
+            await h.wait_for("polls to go on", lambda: h.decode[0][0].polls > polls + 4)
+            await h.wait_for("the index to be back", lambda: s.index.up)
+            assert await h.health() == SERVING
+            rid, out = await h.generate(prompt(5))
+            assert out[-1].HasField("usage")
+
+    run(main())
+    assert len(messages(caplog, "the worker poller failed")) == 1
+    assert len(messages(caplog, "the worker poller works again")) == 1
+    assert len(messages(caplog, "the health follower failed")) == 1
+    assert len(messages(caplog, "the health follower works again")) == 1
+    assert len(messages(caplog, "the prefix index failed (RuntimeError")) == 1
+
+
+def test_a_policy_that_raises_fails_only_its_request_with_a_plain_message(caplog) -> None:
+    async def main() -> None:
+        async with running_router() as h:
+            assert h.servicer.router is not None
+            policy = h.servicer.router.policy
+            real = policy.choose
+            policy.choose = lambda view: (_ for _ in ()).throw(KeyError("boom"))  # type: ignore[method-assign]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(prompt(6))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert err.value.details() == "the router failed on this request; see its log"
+            policy.choose = real  # type: ignore[method-assign]
+            await h.generate(prompt(7))
+
+    run(main())
+    assert "KeyError" in caplog.text  # the traceback stays in the router's log
+
+
+# ---- huge prompts --------------------------------------------------------------------------------
+
+
+def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_dir) -> None:
+    async def main() -> None:
+        async with running_router(
+            vocab_size=49152, model_dir=str(bundled_model_dir), max_pending_prompts=2
+        ) as h:
+            s = h.servicer
+            assert s.prompts is not None and s.prompts.max_token_chars >= 10
+            huge = "word " * 4_000_000  # 20 MB
+            # long enough to need tokenizing (under the early bound), too long once tokenized
+            long = "a " * (s.prompts.max_token_chars * 1000 // 2)
+            polls = [w.polls for w, _ in h.prefill + h.decode]
+
+            async def send(text: str) -> grpc.StatusCode:
+                req = pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=1))
+                try:
+                    [r async for r in h.stub.Generate(req, timeout=30)]
+                except grpc.aio.AioRpcError as exc:
+                    details = exc.details() or ""
+                    if (
+                        exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    ):  # the gateway's context_length_exceeded
+                        assert (
+                            "maximum context length is 1024" in details
+                            or "but max_model_len is 1024" in details
+                        )
+                    if len(text) > 10**7:
+                        assert details.startswith(
+                            "this model's maximum context length is 1024 tokens, but the"
+                        )
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        assert details.startswith("the router is overloaded")
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            t0 = time.monotonic()
+            codes = await asyncio.gather(*(send(huge) for _ in range(4)))
+            assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+            assert time.monotonic() - t0 < 5.0  # 80 MB refused from their size alone, never tokenized
+
+            async def watch(until: asyncio.Future) -> list[int]:
+                seen = []
+                while not until.done():
+                    seen.append(await h.health())
+                    await asyncio.sleep(0.05)
+                return seen
+
+            burst = asyncio.ensure_future(asyncio.gather(*(send(long) for _ in range(8))))
+            statuses = await watch(burst)
+            codes = burst.result()
+            assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes  # 8 at once, 2 may be tokenized or queued
+            assert set(statuses) == {SERVING}
+            assert all(w.polls > p for (w, _), p in zip(h.prefill + h.decode, polls))
+            assert all(s.workers.state(a) is State.UP for a in s.channels)
+
+    run(main())
+
+
+# ---- workers that go and come back ---------------------------------------------------------------
+
+
+def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router")
+
+    async def main() -> None:
+        async with running_router(n_prefill=1, poll_s=0.5) as h:
+            worker, address = h.decode[0]
+            worker.tokens, worker.delay_s = 50, 0.05
+            call = asyncio.ensure_future(h.generate(prompt(8)))
+            await h.wait_for("the call to be open", lambda: worker.open == 1)
+            dying = _servers[address]
+            await dying.stop(0)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == f"decode worker {address} became unavailable; retry the request"
+            await h.wait_for("NOT_SERVING", lambda: _not_serving(h))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=2)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == f"no live decode worker (1 known: {address} down)"
+            worker.tokens, worker.delay_s = 2, 0.0
+            revived, _ = await start(worker, int(address.rsplit(":", 1)[1]))
+            _servers[address] = revived
+            t0 = time.monotonic()
+            await h.wait_for("SERVING again", lambda: _serving(h))
+            assert time.monotonic() - t0 < 1.5  # about one poll interval (0.5 s), not gRPC's long backoff
+            rid, out = await h.generate(prompt(9))
+            assert out[-1].HasField("usage")
+
+    run(main())
+    assert len(messages(caplog, "is down")) == 1
+    assert len(messages(caplog, "is up again")) == 1
+
+
+async def _not_serving(h: Harness) -> bool:
+    return await h.health() != SERVING
+
+
+def test_decode_failures_reach_the_client_as_plain_sentences() -> None:
+    from engine.mux import rpc_error
+    from router.errors import decode_failure
+
+    U, C = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED
+    cases = [
+        (
+            U,
+            "Stream removed (sendmsg: Connection reset by peer (104))",
+            U,
+            "decode worker D became unavailable; retry the request",
+            True,
+        ),
+        (
+            C,
+            "Locally cancelled by application!",
+            U,
+            "decode worker D became unavailable; retry the request",
+            True,
+        ),
+        (U, "server shutting down", U, "decode worker D is shutting down; retry the request", False),
+        (
+            U,
+            "prefill worker P: UNAVAILABLE: Socket closed",
+            U,
+            "prefill worker P failed; retry the request",
+            False,
+        ),
+        (
+            U,
+            "KV transfer failed: reset",
+            U,
+            "the KV transfer from prefill worker P to decode worker D failed; retry the request",
+            False,
+        ),
+        (
+            grpc.StatusCode.INTERNAL,
+            "ValueError: x",
+            grpc.StatusCode.INTERNAL,
+            "decode worker D failed on this request (an internal error)",
+            False,
+        ),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the decode queue is full",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the decode queue is full",
+            False,
+        ),
+    ]
+    for code, details, want_code, want, down in cases:
+        failure = decode_failure(rpc_error(code, details), "D", "P")
+        assert (failure.stop.code, failure.stop.details, failure.worker_down) == (want_code, want, down), (
+            details
+        )
+
+
+# ---- the drain (a router process) ----------------------------------------------------------------
+
+
+class WorkersInThread:
+    """A fake prefill and decode worker served from a loop on a thread of their own."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.prefill, self.decode = FakePrefill(49152), FakeDecode(49152)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        started = [
+            asyncio.run_coroutine_threadsafe(start(w), self.loop).result(10)
+            for w in (self.prefill, self.decode)
+        ]
+        self.servers = [s for s, _ in started]
+        self.addresses = [a for _, a in started]
+
+    def close(self) -> None:
+        for s in self.servers:
+            asyncio.run_coroutine_threadsafe(s.stop(0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def router_process(workers: WorkersInThread, drain_s: float, model_dir: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "engine.cli", "router", "--port", str(port), "--model", model_dir,
+        "--prefill", workers.addresses[0], "--decode", workers.addresses[1], "--drain-timeout-s", str(drain_s),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(address) as ch:
+        while True:
+            try:
+                status = (
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                )
+                if status == SERVING:
+                    return proc, address
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the router did not serve within 60 s"
+            time.sleep(0.1)
+
+
+def stream_in_thread(address: str, results: list) -> None:
+    import threading
+
+    def go() -> None:
+        with grpc.insecure_channel(address) as ch:
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=list(range(1, 40))), sampling=pb.SamplingParams(max_tokens=1)
+            )
+            got = 0
+            try:
+                for r in pb_grpc.RouterStub(ch).Generate(req, timeout=60):
+                    got += len(r.token_ids)
+                results.append(("ok", got))
+            except grpc.RpcError as exc:
+                results.append((exc.code(), exc.details()))
+
+    threading.Thread(target=go, daemon=True).start()
+
+
+@pytest.mark.parametrize("drain_s", [30.0, 0.5])
+def test_sigterm_drains_streams_then_exits_cleanly(drain_s: float, bundled_model_dir) -> None:
+    workers = WorkersInThread()
+    try:
+        workers.decode.tokens, workers.decode.delay_s = (20, 0.1) if drain_s > 1 else (1000, 0.05)
+        proc, address = router_process(workers, drain_s, str(bundled_model_dir))
+        results: list = []
+        for _ in range(2):
+            stream_in_thread(address, results)
+        deadline = time.monotonic() + 10
+        while workers.decode.open < 2:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(address) as ch:  # refused at once, while the streams go on
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    list(
+                        pb_grpc.RouterStub(ch).Generate(
+                            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2])), timeout=5
+                        )
+                    )
+                except grpc.RpcError as exc:
+                    if exc.details() == "server shutting down":
+                        assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                        break
+                assert time.monotonic() < deadline, "new requests were not refused"
+                time.sleep(0.02)
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "Traceback" not in stderr and "was destroyed but it is pending" not in stderr, stderr
+        if drain_s > 1:
+            assert results == [("ok", 20), ("ok", 20)]
+        else:
+            assert results == [(grpc.StatusCode.UNAVAILABLE, "server shutting down")] * 2
+            deadline = time.monotonic() + 5
+            while len(workers.decode.cancelled) < 2:  # the router cancelled its worker calls
+                assert time.monotonic() < deadline, workers.decode.cancelled
+                time.sleep(0.05)
+    finally:
+        workers.close()
