@@ -7,7 +7,7 @@ against the single-process engine, side by side, on the same GPU and the same du
 
 Cadence: every path is timed at the same request gaps (`--gap-ms`, default 0 and 50): each request is sent
 that long after the previous one ended, the GPU idle meanwhile. Gap 0 is back to back. It matters: a 4096-token
-forward pass ran ~3 ms faster after 20 ms of GPU idle than back to back on the H200 (fourth session), and a
+forward pass runs ~3 ms faster after 20 ms of GPU idle than back to back on the H200, and a
 served path idles the GPU for its own stack time (~8 ms) between back-to-back requests while the single engine
 does not. So the goal's ratio compares the paths at the largest gap given, where both enter the forward pass
 from idle; the back-to-back ratio is recorded beside it.

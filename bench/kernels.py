@@ -268,9 +268,9 @@ def sweep(log, seconds: float) -> list[dict]:
     base = default_config(128, DTYPE)
     merges = [{**base, "merge_warps": w, "merge_block_d": d} for w, d in ((4, None), (2, None), (1, 32), (2, 32),
                                                                             (1, 64), (2, 64), (4, 32))]  # fmt: skip
-    plan = [  # ninth session: the separate merge launch's warps and head_dim slice per program, A-B as the
-        # hosts drift (a first run: 2 warps 38.9-39.2 us, 4 warps 39.4-39.5, 8 warps 41.4-41.5); below, the
-        # split kernel timed without its merge. Earlier sweeps, none better than the defaults: split counts
+    plan = [  # the separate merge launch's warps and head_dim slice per program, A-B as the hosts drift
+        # (all 128 dims per program: 2 warps 38.9-39.2 us, 4 warps 39.4-39.5, 8 warps 41.4-41.5); below, the
+        # split kernel timed without its merge. Other sweeps, none better than the defaults: split counts
         # past the planner's 64 (kernels_sweep_1x32k_splits.json), the launch order
         # (kernels_sweep_grid_order.json), 32-key tiles (kernels_sweep_head_major_tiles.json,
         # kernels_sweep_32key_tiles.json), unpipelined tiles (kernels_sweep_unpipelined_tiles.json), an L2

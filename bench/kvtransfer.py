@@ -14,7 +14,7 @@ Between transfers (GAP_S) the sender either waits for a GPU "forward pass" of th
 engine does before it sends (its step's after_run: the sampled tokens just came back, the thread has
 been waiting on the GPU), the default "step" cadence, or sleeps ("idle", --idle-too): a process that
 slept pays each host step 2-4x on these hosts, which is not how the engine sends.
-cuda_ipc is also timed as the prefill engine now sends ("queued" cadence, records *_queued): send() is
+cuda_ipc is also timed as the prefill engine sends ("queued" cadence, records *_queued): send() is
 called while the step computes, its copy queued behind the step, and the transfer is timed from the
 step's end (the blocks ready) to the receiver's report, so send()'s host time overlaps the step.
 The ceiling is a device-to-device copy of the same 512 MiB measured here (payload bytes / time).

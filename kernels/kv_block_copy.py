@@ -23,8 +23,9 @@ import triton.language as tl
 from kernels import _backend
 
 # words per loop step (32 KiB: a whole Llama-3-8B row, eight 16-byte vectors per thread at 8 warps), (layer,
-# K/V) rows per program, warps: the best of 36 configs timed on the H200 (bench/kvtransfer.py --sweep,
-# third session: 1636 GB/s against 1498 for the first guess, 2048 / 4 / 4, with random ids)
+# K/V) rows per program, warps: among the best of 36 configs timed on the H200 with random ids
+# (bench/kvtransfer.py --sweep, bench/results/kvtransfer_copy_sweep.json: 1686 GB/s, the best 1725, 2048 / 4 / 4
+# 1441)
 DEFAULT_CONFIG = {"chunk": 8192, "rows_per_program": 1, "num_warps": 8}
 LANDING_WAIT_S = 60.0  # GraphedBlockCopy: how long a call waits for its bucket's last copy to land
 
@@ -113,8 +114,8 @@ def kv_block_copy_triton(
 class IdUploader:
     """Puts (src_ids, dst_ids) on the GPU as one int32 tensor [src..., dst...] with a single queued copy
     from a pinned buffer kept across calls. Allocating pinned memory per call (tensor.pin_memory()) cost
-    more host time than the 512 MiB copy itself on the H200 machine (~270 us per copy_blocks call, third
-    session). The pinned buffer is rewritten only after the previous upload from it has completed (an
+    more host time than the 512 MiB copy itself on the H200 machine (~270 us per copy_blocks call). The
+    pinned buffer is rewritten only after the previous upload from it has completed (an
     event), and the device buffer is reused in stream order, so one uploader serves one stream."""
 
     def __init__(self, device: torch.device) -> None:
@@ -146,8 +147,8 @@ class GraphedBlockCopy:
     """kv_block_copy between two fixed CUDA pools as one CUDA graph replay on the current stream.
 
     An eager copy_blocks call spends its host time in torch's id upload and Triton's launch (~0.4 ms of
-    the ~0.8 ms fixed cost of one cuda_ipc transfer on the H200 hosts, bench/results
-    kvtransfer_send_stages_trace_report_s5.txt). Here the ids go into a pinned buffer with numpy, and one
+    the ~0.8 ms fixed cost of an eagerly copied cuda_ipc transfer on the H200 hosts, by the sender's stage
+    marks). Here the ids go into a pinned buffer with numpy, and one
     graph launch runs both the upload (a host-to-device copy node reading that buffer) and the kernel.
     The kernel's grid is sized for a bucket of pairs (the power of two >= n, at least MIN_BUCKET);
     programs past n, read from the device, do nothing. One graph per bucket, captured on first use (on a

@@ -121,8 +121,8 @@ class _Landing(Completion):
         cells, slot = self._cells, self._slot
         # Polled, yielding the GIL (and the core) between reads: os.sched_yield releases the GIL for the
         # engine thread and returns in about a microsecond. time.sleep(0) would sleep: Linux's 50 us timer
-        # slack made it ~80 us a call here, which a poll loop pays as landing latency (~40 us a transfer,
-        # seen on the H200 host, eighth session). A copy takes at most a few milliseconds; past SPIN_S the
+        # slack makes it ~80 us a call here, which a poll loop pays as landing latency (~40 us a transfer on
+        # the H200 host). A copy takes at most a few milliseconds; past SPIN_S the
         # loop sleeps between reads. A sender that died with its copy queued shows as the socket closing.
         start = time.monotonic()
         deadline, spin_until = start + LANDING_TIMEOUT_S, start + LANDING_SPIN_S

@@ -180,7 +180,7 @@ def test_cuda_ipc_two_processes_one_gpu_exact(prepare: bool) -> None:
 def test_cuda_ipc_sender_connected_in_inference_mode_sends_outside_it() -> None:
     """The prefill worker may connect while a forward pass runs under torch.inference_mode (a grant taken
     mid-step) and sends after it: the sender's own tensors, updated in place on every send, must not be
-    inference tensors (seventh session: the copy failed that way)."""
+    inference tensors (the copy fails if they are)."""
     check_transfers("cuda_ipc", "cuda:0", "cuda:0", prepare=True, inference=True)
 
 
