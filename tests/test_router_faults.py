@@ -254,10 +254,14 @@ def test_redis_killed_then_restarted_empty(
                 assert await h.health() == SERVING
                 await asyncio.sleep(0.05)
             assert not h.servicer.index.up
+            metric = h.servicer.metrics.registry.get_sample_value
+            assert metric("pdserve:router_index_state") == 0
+            assert (metric("pdserve:router_index_errors_total") or 0) >= 1
             assert all(h.servicer.workers.state(a) is State.UP for a in h.servicer.channels)
             redis_server.start()  # empty
             await h.wait_for("the index to be back", lambda: h.servicer.index.up)
             await h.wait_for("prefix routing after Redis returned", lambda: routes_by_prefix(h, ids, holder))
+            assert metric("pdserve:router_index_state") == 1
 
     run(main())
     assert len(messages(caplog, "the prefix index failed")) == 1
@@ -441,6 +445,11 @@ def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.Log
             assert time.monotonic() - t0 < 1.5  # about one poll interval (0.5 s), not gRPC's long backoff
             rid, out = await h.generate(prompt(9))
             assert out[-1].HasField("usage")
+            metric = h.servicer.metrics.registry.get_sample_value
+            assert metric("pdserve:router_worker_up", {"address": address, "role": "decode"}) == 1
+            for state, times in (("down", 1), ("up", 2)):
+                labels = {"role": "decode", "state": state}
+                assert metric("pdserve:router_worker_state_changes_total", labels) == times
 
     run(main())
     assert len(messages(caplog, "is down")) == 1
@@ -620,3 +629,16 @@ def test_sigterm_drains_streams_then_exits_cleanly(drain_s: float, bundled_model
                 time.sleep(0.05)
     finally:
         workers.close()
+
+
+def test_metrics_are_served_over_http() -> None:
+    from urllib.request import urlopen
+
+    from router.metrics import RouterMetrics
+
+    metrics, port = RouterMetrics(), free_port()
+    metrics.worker_up.labels("127.0.0.1:1", "decode").set(1)
+    metrics.serve(port, host="127.0.0.1")
+    body = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'pdserve:router_worker_up{address="127.0.0.1:1",role="decode"} 1.0' in body
+    assert "pdserve:router_index_state 1.0" in body
