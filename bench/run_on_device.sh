@@ -4,14 +4,14 @@
 # since the device tool returns only a few files per call. Run from the repo root:
 #   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
-# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg
+# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/device-out}
 STEPS=${STEPS:-tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg}
-mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d"
+mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d" "$OUT/lat"
 if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio-health-checking / -reflection, see tests/gpu/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -43,4 +43,6 @@ if wanted bench_disagg; then
   kill $SMI 2>/dev/null
   python3 -m bench.trace_report "$OUT/d/trace" > "$OUT/d/trace_report.txt" 2>&1
 fi
-tar czf "$OUT/results.tgz" -C "$OUT" k kv d steps.txt $(cd "$OUT" && ls *.txt)
+# batch-1 decode against the roofline and transformers compiled, GPU busy, start-up (BENCHMARKS.md, Engine)
+step bench_latency 560 python3 -m bench.latency --out-dir "$OUT/lat"
+tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat steps.txt $(cd "$OUT" && ls *.txt)

@@ -9,7 +9,8 @@ speculative verification is q_len k+1: one layout serves them all.
 KV cache of one layer: (2, num_blocks, block_size, num_kv_heads, head_dim),
 [0] holding K and [1] holding V. Token t of a sequence lives in block
 block_tables[i, t // block_size] at offset t % block_size; its flat slot is
-block_id * block_size + offset, the value slot_mapping carries for each new token.
+block_id * block_size + offset, the value slot_mapping carries for each new token; a negative
+slot writes nothing (the padded rows of a CUDA graph's batch, which also have seq_len 0).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # (num_seqs,) int32: context length after this step (cached + new)
     block_tables: torch.Tensor  # (num_seqs, max_blocks_per_seq) int32, padded with 0
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # bounds every seq_lens entry; a CUDA graph's is max_model_len
+    # decode under a CUDA graph (engine/cuda_graph.py): a fixed split-KV count and its preallocated
+    # workspace (engine/attention.py: decode_graph_plan); None: the kernel plans per call
+    decode_num_splits: int | None = None
+    decode_workspace: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

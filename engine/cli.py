@@ -27,6 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)",
+    )
+    p.add_argument(
         "--served-model-name", default=None, help="the model's name in the API and in block hashes"
     )
 
@@ -47,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "scheduling_policy": args.scheduling_policy,
         "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
     }
 
 

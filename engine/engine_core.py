@@ -46,6 +46,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own
     served_model_name: str | None = None  # None: the model directory's name
+    enforce_eager: bool = False  # True: never capture CUDA graphs (the CPU never does)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -90,6 +91,9 @@ class EngineCore:
             self.device,
             self.dtype,
             seed=config.seed,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=config.enforce_eager,
         )
         self._check_pool(self.runner.num_blocks, config.cache.block_size)
         self.block_manager = BlockManager(

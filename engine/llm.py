@@ -32,6 +32,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
+        enforce_eager: bool = False,
     ) -> None:
         budget = max_num_batched_tokens or (8192 if enable_chunked_prefill else max(8192, max_model_len or 0))
         sched_len = max_model_len or budget  # placeholder until the model's own length is known
@@ -43,6 +44,7 @@ class LLM:
             load_format=load_format,
             seed=seed,
             max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=budget,

@@ -1,25 +1,32 @@
 """Runs one scheduled step on the model: build the flat batch, forward, sample.
 
-Owns the model and the worker's single KV-cache allocation; never touches scheduler state.
+Owns the model and the worker's single KV-cache allocation; never touches scheduler state. On CUDA,
+decode-only steps replay a captured graph of the forward pass (engine/cuda_graph.py) unless
+`enforce_eager`; everything else runs eagerly.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
+from engine.attention import decode_graph_plan, graph_capturable
 from engine.attention_metadata import AttentionMetadata
 from engine.config import CacheConfig
+from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, capture_sizes
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import Sampler, SamplerOutput
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.uploads import upload
 
 logger = logging.getLogger(__name__)
+
+GRAPH_MEMORY_MARGIN = 64 * 2**20  # bytes reserved on top of the measured graph memory
 
 
 class ModelRunner:
@@ -32,8 +39,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        *,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
+        self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = cache_config.block_size
@@ -43,7 +55,12 @@ class ModelRunner:
             model_config.head_dim,
         )
         self.num_layers = model_config.num_hidden_layers
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.sampler = Sampler(seed)
+        use_graphs = not enforce_eager and graph_capturable(device)
+        if not enforce_eager and device.type == "cuda" and not use_graphs:
+            logger.info("CUDA graphs off: the attention backend is forced to the torch reference")
+        self.graph_sizes = capture_sizes(max_num_seqs) if use_graphs else []
         num_blocks = self._num_kv_blocks(cache_config, max_num_batched_tokens)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): the worker's one KV allocation
         self.kv_cache = torch.zeros(
@@ -55,6 +72,7 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
+        self.graphs: DecodeGraphs | None = self._capture_graphs() if self.graph_sizes else None
 
     @property
     def num_blocks(self) -> int:
@@ -70,9 +88,78 @@ class ModelRunner:
         if self.device.type != "cuda":
             return int(cache_config.cpu_kv_cache_space * 2**30) // self.bytes_per_block()
         peak = self._profile_peak_memory(max_num_batched_tokens)
+        graphs = self._profile_graph_memory() if self.graph_sizes else 0
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = min(total * cache_config.gpu_memory_utilization - peak, free - 256 * 2**20)
+        budget = min(total * cache_config.gpu_memory_utilization - peak, free - 256 * 2**20) - graphs
         return max(int(budget) // self.bytes_per_block(), 0)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------------
+
+    def _decode_graphs(self, kv_cache: torch.Tensor) -> DecodeGraphs:
+        cfg = self.model_config
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(ids, positions, meta, kv_cache)
+
+        def plan(num_seqs: int):
+            return decode_graph_plan(
+                num_seqs, self.max_model_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                self.device,
+            )  # fmt: skip
+
+        return DecodeGraphs(
+            forward,
+            self.graph_sizes,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            plan=plan,
+            device=self.device,
+            capturer=CudaGraphCapturer(self.device),
+        )
+
+    @torch.inference_mode()
+    def _profile_graph_memory(self) -> int:
+        """Bytes the decode graphs will hold, measured before the KV cache takes the rest: the largest
+        bucket's graph (its pool is what the smaller ones reuse) plus, per further graph, what the smallest
+        one added on top, captured over a one-block scratch cache."""
+        scratch = torch.zeros(
+            self.num_layers, 2, 1, *self.kv_shape_tail, dtype=self.dtype, device=self.device
+        )
+        torch.cuda.synchronize(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        probe = self._decode_graphs(scratch)
+        probe.capture([self.graph_sizes[-1]])
+        torch.cuda.synchronize(self.device)
+        free1 = torch.cuda.mem_get_info(self.device)[0]
+        extra = 0
+        if len(self.graph_sizes) > 1:
+            probe.capture([self.graph_sizes[0]])
+            torch.cuda.synchronize(self.device)
+            extra = max(free1 - torch.cuda.mem_get_info(self.device)[0], 0)
+        reserve = (free0 - free1) + extra * (len(self.graph_sizes) - 1) + GRAPH_MEMORY_MARGIN
+        del probe, scratch
+        torch.cuda.empty_cache()
+        logger.info("CUDA graphs: reserving %.2f GiB for %d graphs", reserve / 2**30, len(self.graph_sizes))
+        return reserve
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> DecodeGraphs:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free0 = torch.cuda.mem_get_info(self.device)[0]
+        graphs = self._decode_graphs(self.kv_cache)
+        graphs.capture()
+        torch.cuda.synchronize(self.device)
+        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs (decode batches %d..%d) in %.2f s, %.2f GiB",
+            len(graphs.captured),
+            self.graph_sizes[0],
+            self.graph_sizes[-1],
+            time.perf_counter() - t0,
+            used / 2**30,
+        )
+        return graphs
 
     @torch.inference_mode()
     def _profile_peak_memory(self, num_tokens: int) -> int:
@@ -103,6 +190,46 @@ class ModelRunner:
         its results to the host) are queued, before the host waits for them. Work it queues on the current
         stream runs after the step's and does not delay its tokens."""
         items = out.scheduled
+        sampling = [i for i, it in enumerate(items) if it.sample]
+        # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
+        # step and reaches during() while the forward pass computes
+        hidden = self._replay(items)
+        if hidden is not None:  # row i is item i
+            rows = None if len(sampling) == len(items) else sampling
+        else:
+            hidden = self._forward_eager(items)
+            ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+            rows = [ends[i] - 1 for i in sampling]
+
+        def hook() -> None:
+            if during is not None:
+                with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
+                    during()
+
+        if not sampling:
+            hook()
+            return {}
+        if rows is not None:
+            hidden = hidden[upload(torch.tensor(rows, dtype=torch.long), self.device)]
+        logits = self.model.compute_logits(hidden)  # (num_sampling, vocab) float32
+        result: SamplerOutput = self.sampler(
+            logits,
+            [items[i].params for i in sampling],
+            [items[i].generator for i in sampling],
+            [items[i].history for i in sampling],
+            before_read=hook,
+        )
+        return {
+            items[i].request_id: (tok, lp) for i, tok, lp in zip(sampling, result.token_ids, result.logprobs)
+        }
+
+    def _replay(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The forward pass from a decode graph, or None when the step has none (not decode-only, too big)."""
+        if self.graphs is None or any(len(it.token_ids) != 1 for it in items):
+            return None
+        return self.graphs.replay(items)
+
+    def _forward_eager(self, items: list[ScheduledSeq]) -> torch.Tensor:
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
         positions = torch.tensor(
             [p for it in items for p in range(it.start_pos, it.seq_len)], dtype=torch.long
@@ -114,31 +241,4 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        sampling = [i for i, it in enumerate(items) if it.sample]
-        # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
-        # step and reaches during() while the forward pass computes
-        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
-        last_rows = upload(torch.tensor([ends[i] - 1 for i in sampling], dtype=torch.long), self.device)
-        hidden = self.model(
-            upload(input_ids, self.device), upload(positions, self.device), meta, self.kv_cache
-        )
-
-        def hook() -> None:
-            if during is not None:
-                with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
-                    during()
-
-        if not sampling:
-            hook()
-            return {}
-        logits = self.model.compute_logits(hidden[last_rows])  # (num_sampling, vocab) float32
-        result: SamplerOutput = self.sampler(
-            logits,
-            [items[i].params for i in sampling],
-            [items[i].generator for i in sampling],
-            [items[i].history for i in sampling],
-            before_read=hook,
-        )
-        return {
-            items[i].request_id: (tok, lp) for i, tok, lp in zip(sampling, result.token_ids, result.logprobs)
-        }
+        return self.model(upload(input_ids, self.device), upload(positions, self.device), meta, self.kv_cache)

@@ -406,7 +406,19 @@ def paged_decode_attention_reference(
     return out
 
 
-def paged_decode_attention(query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None):
+def paged_decode_attention(
+    query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None, *, num_splits=None, workspace=None
+):
+    """num_splits / workspace (Triton only, see paged_decode_attention_triton): fixed for CUDA graphs."""
     if _backend.use_triton(query):
-        return paged_decode_attention_triton(query, kv_cache, seq_lens, block_tables, scale, max_seq_len)
+        return paged_decode_attention_triton(
+            query,
+            kv_cache,
+            seq_lens,
+            block_tables,
+            scale,
+            max_seq_len,
+            num_splits=num_splits,
+            workspace=workspace,
+        )
     return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale)

@@ -62,6 +62,7 @@ def test_triton_and_torch_paths_agree(tiny, monkeypatch):
         max_model_len=256,
         gpu_memory_utilization=0.05,
         enable_prefix_caching=False,
+        enforce_eager=True,  # a captured graph holds the Triton kernels whatever the backend says
     )
     batch = prompts(llm.engine.model_config.vocab_size, seed=1)
     monkeypatch.setattr(backend, "FORCED_BACKEND", "triton")

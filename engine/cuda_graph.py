@@ -1,0 +1,225 @@
+"""CUDA graphs of decode-only steps: one graph per batch bucket, replayed with the batch padded to it.
+
+An eager decode step launches every small op of the model from the host, one at a time; a graph replay
+launches them all at once. What the graphs hold and how a step uses them:
+
+- Buckets (`capture_sizes`): 1, 2, 4, then every multiple of 8 (vLLM's sizes) below
+  min(max_num_seqs, 512), then that cap itself. A decode-only step of n rows replays the smallest bucket
+  >= n. Steps that are not decode-only (prefill chunks, mixed) and larger batches run eagerly.
+- Static inputs (`StaticInputs`): one device buffer that every graph reads: token ids, positions, slot
+  mapping, seq lens, query start offsets and block tables of ceil(max_model_len / block_size) columns.
+  A step fills its pinned host twin and uploads the bucket's part in one copy, then replays, so no graph
+  ever sees another step's inputs.
+- Padded rows: token 0 at position 0, slot -1 (the KV write skips it: no block is touched) and seq_len 0
+  (the decode kernel reads no page and writes zeros). Rows past a sequence's own blocks are never read.
+- Attention: max_seq_len is max_model_len and each bucket has a fixed split count, with one split
+  workspace shared by every graph and layer (engine/attention.py: decode_graph_plan).
+- Capture: largest bucket first, into one memory pool, so the smaller graphs reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.attention import DecodeGraphPlan
+from engine.attention_metadata import AttentionMetadata
+from engine.scheduler import ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+Replay = Callable[[], object]
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch buckets that get a graph, ascending."""
+    cap = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    base = [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]
+    return [s for s in base if s < cap] + [cap]
+
+
+def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket that holds `num_seqs` rows; None when the largest is too small."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StaticInputs:
+    """The inputs every graph reads, in one int32 buffer on the device and its twin on the host.
+
+    A bucket of b rows and W block-table columns lays out, in int32 elements from 0:
+        ids (b int64) | positions (b int64) | slots (b int64) | seq_lens (b) | query_start_loc (b + 1) | tables (b x W)
+    Every bucket starts at 0, so a step uploads one prefix of the buffer."""
+
+    def __init__(self, max_batch: int, width: int, block_size: int, device: torch.device) -> None:
+        self.width, self.block_size = width, block_size
+        numel = self.numel(max_batch)
+        self.device_buf = torch.zeros(numel, dtype=torch.int32, device=device)
+        self.host_buf = torch.zeros(numel, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host = self.host_buf.numpy()
+        self._arange = np.arange(max_batch + 1, dtype=np.int32)
+        self._uploaded: torch.cuda.Event | None = None
+
+    def numel(self, b: int) -> int:
+        return 8 * b + 1 + b * self.width
+
+    def device_views(self, b: int) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, slots, seq_lens, query_start_loc, block_tables) of bucket b on the device."""
+        buf = self.device_buf
+        i64 = [buf[k * 2 * b : (k + 1) * 2 * b].view(torch.int64) for k in range(3)]
+        tables = buf[8 * b + 1 : self.numel(b)].view(b, self.width)
+        return (*i64, buf[6 * b : 7 * b], buf[7 * b : 8 * b + 1], tables)
+
+    def fill(self, items: Sequence[ScheduledSeq], b: int) -> bool:
+        """Write a decode batch (every item one token), padded to b rows, into the host buffer. False (and
+        nothing to upload) when a block table is wider than the graphs' tables."""
+        if any(len(it.block_table) > self.width for it in items):
+            return False
+        self._wait_for_last_upload()
+        h, n, bs = self.host, len(items), self.block_size
+        ids, pos, slots = (h[k * 2 * b : (k + 1) * 2 * b].view(np.int64) for k in range(3))
+        seq_lens = h[6 * b : 7 * b]
+        tables = h[8 * b + 1 : self.numel(b)].reshape(b, self.width)
+        for i, it in enumerate(items):
+            p, table = it.start_pos, it.block_table
+            ids[i] = it.token_ids[0]
+            pos[i] = p
+            slots[i] = table[p // bs] * bs + p % bs
+            seq_lens[i] = p + 1
+            tables[i, : len(table)] = table
+        ids[n:], pos[n:], slots[n:], seq_lens[n:] = 0, 0, -1, 0
+        h[7 * b : 8 * b + 1] = self._arange[: b + 1]
+        return True
+
+    def upload(self, b: int) -> None:
+        """Queue the copy of bucket b's inputs to the device (pinned: the host does not wait)."""
+        k = self.numel(b)
+        self.device_buf[:k].copy_(self.host_buf[:k], non_blocking=True)
+        if self.device_buf.is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+
+    def _wait_for_last_upload(self) -> None:
+        # the host buffer is rewritten only once the device has read it; a step that sampled already
+        # waited for its results, so this wait is for steps that sampled nothing
+        if self._uploaded is not None and not self._uploaded.query():
+            self._uploaded.synchronize()
+
+
+class Capturer(Protocol):
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> None: ...
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]: ...
+
+
+class CudaGraphCapturer:
+    """Captures into one memory pool shared by every graph it makes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> None:
+        # on a side stream, as torch asks: lazy initialisations stay out of the capture
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph.replay, out
+
+
+class EagerCapturer:
+    """Stands in for CUDA graphs where there are none (the CPU tests): a "replay" runs the function again
+    over the same static buffers and copies its result into the captured output, so the static inputs,
+    the padding and the bucket choice are exercised exactly as a graph sees them."""
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> None:
+        fn()
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Replay, torch.Tensor]:
+        out = fn()
+        return (lambda: out.copy_(fn())), out
+
+
+class DecodeGraphs:
+    """The decode graphs of one model over one KV cache (`forward` closes over both)."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        sizes: Sequence[int],
+        *,
+        block_size: int,
+        max_model_len: int,
+        plan: Callable[[int], DecodeGraphPlan],
+        device: torch.device,
+        capturer: Capturer,
+    ) -> None:
+        self.forward, self.sizes, self.max_model_len = forward, sorted(sizes), max_model_len
+        self.capturer = capturer
+        width = -(-max_model_len // block_size)
+        self.inputs = StaticInputs(self.sizes[-1], width, block_size, device)
+        self.plans = {b: plan(b) for b in self.sizes}
+        numel = max(p.workspace_numel for p in self.plans.values())
+        # zeroed: the fused merge's ticket counters live at its end and must start at 0
+        self.workspace = torch.zeros(numel, dtype=torch.float32, device=device) if numel else None
+        self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
+        self.num_replays = 0
+
+    def capture(self, sizes: Sequence[int] | None = None) -> None:
+        """Capture the given buckets (default: all), largest first."""
+        for b in sorted(self.sizes if sizes is None else sizes, reverse=True):
+            self.inputs.fill([], b)
+            self.inputs.upload(b)
+            ids, positions, meta = self._arguments(b)
+
+            def fn(ids=ids, positions=positions, meta=meta) -> torch.Tensor:
+                return self.forward(ids, positions, meta)
+
+            self.capturer.warmup(fn)
+            self._graphs[b] = self.capturer.capture(fn)
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def _arguments(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, seq_lens, starts, tables = self.inputs.device_views(b)
+        splits = self.plans[b].num_splits
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            decode_num_splits=splits,
+            decode_workspace=self.workspace if splits > 1 else None,
+        )
+        return ids, positions, meta
+
+    def replay(self, items: Sequence[ScheduledSeq]) -> torch.Tensor | None:
+        """The forward pass of a decode batch (every item one token) from its graph: (len(items), hidden),
+        a view of the graph's output, valid until the next replay. None: no graph for it, run it eagerly."""
+        b = bucket_for(len(items), self.captured)
+        if b is None or not self.inputs.fill(items, b):
+            return None
+        self.inputs.upload(b)
+        replay, out = self._graphs[b]
+        replay()
+        self.num_replays += 1
+        return out[: len(items)]

@@ -1,0 +1,133 @@
+"""Decode graphs' host side on the CPU: buckets, padded static inputs, and whole generations through the
+static-buffer path (EagerCapturer stands in for the graphs) giving the eager engine's tokens.
+
+The real capture and replay run on the GPU: tests/gpu/test_cuda_graph_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import decode_graph_plan
+from engine.cuda_graph import DecodeGraphs, EagerCapturer, StaticInputs, bucket_for, capture_sizes
+from engine.sampling_params import SamplingParams as Params
+from engine.scheduler import ScheduledSeq
+from tests.hf_reference import hf_greedy, tiny_random_model_dir
+
+
+def test_capture_sizes_are_vllms_up_to_the_cap():
+    assert capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert capture_sizes(1000)[-3:] == [496, 504, 512]
+    assert capture_sizes(100)[-3:] == [88, 96, 100]  # the cap itself gets a graph
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(1) == [1]
+
+
+@pytest.mark.parametrize(
+    ("n", "want"), [(1, 1), (3, 4), (4, 4), (5, 8), (9, 16), (17, 24), (24, 24), (25, None)]
+)
+def test_bucket_is_the_smallest_that_holds_the_batch(n, want):
+    assert bucket_for(n, [1, 2, 4, 8, 16, 24]) == want
+
+
+def item(pos: int, table: list[int], token: int) -> ScheduledSeq:
+    return ScheduledSeq(f"r{token}", [token], pos, table, True, Params(), None)
+
+
+def test_static_inputs_pad_to_the_bucket_and_leave_no_stale_rows():
+    inputs = StaticInputs(max_batch=8, width=4, block_size=4, device=torch.device("cpu"))
+    first = [item(13, [7, 2, 9, 5], 11), item(0, [3], 12), item(6, [4, 1], 13)]
+    assert inputs.fill(first, 4)
+    inputs.upload(4)
+    ids, pos, slots, lens, starts, tables = inputs.device_views(4)
+    assert ids.tolist() == [11, 12, 13, 0] and pos.tolist() == [13, 0, 6, 0]
+    assert slots.tolist() == [5 * 4 + 1, 3 * 4 + 0, 1 * 4 + 2, -1]  # padded row: -1, written nowhere
+    assert lens.tolist() == [14, 1, 7, 0]  # padded row: length 0, reads nothing
+    assert starts.tolist() == [0, 1, 2, 3, 4]
+    assert tables[0].tolist() == [7, 2, 9, 5] and tables[2, :2].tolist() == [4, 1]
+    # the next step, smaller: the rows it does not use are padding again, not the last step's
+    assert inputs.fill([item(1, [8], 21)], 2)
+    inputs.upload(2)
+    ids, pos, slots, lens, starts, tables = inputs.device_views(2)
+    assert ids.tolist() == [21, 0] and slots.tolist() == [8 * 4 + 1, -1] and lens.tolist() == [2, 0]
+    assert starts.tolist() == [0, 1, 2] and tables[0, 0] == 8
+    assert ids.dtype == pos.dtype == slots.dtype == torch.int64
+    assert lens.dtype == starts.dtype == tables.dtype == torch.int32
+
+
+def test_a_table_wider_than_the_graphs_runs_eagerly():
+    inputs = StaticInputs(max_batch=2, width=2, block_size=4, device=torch.device("cpu"))
+    assert not inputs.fill([item(9, [1, 2, 3], 1)], 1)
+
+
+def with_static_graphs(llm: LLM, sizes: list[int]) -> DecodeGraphs:
+    """Give the CPU engine decode "graphs" that replay by re-running the model over the static buffers."""
+    runner = llm.engine.runner
+    cfg = runner.model_config
+
+    def plan(b: int):
+        return decode_graph_plan(
+            b,
+            runner.max_model_len,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            runner.device,
+        )
+
+    graphs = DecodeGraphs(
+        lambda ids, positions, meta: runner.model(ids, positions, meta, runner.kv_cache),
+        sizes,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        plan=plan,
+        device=runner.device,
+        capturer=EagerCapturer(),
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    return graphs
+
+
+LENGTHS = [1, 5, 16, 17, 40, 100, 3]
+MAX_TOKENS = [9, 30, 7, 16, 22, 14, 40]
+
+
+def generate(llm: LLM, batch: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens],
+    )
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_random_model_dir(tmp_path_factory.mktemp("graphs"), "llama3_scaled")
+
+
+@pytest.fixture(scope="module")
+def batch(tiny):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 290, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def test_static_path_gives_the_eager_tokens_across_batch_sizes_and_preemptions(tiny, batch):
+    """Batches of 7 down to 1 rows (buckets 1, 2, 4 and the eager path above 4), growing contexts, and
+    preemptions from a small pool: every step's inputs are the step's own, so the tokens match the eager
+    engine and transformers."""
+    kw = dict(device="cpu", dtype="float32", max_model_len=160, enable_prefix_caching=False)
+    eager = generate(LLM(str(tiny), **kw), batch, MAX_TOKENS)
+    assert eager == hf_greedy(tiny, batch, MAX_TOKENS)
+    llm = LLM(str(tiny), num_gpu_blocks_override=14, **kw)
+    graphs = with_static_graphs(llm, [1, 2, 4])
+    assert generate(llm, batch, MAX_TOKENS) == eager
+    assert graphs.num_replays > 20 and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_cpu_engine_captures_nothing(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", max_model_len=64)
+    assert llm.engine.runner.graphs is None
