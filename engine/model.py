@@ -23,8 +23,8 @@ from engine.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from engine.layers.rotary import apply_rotary
 from engine.model_config import ModelConfig
+from kernels.rotary_kv_write import rotary_kv_write
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -55,7 +55,8 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # (num_tokens, hidden)
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each (num_tokens, 1, head_dim)
+        positions: torch.Tensor,  # (num_tokens,) int64
+        cos_sin_cache: torch.Tensor,  # (max_positions, head_dim): cos | sin
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden)
@@ -65,9 +66,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q, k, v, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
+        # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
+        rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
+        out = self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)
 
 
@@ -97,15 +98,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,  # (num_tokens, hidden): the previous sublayer's output
         residual: torch.Tensor | None,  # (num_tokens, hidden): the stream before it; None for layer 0
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The norms add the residual in place: hidden and residual are overwritten."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos_sin, kv_cache, meta)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -114,7 +117,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)
         )
@@ -128,10 +133,10 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     ) -> torch.Tensor:  # (num_tokens, hidden)
         hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        cos_sin_cache = self.rotary_emb.cos_sin_cache(hidden.dtype, hidden.device)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache[i], meta)
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache[i], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

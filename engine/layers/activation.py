@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.silu_and_mul import silu_and_mul
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU: (gate | up) -> silu(gate) * up."""
+    """SwiGLU: (gate | up) -> silu(gate) * up (kernels/silu_and_mul.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (n, 2 * d) -> (n, d)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(x)

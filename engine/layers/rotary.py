@@ -1,7 +1,8 @@
 """Rotary position embedding, neox style (rotate_half), as transformers' Llama applies it.
 
-cos/sin are computed from the positions each step in fp32, with the same operations as
-transformers (positions * inv_freq, then cos/sin), so fp32 results match it exactly.
+The module holds a cos/sin cache with one row per position (kernels/rotary_kv_write.py draws its
+layout), computed once with transformers' operations (positions * inv_freq in fp32, cos/sin,
+then the model dtype), so looking rows up gives the values transformers computes each step.
 """
 
 from __future__ import annotations
@@ -33,28 +34,29 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin  # (num_tokens, heads, head_dim)
+def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """(max_positions, head_dim): row p is cos(p * inv_freq) | sin(p * inv_freq), in `dtype`."""
+    positions = torch.arange(max_positions, dtype=torch.int64, device=inv_freq.device)
+    freqs = positions[:, None].float() * inv_freq  # (max_positions, head_dim // 2) fp32
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, base: float, scaling: Llama3RopeScaling | None = None) -> None:
+    def __init__(
+        self, head_dim: int, base: float, max_positions: int, scaling: Llama3RopeScaling | None = None
+    ) -> None:
         super().__init__()
         inv_freq = default_inv_freq(head_dim, base)
         if scaling is not None:
             inv_freq = llama3_inv_freq(inv_freq, scaling)
-        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        # plain attributes, not buffers: model.to(bfloat16) must not round the frequencies
         self.inv_freq = inv_freq  # (head_dim // 2,) fp32
+        self.max_positions = max_positions
+        self._cache = cos_sin_cache(inv_freq, max_positions, torch.get_default_dtype())
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, each (num_tokens, 1, head_dim): broadcast over heads."""
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq  # (num_tokens, head_dim // 2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    def cos_sin_cache(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The (max_positions, head_dim) cache in `dtype` on `device`; rebuilt only when either changes."""
+        if self._cache.dtype != dtype or self._cache.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+            self._cache = cos_sin_cache(self.inv_freq, self.max_positions, dtype)
+        return self._cache

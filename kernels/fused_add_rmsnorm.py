@@ -1,0 +1,138 @@
+"""RMSNorm, optionally fused with the residual add before it: one pass over each row.
+
+    fused_add_rmsnorm(x, residual, w):   residual <- x + residual      (rounded to the stream's dtype)
+                                         x        <- rms_norm(residual) * w
+    rms_norm(x, w):                      out      <- x * rsqrt(mean(x^2) + eps) * w
+
+Statistics in fp32; the normalised row is rounded to the input dtype before the weight scales it,
+the rounding of transformers' LlamaRMSNorm. fused_add_rmsnorm works in place (vLLM's
+fused_add_rms_norm): the caller's x and residual are overwritten and returned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _backend
+
+MAX_HIDDEN = 65536  # one row lives in one program's registers
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    # pointers
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    # sizes
+    hidden,
+    eps,
+    # strides
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    # meta
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds as the unfused one does
+        tl.store(
+            residual_out_ptr + row * stride_ro + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask
+        )
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # (BLOCK,) rounded before the scale
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 1
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, name: str = "x") -> None:
+    assert x.dim() == 2, f"{name} must be (num_tokens, hidden), got {tuple(x.shape)}"
+    assert weight.shape == (x.shape[1],), f"weight {tuple(weight.shape)} vs hidden {x.shape[1]}"
+    assert x.stride(1) == 1 and weight.stride(0) == 1, f"{name}'s hidden dim not contiguous"
+    assert x.shape[1] <= MAX_HIDDEN, f"hidden {x.shape[1]} over {MAX_HIDDEN}"
+
+
+def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
+    if x.shape[0] == 0:
+        return
+    block = triton.next_power_of_2(x.shape[1])
+    has_residual = residual is not None
+    r, ro = (residual, residual_out) if has_residual else (x, out)  # unused pointers without a residual
+    _rmsnorm_kernel[(x.shape[0],)](
+        x, r, weight, out, ro,
+        x.shape[1], eps,
+        x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
+        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # (num_tokens, hidden)
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+    out: torch.Tensor | None = None,  # (num_tokens, hidden); may be x itself
+) -> torch.Tensor:  # (num_tokens, hidden), x's dtype
+    _check(x, weight)
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    assert out.shape == x.shape and out.stride(1) == 1, f"out {tuple(out.shape)} vs x {tuple(x.shape)}"
+    _launch(x, None, weight, out, None, eps)
+    return out
+
+
+def fused_add_rmsnorm_triton(
+    x: torch.Tensor,  # (num_tokens, hidden): the sublayer's output; overwritten with the normed row
+    residual: torch.Tensor,  # (num_tokens, hidden): the stream; overwritten with x + residual
+    weight: torch.Tensor,  # (hidden,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual), both updated in place
+    _check(x, weight)
+    _check(residual, weight, "residual")
+    assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual differ in shape or dtype"
+    _launch(x, residual, weight, x, residual, eps)
+    return x, residual
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.mul(weight, x32.to(x.dtype), out=out)
+
+
+def fused_add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual.add_(x)
+    return rms_norm_reference(residual, weight, eps, out=x), residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _backend.use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _backend.use_triton(x):
+        return fused_add_rmsnorm_triton(x, residual, weight, eps)
+    return fused_add_rmsnorm_reference(x, residual, weight, eps)

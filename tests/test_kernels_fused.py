@@ -1,0 +1,218 @@
+"""The fused per-layer kernels: Triton (under the interpreter) vs their torch references on small shapes,
+and the references vs transformers' unfused ops.
+
+Interpreter runs: fp32 and fp16 (the interpreter's bf16 casts are not the GPU's; tests/gpu covers bf16).
+Outputs are poisoned with NaN first, so an unwritten element fails. The references must equal
+transformers exactly in fp32: the CPU model's greedy output is compared with transformers'.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.layers.rotary import RotaryEmbedding
+from engine.model_config import ModelConfig
+from kernels.fused_add_rmsnorm import (
+    _rmsnorm_kernel,
+    fused_add_rmsnorm_reference,
+    fused_add_rmsnorm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
+from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
+
+assert isinstance(_rmsnorm_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
+DTYPES = [torch.float32, torch.float16]
+# fp32: the same operations in the same order; fp16: the kernel keeps fp32 where the reference rounds
+TOL = {torch.float32: {"rtol": 1e-6, "atol": 1e-6}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
+NORM_SHAPES = [(1, 64), (7, 100), (33, 576), (257, 128), (3, 4096)]  # (num_tokens, hidden)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+# ---- RMSNorm, with and without the residual add --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", NORM_SHAPES)
+def test_rms_norm(num_tokens, hidden, dtype):
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    weight = torch.rand(hidden, dtype=dtype) + 0.5
+    out = rms_norm_triton(x, weight, 1e-6, out=nan_like(x))
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-6), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", NORM_SHAPES)
+def test_fused_add_rmsnorm_in_place(num_tokens, hidden, dtype):
+    x, residual = torch.randn(num_tokens, hidden, dtype=dtype), torch.randn(num_tokens, hidden, dtype=dtype)
+    weight = torch.rand(hidden, dtype=dtype) + 0.5
+    want_x, want_residual = fused_add_rmsnorm_reference(x.clone(), residual.clone(), weight, 1e-5)
+    got_x, got_residual = fused_add_rmsnorm_triton(x, residual, weight, 1e-5)
+    assert got_x is x and got_residual is residual, "fused_add_rmsnorm works in place"
+    assert torch.equal(got_residual, want_residual), "the add rounds once, as the unfused add does"
+    torch.testing.assert_close(got_x, want_x, **TOL[dtype])
+
+
+def test_rms_norm_strided_rows():
+    """Rows of a wider buffer (a view, stride > hidden) read and written where they are."""
+    buf = torch.randn(9, 200)
+    x, weight = buf[:, :128], torch.rand(128) + 0.5
+    out = rms_norm_triton(x, weight, 1e-6, out=nan_like(buf)[:, 64:192])
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-6), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_rms_norm_references_equal_transformers(dtype):
+    hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
+    hf.weight.data = torch.rand(576).to(dtype) + 0.5
+    x, residual = torch.randn(13, 576, dtype=dtype), torch.randn(13, 576, dtype=dtype)
+    assert torch.equal(rms_norm_reference(x, hf.weight, 1e-5), hf(x))
+    normed, new_residual = fused_add_rmsnorm_reference(x.clone(), residual.clone(), hf.weight, 1e-5)
+    assert torch.equal(new_residual, x + residual)
+    assert torch.equal(normed, hf(x + residual))
+
+
+# ---- SiLU-and-mul ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,d", [(1, 64), (5, 100), (257, 32), (3, 1536), (2, 2500)])
+def test_silu_and_mul(num_tokens, d, dtype):
+    x = torch.randn(num_tokens, 2 * d, dtype=dtype) * 3
+    out = silu_and_mul_triton(x, out=nan_like(x[:, :d]))
+    torch.testing.assert_close(out, silu_and_mul_reference(x), **TOL[dtype])
+
+
+def test_silu_and_mul_strided_rows():
+    x = torch.randn(7, 2 * 96 + 40)[:, : 2 * 96]
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_reference(x), **TOL[torch.float32])
+
+
+def test_silu_and_mul_reference_equals_transformers_mlp_activation():
+    gate, up = torch.randn(11, 300), torch.randn(11, 300)
+    want = torch.nn.SiLU()(gate) * up  # on a contiguous gate: torch's vector and scalar silu differ in a bit
+    torch.testing.assert_close(silu_and_mul_reference(torch.cat([gate, up], dim=-1)), want, rtol=0, atol=1e-6)
+
+
+# ---- rotary embedding + KV-cache write ------------------------------------------------------------
+
+# (num_heads, num_kv_heads, head_dim): GQA 1, 3, 4, 8; head_dim 64 and 128
+ROPE_HEADS = [(4, 4, 64), (6, 2, 64), (8, 2, 128), (8, 1, 64)]
+BLOCK_SIZE, NUM_BLOCKS, MAX_POS = 16, 20, 512
+
+
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
+    """q, k, v as the model produces them: strided views of one fused projection output."""
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    shape = (num_tokens, -1, head_dim)
+    return q.view(shape), k.view(shape), v.view(shape)
+
+
+def rope_inputs(num_tokens: int, head_dim: int, dtype: torch.dtype):
+    cache = RotaryEmbedding(head_dim, 10000.0, MAX_POS).cos_sin_cache(dtype, torch.device("cpu"))
+    positions = torch.randint(0, MAX_POS, (num_tokens,))
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE)[:num_tokens]
+    slots[::3] = -1  # skipped rows: q still rotates, nothing is written
+    return positions, cache, slots
+
+
+def run_both(q, k, v, positions, cache, slots, **kwargs):
+    """(q, kv_cache) from the kernel and from the reference; the caches start NaN-poisoned."""
+    kv_shape = (2, NUM_BLOCKS, BLOCK_SIZE, k.shape[1], k.shape[2])
+    kv_ref, kv_got = (
+        torch.full(kv_shape, float("nan"), dtype=q.dtype),
+        torch.full(kv_shape, float("nan"), dtype=q.dtype),
+    )
+    q_ref = rotary_kv_write_reference(q.clone(), k, v, positions, cache, kv_ref, slots)
+    q_got = rotary_kv_write_triton(q, k, v, positions, cache, kv_got, slots, **kwargs)
+    return (q_got, kv_got), (q_ref, kv_ref)
+
+
+@pytest.mark.parametrize("kv_heads_per_program", [1, 2, None])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", ROPE_HEADS, ids=str)
+def test_rotary_kv_write(num_heads, num_kv_heads, head_dim, kv_heads_per_program):
+    q, k, v = qkv_views(7, num_heads, num_kv_heads, head_dim, torch.float32)
+    positions, cache, slots = rope_inputs(7, head_dim, torch.float32)
+    (q_got, kv_got), (q_ref, kv_ref) = run_both(
+        q, k, v, positions, cache, slots, kv_heads_per_program=kv_heads_per_program
+    )
+    assert q_got is q, "q is rotated in place"
+    torch.testing.assert_close(q_got, q_ref, **TOL[torch.float32])
+    torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **TOL[torch.float32])
+    assert not kv_got[1].flatten(0, 1)[slots[slots >= 0]].isnan().any(), "every kept row's v written"
+
+
+@pytest.mark.parametrize("num_tokens,dtype", [(1, torch.float16), (257, torch.float32), (33, torch.float16)])
+def test_rotary_kv_write_token_counts_and_dtypes(num_tokens, dtype):
+    """Odd token counts, both program layouts (below and above the interpreter's 8 'SMs'), fp16."""
+    q, k, v = qkv_views(num_tokens, 6, 2, 64, dtype)
+    positions, cache, slots = rope_inputs(num_tokens, 64, dtype)
+    (q_got, kv_got), (q_ref, kv_ref) = run_both(q, k, v, positions, cache, slots)
+    torch.testing.assert_close(q_got, q_ref, **TOL[dtype])
+    torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **TOL[dtype])
+
+
+def test_rotary_kv_write_to_output_leaves_q():
+    q, k, v = qkv_views(5, 8, 2, 64, torch.float32)
+    q_before = q.clone()
+    positions, cache, slots = rope_inputs(5, 64, torch.float32)
+    kv = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 2, 64)
+    out = rotary_kv_write_triton(q, k, v, positions, cache, kv, slots, q_out=nan_like(q_before))
+    assert torch.equal(q, q_before)
+    torch.testing.assert_close(
+        out,
+        rotary_kv_write_reference(q.clone(), k, v, positions, cache, kv.clone(), slots),
+        **TOL[torch.float32],
+    )
+
+
+def hf_config(head_dim: int, rope: str) -> LlamaConfig:
+    common = {"hidden_size": 4 * head_dim, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": head_dim, "max_position_embeddings": 4096, "intermediate_size": 64}  # fmt: skip
+    if rope == "default":
+        return LlamaConfig(**common, rope_theta=500000.0)
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+    return LlamaConfig(**common, rope_parameters=scaling)
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@torch.no_grad()
+def test_rotary_reference_equals_transformers(head_dim, rope):
+    """Our cache (the model's RotaryEmbedding from the parsed config) and rotation vs transformers'."""
+    hf = hf_config(head_dim, rope)
+    config = ModelConfig.from_dict({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert (config.rope_scaling is not None) == (rope == "llama3")
+    ours = RotaryEmbedding(head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling)
+    positions = torch.tensor([0, 1, 17, 255, 256, 1000, 4095])
+    q, k, v = qkv_views(len(positions), 4, 2, head_dim, torch.float32)
+    cos, sin = LlamaRotaryEmbedding(hf)(q, positions[None])  # each (1, num_tokens, head_dim)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim=1)
+    kv = torch.zeros(2, 1, 8, 2, head_dim)
+    slots = torch.arange(len(positions))
+    got_q = rotary_kv_write_reference(
+        q.clone(), k, v, positions, ours.cos_sin_cache(torch.float32, q.device), kv, slots
+    )
+    torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)  # cos/sin may differ in the last ulp
+    torch.testing.assert_close(kv[0].flatten(0, 1)[: len(positions)], want_k, rtol=0, atol=1e-6)
+    assert torch.equal(kv[1].flatten(0, 1)[: len(positions)], v)
