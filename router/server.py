@@ -290,6 +290,11 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             params = params_from_proto(request.sampling)
             if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
+                if len(request.token_ids.ids) >= info.max_model_len:  # before copying millions of ids
+                    raise ValueError(
+                        f"the prompt is {len(request.token_ids.ids)} tokens long, but max_model_len is "
+                        f"{info.max_model_len}"
+                    )
                 prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
             else:
                 prompt_ids = np.array(await self._tokenize(request, params, info), dtype=np.int64)

@@ -437,12 +437,15 @@ def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.Log
                 await h.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert err.value.details() == f"no live decode worker (1 known: {address} down)"
+            # Down long enough for gRPC's default reconnect backoff (1 s, growing 1.6x) to reach ~4 s,
+            # after which it would take seconds to notice the worker's return.
+            await asyncio.sleep(6.0)
             worker.tokens, worker.delay_s = 2, 0.0
             revived, _ = await start(worker, int(address.rsplit(":", 1)[1]))
             _servers[address] = revived
             t0 = time.monotonic()
             await h.wait_for("SERVING again", lambda: _serving(h))
-            assert time.monotonic() - t0 < 1.5  # about one poll interval (0.5 s), not gRPC's long backoff
+            assert time.monotonic() - t0 < 1.5, time.monotonic() - t0  # ~ a poll interval, not gRPC's backoff
             rid, out = await h.generate(prompt(9))
             assert out[-1].HasField("usage")
             metric = h.servicer.metrics.registry.get_sample_value
@@ -642,3 +645,62 @@ def test_metrics_are_served_over_http() -> None:
     body = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'pdserve:router_worker_up{address="127.0.0.1:1",role="decode"} 1.0' in body
     assert "pdserve:router_index_state 1.0" in body
+
+
+def test_an_emptied_redis_is_resynced_from_the_workers(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        async with running_router(redis_url=redis_server.url) as h:
+            ids, holder = await held_by_second(h, 3)
+            await h.wait_for("prefix routing through Redis", lambda: routes_by_prefix(h, ids, holder))
+            redis.Redis.from_url(redis_server.url).flushall()  # no error: only the entries are gone
+            for _ in range(3):  # live workers stay live: liveness is the router's own
+                await h.generate(prompt(30))
+            await asyncio.sleep(0.6)  # a poll or two: the heartbeat's seq says the index lost the worker
+            assert await routes_by_prefix(h, ids, holder)
+            assert h.servicer.index.up
+
+    run(main())
+
+
+def test_a_prefill_worker_restarted_with_a_new_epoch_is_resynced() -> None:
+    async def main() -> None:
+        async with running_router() as h:
+            ids, holder = await held_by_second(h, 4)
+            await h.wait_for("prefix routing", lambda: routes_by_prefix(h, ids, holder))
+            worker = next(w for w, a in h.prefill if a == holder)
+            other = prompt(40)
+            worker.epoch, worker.held, worker.batches = (
+                12345,
+                set(),
+                [],
+            )  # a new process: new epoch, new cache
+            worker.store(hashes(other))
+            await h.wait_for("routing by the new epoch's blocks", lambda: routes_by_prefix(h, other, holder))
+            rid, _ = await h.generate(ids)  # the old process's blocks are forgotten: load decides
+            assert h.prefill_of(rid) != holder
+
+    run(main())
+
+
+def test_a_draining_worker_gets_nothing_new(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="router")
+
+    async def main() -> None:
+        async with running_router() as h:
+            (first, a1), (second, a2) = sorted(h.prefill, key=lambda p: p[1])
+            first.draining = True
+            await h.wait_for("the drain to be seen", lambda: h.servicer.workers.state(a1) is State.DRAINING)
+            for i in range(5):
+                rid, _ = await h.generate(prompt(50 + i))
+                assert h.prefill_of(rid) == a2
+            assert await h.health() == SERVING
+            second.draining = True
+            await h.wait_for("NOT_SERVING", lambda: _not_serving(h))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(prompt(60))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            want = f"no live prefill worker (2 known: {a1} draining, {a2} draining)"
+            assert err.value.details() == want
+
+    run(main())
+    assert len(messages(caplog, "is draining")) == 2
