@@ -1,4 +1,7 @@
-"""Counter-based Gumbel noise for sampling: a pure function of (seed, position, vocab index).
+"""Gumbel-max sampling over counter-based noise: a pure function of (seed, position, vocab index).
+
+`gumbel_argmax` is the op (greedy rows, temperature, a per-row cutoff and the noise in one pass over the
+logits, then the argmax of each row's per-block bests); `gumbel_noise` materializes the noise itself.
 
 Each row's noise comes from its (seed, position) alone, so a seeded request draws the same tokens whatever
 else shares the batch, on CPU and GPU alike (integer hashing is exact on both; only the two float64 logs
@@ -26,6 +29,7 @@ GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / golden ratio, odd
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 BLOCK_V = 1024
+ARGMAX_BLOCK_V = 4096  # vocab entries per program of the fused sampling kernel
 
 
 @triton.jit
@@ -33,6 +37,15 @@ def _mix(x):
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB
     return x ^ (x >> 31)
+
+
+@triton.jit
+def _noise(seed, position, offs):
+    """Gumbel noise (float64) of vocab entries `offs` for one row's (seed, position)."""
+    key = _mix(_mix(seed.to(tl.uint64)) + (position.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+    h = _mix(key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
+    u = ((h >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+    return -tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -49,14 +62,45 @@ def _gumbel_noise_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
-    seed = tl.load(seeds_ptr + row).to(tl.uint64)
-    position = tl.load(positions_ptr + row).to(tl.uint64)
-    key = _mix(_mix(seed) + (position + 1) * 0x9E3779B97F4A7C15)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    h = _mix(key + (offs.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15)
-    u = ((h >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-    noise = -tl.log(-tl.log(u))
+    noise = _noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offs)
     tl.store(out_ptr + row.to(tl.int64) * stride_out_row + offs, noise.to(tl.float32), mask=offs < vocab)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(
+    # pointers
+    logits_ptr,
+    temperature_ptr,
+    threshold_ptr,
+    seeds_ptr,
+    positions_ptr,
+    best_value_ptr,
+    best_index_ptr,
+    # sizes
+    vocab,
+    num_blocks,
+    # strides
+    stride_logits_row,
+    # meta
+    BLOCK: tl.constexpr,
+):
+    """Each program: the best (score, index) of one row's block of the vocabulary."""
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    live = offs < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits_row + offs, mask=live, other=float("-inf"))
+    x = x.to(tl.float32)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature > 0:
+        scaled = tl.math.div_rn(x, temperature)  # IEEE division: the bits torch computes the cutoffs from
+        noise = _noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offs).to(tl.float32)
+        keep = live & (scaled >= tl.load(threshold_ptr + row))
+        x = tl.where(keep, scaled + noise, float("-inf"))
+    value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(best_value_ptr + row * num_blocks + block, value)
+    tl.store(best_index_ptr + row * num_blocks + block, block * BLOCK + index.to(tl.int64))
 
 
 def _check(seeds: torch.Tensor, positions: torch.Tensor) -> None:
@@ -120,3 +164,68 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     if _backend.use_triton(seeds):
         return gumbel_noise_triton(seeds, positions, vocab)
     return gumbel_noise_reference(seeds, positions, vocab)
+
+
+def _check_rows(logits: torch.Tensor, *per_row: torch.Tensor) -> None:
+    assert logits.dim() == 2 and logits.stride(1) == 1, f"logits {tuple(logits.shape)} rows not contiguous"
+    for t in per_row:
+        assert t.shape[0] == logits.shape[0] and t.numel() == logits.shape[0], "one value per row"
+        assert t.device == logits.device, "per-row values on the logits' device"
+
+
+def gumbel_argmax_triton(
+    logits: torch.Tensor,  # (rows, vocab) float32/bf16/fp16
+    temperature: torch.Tensor,  # (rows,) or (rows, 1) float32; 0: greedy
+    threshold: torch.Tensor,  # (rows,) or (rows, 1) float32: the smallest logits / temperature kept
+    seeds: torch.Tensor,  # (rows,) int64
+    positions: torch.Tensor,  # (rows,) int64
+) -> torch.Tensor:  # (rows,) int64
+    _check(seeds, positions)
+    _check_rows(logits, temperature, threshold, seeds)
+    rows, vocab = logits.shape
+    num_blocks = triton.cdiv(vocab, ARGMAX_BLOCK_V)
+    best_value = torch.empty(rows, num_blocks, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(rows, num_blocks, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return best_index[:, 0]
+    _gumbel_argmax_kernel[(rows, num_blocks)](
+        logits, temperature.contiguous(), threshold.contiguous(), seeds.contiguous(), positions.contiguous(),
+        best_value, best_index,
+        vocab, num_blocks,
+        logits.stride(0),
+        BLOCK=ARGMAX_BLOCK_V,
+        num_warps=8,
+    )  # fmt: skip
+    return best_index.gather(1, best_value.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def gumbel_argmax_reference(
+    logits: torch.Tensor,  # (rows, vocab)
+    temperature: torch.Tensor,  # (rows,) or (rows, 1) float32; 0: greedy
+    threshold: torch.Tensor,  # (rows,) or (rows, 1) float32
+    seeds: torch.Tensor,  # (rows,) int64
+    positions: torch.Tensor,  # (rows,) int64
+) -> torch.Tensor:  # (rows,) int64
+    _check(seeds, positions)
+    _check_rows(logits, temperature, threshold, seeds)
+    logits = logits.float()
+    temperature, threshold = temperature.reshape(-1, 1), threshold.reshape(-1, 1)
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
+    noise = gumbel_noise_reference(seeds, positions, logits.shape[1])
+    scores = torch.where(scaled >= threshold, scaled + noise, float("-inf"))
+    return torch.where(temperature.squeeze(1) > 0, scores.argmax(dim=1), logits.argmax(dim=1))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    threshold: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """(rows,) int64: a row of temperature 0 takes the argmax of its logits; any other the argmax of
+    logits / temperature + noise over the entries at or above its threshold, which samples
+    softmax(logits / temperature) restricted to them."""
+    if _backend.use_triton(logits):
+        return gumbel_argmax_triton(logits, temperature, threshold, seeds, positions)
+    return gumbel_argmax_reference(logits, temperature, threshold, seeds, positions)

@@ -239,3 +239,40 @@ def test_top_k_keeps_the_tokens_tied_at_its_cutoff():
     logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
     keep = (filtered_probs(logits, [SamplingParams(top_k=2)])[0] > 0).tolist()
     assert keep == [True, True, True, False]
+
+
+def test_fused_sampling_kernel_matches_its_reference():
+    """Triton's interpreter here: greedy rows, thresholds that keep one, some or all tokens, a vocabulary
+    that ends inside a block."""
+    from kernels.sampling_noise import gumbel_argmax_reference, gumbel_argmax_triton
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 6, 5000
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    temperature = torch.tensor([0.0, 1.0, 0.5, 2.0, 0.8, 0.0]).unsqueeze(1)
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)
+    top = scaled.sort(dim=1, descending=True).values
+    threshold = torch.stack(
+        [top[0, 0], top[1, 0], top[2, 9], torch.tensor(-math.inf), top[4, 999], top[5, 0]]
+    )
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)
+    positions = torch.randint(0, 10_000, (rows,), generator=g)
+    args = (logits, temperature, threshold.unsqueeze(1), seeds, positions)
+    want = gumbel_argmax_reference(*args)
+    assert torch.equal(gumbel_argmax_triton(*args), want)
+    assert want[0] == logits[0].argmax() and want[5] == logits[5].argmax()
+    assert want[1] == scaled[1].argmax()  # only the top token is at or above its threshold
+
+
+def test_top_k_without_top_p_cuts_only_the_rows_that_ask():
+    from engine.sampler import sampling_tensors, stages_of
+    from engine.sampling_ops import filter_threshold
+
+    scaled = torch.randn(3, 100)
+    params = [SamplingParams(top_k=5), SamplingParams(), SamplingParams(top_k=2)]
+    stages = stages_of(params, 100)
+    assert not stages.sort and stages.max_k == 5
+    t = sampling_tensors(params, [0] * 3, [0] * 3, 100, torch.device("cpu"))
+    cut = filter_threshold(scaled, t, stages).squeeze(1)
+    top = scaled.sort(dim=1, descending=True).values
+    assert cut.tolist() == [top[0, 4].item(), -math.inf, top[2, 1].item()]
