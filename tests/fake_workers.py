@@ -54,6 +54,7 @@ class FakePrefill(_Load, pb_grpc.PrefillServicer):
         self.held: set[BlockHash] = set()
         self.batches: list[EventBatch] = []
         self.snapshots = 0
+        self.corrupt = 0  # answer this many GetKVEvents calls with bytes that do not parse
 
     def store(self, hashes: list[BlockHash]) -> None:
         self.held.update(hashes)
@@ -64,6 +65,9 @@ class FakePrefill(_Load, pb_grpc.PrefillServicer):
     async def GetKVEvents(
         self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
     ) -> pb.KVEventsResponse:
+        if self.corrupt > 0:
+            self.corrupt -= 1
+            return pb.KVEventsResponse(epoch=self.epoch, batches=[b"not a batch"])
         if request.epoch == self.epoch:
             newer = [b.to_bytes() for b in self.batches if b.seq > request.after_seq]
             return pb.KVEventsResponse(epoch=self.epoch, batches=newer)
