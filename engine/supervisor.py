@@ -114,10 +114,17 @@ class StopSignals:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], drain_timeout_s: float, backoff: Backoff | None = None) -> None:
+    def __init__(
+        self,
+        children: list[Child],
+        drain_timeout_s: float,
+        backoff: Backoff | None = None,
+        stop_margin_s: float = STOP_MARGIN_S,
+    ) -> None:
         self.children = children
         self.drain_timeout_s = drain_timeout_s
         self.backoff = backoff or Backoff()
+        self.stop_margin_s = stop_margin_s
 
     def start_all(self) -> None:
         for child in self.children:
@@ -156,7 +163,7 @@ class Supervisor:
         live = [c for c in self.children if c.running()]
         for child in live:
             child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        deadline = time.monotonic() + self.drain_timeout_s + STOP_MARGIN_S
+        deadline = time.monotonic() + self.drain_timeout_s + self.stop_margin_s
         clean = True
         while live:
             for child in list(live):

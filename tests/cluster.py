@@ -54,6 +54,7 @@ class Cluster:
     workers: list[dict]
     stdout: _Lines | None = None
     stderr: _Lines | None = None  # the whole tree's: `pdserve up`'s and every child's
+    router_pid: int = 0
 
     def output(self) -> str:
         """Everything the cluster's processes printed so far, stdout then stderr."""
@@ -150,7 +151,8 @@ def start_cluster(
             continue
         if line.startswith("pdserve cluster: "):
             info = json.loads(line.split(": ", 1)[1])
-            return Cluster(proc, info["router"]["address"], info["workers"], out, err)
+            router = info["router"]
+            return Cluster(proc, router["address"], info["workers"], out, err, router["pid"])
         if not line:
             raise RuntimeError(f"pdserve up exited with {proc.wait()}:\n{err.text()[-4000:]}")
     proc.kill()
@@ -175,3 +177,73 @@ def collect(stream) -> tuple[dict[int, list[int]], dict[int, str], pb.Usage | No
             tokens.setdefault(r.index, []).extend(r.token_ids)
             texts[r.index] = texts.get(r.index, "") + r.text
     return tokens, texts, usage
+
+
+class Stream:
+    """One Router.Generate call read on a thread: its tokens as they come, then its finish or its error."""
+
+    def __init__(self, stub: pb_grpc.RouterStub, request: pb.GenerateRequest, timeout: float = 300.0) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason = ""
+        self.error: grpc.RpcError | None = None
+        self._call = stub.Generate(request, timeout=timeout)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self.tokens.extend(reply.token_ids)
+                self.finish_reason = reply.finish_reason or self.finish_reason
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"the stream did not end within {timeout:g} s"
+
+
+def wait_until(check, timeout: float, what: str, every: float = 0.05):
+    """Poll `check()` until it returns something truthy (returned), failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        time.sleep(every)
+
+
+def worker_load(worker: dict, timeout: float = 5.0) -> pb.WorkerLoad | None:
+    """The worker's GetLoad reply, None if it does not answer."""
+    stub_cls = pb_grpc.DecodeStub if worker["role"] == "decode" else pb_grpc.PrefillStub
+    with grpc.insecure_channel(worker["address"]) as ch:
+        try:
+            return stub_cls(ch).GetLoad(pb.LoadRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+
+
+def health(address: str, timeout: float = 5.0) -> str:
+    """SERVING, NOT_SERVING, or the gRPC code of the failed check (e.g. UNAVAILABLE)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (Z: a zombie), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
