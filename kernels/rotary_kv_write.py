@@ -164,10 +164,13 @@ def rotary_kv_write_triton(
     return q_out
 
 
-def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two rotated halves, computed as transformers does (x * cos + rotate_half(x) * sin)."""
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x in place, rounding as transformers' x * cos + rotate_half(x) * sin does."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    x2_sin, x1_sin = x2 * sin, x1 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
+    return x
 
 
 def rotary_kv_write_reference(
@@ -180,13 +183,13 @@ def rotary_kv_write_reference(
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
     q_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    q_out = q if q_out is None else q_out
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # (n, 1, d / 2)
-    q1, q2 = _rotated(q, cos, sin)
-    half = q.shape[-1] // 2
-    q_out[..., :half].copy_(q1)
-    q_out[..., half:].copy_(q2)
-    kv_cache_write_reference(torch.cat(_rotated(k, cos, sin), dim=-1), v, kv_cache, slot_mapping)
+    if q_out is None:
+        q_out = q
+    else:
+        q_out.copy_(q)
+    _rotate_(q_out, cos, sin)
+    kv_cache_write_reference(_rotate_(k.clone(), cos, sin), v, kv_cache, slot_mapping)
     return q_out
 
 
