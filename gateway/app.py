@@ -160,11 +160,12 @@ class Gateway:
         """Server-sent events; a client disconnect cancels this generator, which cancels the router calls.
         A failure mid-way, shutdown included, is a last error event; `data: [DONE]` always ends it."""
         choices: dict[int, Choice] = {}
-        totals, status = Totals(), 499
+        totals, status, streamed = Totals(), 499, 0
         try:
             async for offset, resp in streams:
                 if resp.HasField("usage"):
                     totals.add(resp.usage)
+                streamed += len(resp.token_ids)
                 if not (resp.token_ids or resp.text or resp.finish_reason):
                     continue
                 index = offset + resp.index
@@ -179,6 +180,7 @@ class Gateway:
             yield _sse(exc.body())
         finally:
             streams.cancel()
+            totals.completion_tokens = totals.completion_tokens or streamed  # no usage on a cut stream
             self._finished(where, status, totals)
         yield "data: [DONE]\n\n"
 

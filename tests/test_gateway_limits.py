@@ -390,3 +390,24 @@ def test_sigterm_past_the_drain_timeout_ends_streams_with_an_error_event(router,
         gw.proc.kill()
     out = gw.output()
     assert "Traceback" not in out and "stopped" in out
+
+
+def test_a_second_signal_ends_the_drain_at_once(router, tmp_path):
+    gw = start_gateway(router, tmp_path, "--drain-timeout-s", "600")
+    try:
+        client, streams = _open_streams(gw, "tokens 100000 0.02", 2)
+        gw.proc.send_signal(signal.SIGINT)  # Ctrl-C drains as SIGTERM does
+        _refuses_while_draining(gw)
+        gw.proc.send_signal(signal.SIGTERM)
+        for cm, lines in streams:
+            events = _rest(lines)
+            assert events[-1] == "[DONE]"
+            assert (
+                assert_openai_error(json.loads(events[-2]), "unavailable")["message"]
+                == "server shutting down"
+            )
+            cm.__exit__(None, None, None)
+        assert gw.proc.wait(timeout=30) == 0
+    finally:
+        gw.proc.kill()
+    assert "Traceback" not in gw.output()
