@@ -23,20 +23,21 @@ import numpy as np
 
 from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
-from engine.grpc_common import CHANNEL_OPTIONS, params_from_proto, params_to_proto
+from engine.grpc_common import CHANNEL_OPTIONS, params_to_proto
 from engine.mux import ManyCall, ManyStream
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.admission import admit
 from router.errors import SHUTTING_DOWN, Stop, decode_failure
 from router.events import EventBatch, Snapshot
 from router.fallback_index import FallbackIndex
 from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
 from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
-from router.prompts import Overloaded, PromptEncoder
+from router.prompts import PromptEncoder
 from router.supervise import Failures, run_forever
 from router.workers import WorkerTable
 
@@ -279,80 +280,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             self.prompts.close()
 
     async def _admit(self, request: pb.GenerateRequest) -> tuple[np.ndarray, SamplingParams]:
-        info = self.model_info
-        if self.router is None or info is None:
+        if self.router is None or self.model_info is None:
             raise _Stop(grpc.StatusCode.UNAVAILABLE, "no worker is up yet")
-        if request.model and request.model != self.config.served_model_name:
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown model {request.model!r}; this server serves {self.config.served_model_name!r}",
-            )
-        try:
-            params = params_from_proto(request.sampling)
-            if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
-                if len(request.token_ids.ids) >= info.max_model_len:  # before copying millions of ids
-                    raise ValueError(
-                        f"the prompt is {len(request.token_ids.ids)} tokens long, but max_model_len is "
-                        f"{info.max_model_len}"
-                    )
-                prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
-            else:
-                prompt_ids = np.array(await self._tokenize(request, params, info), dtype=np.int64)
-        except ValueError as exc:
-            raise _Stop(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        if params.stop_strings and self.tokenizer is None:
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer; this model has none"
-            )
-        if not len(prompt_ids):
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty: it must hold at least one token"
-            )
-        if len(prompt_ids) >= info.max_model_len:
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt is {len(prompt_ids)} tokens long, but max_model_len is {info.max_model_len}",
-            )
-        room = info.max_model_len - len(prompt_ids)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=room)
-        elif params.max_tokens > room:
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"this model's maximum context length is {info.max_model_len} tokens, but "
-                f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
-                f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens",
-            )
-        if prompt_ids.min() < 0 or prompt_ids.max() >= info.vocab_size:
-            raise _Stop(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt token ids out of the vocabulary [0, {info.vocab_size})",
-            )
-        return prompt_ids, params
-
-    async def _tokenize(
-        self, request: pb.GenerateRequest, params: SamplingParams, info: pb.ModelInfo
-    ) -> list[int]:
-        """A text or chat prompt's token ids (token_ids prompts never come here), in the tokenizing pool; a
-        prompt too long to fit is refused from its size alone, before any of that."""
-        if request.WhichOneof("prompt") is None:
-            raise ValueError("the request has no prompt: set text, chat or token_ids")
-        if self.prompts is None:
-            raise ValueError("this model has no tokenizer: send token_ids")
-        least = self.prompts.min_tokens(request)
-        if least + (params.max_tokens or 1) > info.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {info.max_model_len} tokens, but the prompt alone "
-                f"is at least {least} tokens long: shorten the prompt"
-                + ("" if params.max_tokens is None else " or lower max_tokens")
-            )
-        try:
-            return await self.prompts.encode(request)
-        except Overloaded:
-            raise _Stop(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                "the router is overloaded: too many prompts are being tokenized; retry later",
-            ) from None
+        return await admit(request, self.model_info, self.config.served_model_name, self.prompts)
 
     async def _fan_out(
         self,

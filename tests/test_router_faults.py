@@ -391,7 +391,7 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
                         )
                     if len(text) > 10**7:
                         assert details.startswith(
-                            "this model's maximum context length is 1024 tokens, but the"
+                            "this model's maximum context length is 1024 tokens, but at least"
                         )
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         assert details.startswith("the router is overloaded")
@@ -407,9 +407,15 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
                 [r async for r in h.stub.Generate(chat, timeout=30)]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert (err.value.details() or "").startswith(
-                "this model's maximum context length is 1024 tokens"
+                "this model's maximum context length is 1024 tokens, but at least"
             )
-            assert time.monotonic() - t0 < 5.0  # 80 MB refused from their size alone, never tokenized
+            as_long_as_fits = pb.GenerateRequest(text=huge, sampling=pb.SamplingParams(max_tokens=0))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [r async for r in h.stub.Generate(as_long_as_fits, timeout=30)]
+            assert (err.value.details() or "").startswith(
+                "this model's maximum context length is 1024 tokens, but the prompt alone is at least"
+            )
+            assert time.monotonic() - t0 < 5.0  # 100 MB refused from their size alone, never tokenized
 
             async def watch(until: asyncio.Future) -> list[int]:
                 seen = []

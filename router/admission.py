@@ -1,0 +1,92 @@
+"""A Generate request's checks before it is routed: the model, the sampling params, the prompt (tokenized
+in the router's pool, router/prompts.py) against max_model_len and the vocabulary. Each refusal is a
+`Stop` with a plain message; the context-length ones say "this model's maximum context length" or "but
+max_model_len is", which the gateway answers as `context_length_exceeded`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import numpy as np
+
+from engine.grpc_common import params_from_proto
+from engine.sampling_params import SamplingParams
+from protos import pdserve_pb2 as pb
+from router.errors import Stop
+from router.prompts import Overloaded, PromptEncoder, prompt_chars
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def admit(
+    request: pb.GenerateRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
+) -> tuple[np.ndarray, SamplingParams]:
+    """The prompt's token ids and the request's params (max_tokens filled in); raises Stop."""
+    if request.model and request.model != served_model_name:
+        raise Stop(_INVALID, f"unknown model {request.model!r}; this server serves {served_model_name!r}")
+    try:
+        params = params_from_proto(request.sampling)
+        if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
+            _check_length(len(request.token_ids.ids), info)  # before copying millions of ids
+            prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
+        else:
+            prompt_ids = np.array(await _tokenize(request, params, info, prompts), dtype=np.int64)
+    except ValueError as exc:
+        raise Stop(_INVALID, str(exc)) from exc
+    if params.stop_strings and prompts is None:
+        raise Stop(_INVALID, "stop strings need a tokenizer; this model has none")
+    if not len(prompt_ids):
+        raise Stop(_INVALID, "the prompt is empty: it must hold at least one token")
+    try:
+        _check_length(len(prompt_ids), info)
+    except ValueError as exc:
+        raise Stop(_INVALID, str(exc)) from exc
+    room = info.max_model_len - len(prompt_ids)
+    if params.max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=room)
+    elif params.max_tokens > room:
+        raise Stop(
+            _INVALID,
+            f"this model's maximum context length is {info.max_model_len} tokens, but "
+            f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
+            f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens",
+        )
+    if prompt_ids.min() < 0 or prompt_ids.max() >= info.vocab_size:
+        raise Stop(_INVALID, f"prompt token ids out of the vocabulary [0, {info.vocab_size})")
+    return prompt_ids, params
+
+
+def _check_length(num_tokens: int, info: pb.ModelInfo) -> None:
+    if num_tokens >= info.max_model_len:
+        raise ValueError(f"the prompt is {num_tokens} tokens long, but max_model_len is {info.max_model_len}")
+
+
+async def _tokenize(
+    request: pb.GenerateRequest, params: SamplingParams, info: pb.ModelInfo, prompts: PromptEncoder | None
+) -> list[int]:
+    """A text or chat prompt's token ids, from the tokenizing pool; a prompt too long to fit is refused
+    from its size alone, before any of that."""
+    if request.WhichOneof("prompt") is None:
+        raise ValueError("the request has no prompt: set text, chat or token_ids")
+    if prompts is None:
+        raise ValueError("this model has no tokenizer: send token_ids")
+    least, limit = prompts.min_tokens(request), info.max_model_len
+    if params.max_tokens is None and least >= limit:
+        raise ValueError(
+            f"this model's maximum context length is {limit} tokens, but the prompt alone is at least "
+            f"{least} tokens long ({prompt_chars(request)} characters): shorten the prompt"
+        )
+    if params.max_tokens is not None and least + params.max_tokens > limit:
+        raise ValueError(
+            f"this model's maximum context length is {limit} tokens, but at least "
+            f"{least + params.max_tokens} were requested (at least {least} in the prompt, "
+            f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens"
+        )
+    try:
+        return await prompts.encode(request)
+    except Overloaded:
+        raise Stop(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the router is overloaded: too many prompts are being tokenized; retry later",
+        ) from None
