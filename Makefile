@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve generate test lint typecheck unit venv clean protos
+.PHONY: serve generate test test-fast lint typecheck unit unit-fast venv clean protos
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
 test: lint typecheck unit
+
+# lint, types and the tests that neither load the real model nor start clusters (marked `slow`)
+unit-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+test-fast: lint typecheck unit-fast
 
 protos: $(STAMP)
 	$(BIN)/python protos/generate.py
