@@ -1,7 +1,7 @@
 """Paged attention for the model: write this step's K/V, then attend over the pages.
 
 The kernels pick Triton on CUDA and their torch reference elsewhere; this module only routes, and says
-what a CUDA graph of a decode step needs from the decode kernel (`decode_graph_plan`).
+what a CUDA graph of a decode step needs from the decode kernel (`decode_graph_plans`).
 """
 
 from __future__ import annotations
@@ -15,26 +15,34 @@ from engine.attention_metadata import AttentionMetadata
 from kernels import _backend
 from kernels.decode_reduce import decode_workspace_size
 from kernels.kv_cache_write import kv_cache_write
-from kernels.paged_decode_attention import paged_decode_attention, plan_num_splits
+from kernels.paged_decode_attention import MIN_PARTITION, paged_decode_attention, plan_num_splits
 from kernels.paged_prefill_attention import paged_prefill_attention
+
+# contexts up to this many keys decode unsplit (kernels/paged_decode_attention.py: plan_num_splits)
+SHORT_CONTEXT = 2 * MIN_PARTITION
 
 
 @dataclass(frozen=True)
 class DecodeGraphPlan:
+    max_seq_len: int  # the longest context a batch replayed with this plan may hold
     num_splits: int  # split-KV partitions, fixed for every replay
     workspace_numel: int  # fp32 elements of the split workspace (0 when unsplit)
 
 
-def decode_graph_plan(
-    num_seqs: int, max_seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
-) -> DecodeGraphPlan:
-    """What a captured decode batch of `num_seqs` rows passes the decode kernel on every replay: the split
-    count planned for the longest context it may see (the kernel's partitions come from max_seq_len, which
-    is fixed too) and the workspace those splits need. Sequences shorter than that leave the later splits
-    idle; the result is the same."""
-    splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, device)
-    numel = decode_workspace_size(num_seqs, num_heads, splits, head_dim, num_kv_heads) if splits > 1 else 0
-    return DecodeGraphPlan(splits, numel)
+def decode_graph_plans(
+    num_seqs: int, max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> list[DecodeGraphPlan]:
+    """What a captured decode batch of `num_seqs` rows passes the decode kernel on every replay, by the
+    longest context in the batch, shortest class first: up to SHORT_CONTEXT keys the kernel never splits
+    (as when it plans per call), beyond it the split count planned for max_model_len (the partitions come
+    from the plan's max_seq_len, fixed too; shorter sequences leave later splits idle) with the workspace
+    those splits need. A batch too big to split has one plan."""
+    splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device)
+    if splits == 1:
+        return [DecodeGraphPlan(max_model_len, 1, 0)]
+    numel = decode_workspace_size(num_seqs, num_heads, splits, head_dim, num_kv_heads)
+    # splits > 1: max_model_len > SHORT_CONTEXT
+    return [DecodeGraphPlan(SHORT_CONTEXT, 1, 0), DecodeGraphPlan(max_model_len, splits, numel)]
 
 
 def graph_capturable(device: torch.device) -> bool:

@@ -31,7 +31,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int  # bounds every seq_lens entry; a CUDA graph's is max_model_len
     # decode under a CUDA graph (engine/cuda_graph.py): a fixed split-KV count and its preallocated
-    # workspace (engine/attention.py: decode_graph_plan); None: the kernel plans per call
+    # workspace (engine/attention.py: decode_graph_plans); None: the kernel plans per call
     decode_num_splits: int | None = None
     decode_workspace: torch.Tensor | None = None
 

@@ -12,8 +12,10 @@ launches them all at once. What the graphs hold and how a step uses them:
   ever sees another step's inputs.
 - Padded rows: token 0 at position 0, slot -1 (the KV write skips it: no block is touched) and seq_len 0
   (the decode kernel reads no page and writes zeros). Rows past a sequence's own blocks are never read.
-- Attention: max_seq_len is max_model_len and each bucket has a fixed split count, with one split
-  workspace shared by every graph and layer (engine/attention.py: decode_graph_plan).
+- Attention: the attention backend gives each bucket one plan per context class (engine/attention.py:
+  decode_graph_plans): small buckets have an unsplit graph for short contexts and a split-KV one (a fixed
+  split count, partitions sized for max_model_len) for the rest; one split workspace serves every graph
+  and layer. A step replays the graph of the first class that holds its longest context.
 - Capture: largest bucket first, into one memory pool, so the smaller graphs reuse its blocks.
 """
 
@@ -155,6 +157,9 @@ class EagerCapturer:
         return (lambda: out.copy_(fn())), out
 
 
+GraphKey = tuple[int, int]  # (bucket, index of its plan)
+
+
 class DecodeGraphs:
     """The decode graphs of one model over one KV cache (`forward` closes over both)."""
 
@@ -165,61 +170,85 @@ class DecodeGraphs:
         *,
         block_size: int,
         max_model_len: int,
-        plan: Callable[[int], DecodeGraphPlan],
+        plans: Callable[[int], list[DecodeGraphPlan]],
         device: torch.device,
         capturer: Capturer,
     ) -> None:
-        self.forward, self.sizes, self.max_model_len = forward, sorted(sizes), max_model_len
+        self.forward, self.sizes = forward, sorted(sizes)
         self.capturer = capturer
         width = -(-max_model_len // block_size)
         self.inputs = StaticInputs(self.sizes[-1], width, block_size, device)
-        self.plans = {b: plan(b) for b in self.sizes}
-        numel = max(p.workspace_numel for p in self.plans.values())
+        self.plans = {b: plans(b) for b in self.sizes}
+        numel = max(p.workspace_numel for ps in self.plans.values() for p in ps)
         # zeroed: the fused merge's ticket counters live at its end and must start at 0
         self.workspace = torch.zeros(numel, dtype=torch.float32, device=device) if numel else None
-        self._graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
-        self.num_replays = 0
+        self._graphs: dict[GraphKey, tuple[Replay, torch.Tensor]] = {}
+        self.replay_counts: dict[GraphKey, int] = dict.fromkeys(self.keys, 0)
 
-    def capture(self, sizes: Sequence[int] | None = None) -> None:
-        """Capture the given buckets (default: all), largest first."""
-        for b in sorted(self.sizes if sizes is None else sizes, reverse=True):
-            self.inputs.fill([], b)
-            self.inputs.upload(b)
-            ids, positions, meta = self._arguments(b)
+    @property
+    def keys(self) -> list[GraphKey]:
+        """Every graph this set can hold, largest bucket first (the capture order)."""
+        return [(b, i) for b in reversed(self.sizes) for i in range(len(self.plans[b]))]
 
-            def fn(ids=ids, positions=positions, meta=meta) -> torch.Tensor:
-                return self.forward(ids, positions, meta)
+    def capture(self, keys: Sequence[GraphKey] | None = None) -> None:
+        """Capture the given graphs (default: all), in the order given."""
+        for key in self.keys if keys is None else keys:
+            self._graphs[key] = self.capture_one(key)
 
-            self.capturer.warmup(fn)
-            self._graphs[b] = self.capturer.capture(fn)
+    def capture_one(self, key: GraphKey) -> tuple[Replay, torch.Tensor]:
+        """Capture one graph and return it (replay, output) without keeping it."""
+        b = key[0]
+        self.inputs.fill([], b)
+        self.inputs.upload(b)
+        ids, positions, meta = self._arguments(key)
+
+        def fn() -> torch.Tensor:
+            return self.forward(ids, positions, meta)
+
+        self.capturer.warmup(fn)
+        return self.capturer.capture(fn)
 
     @property
     def captured(self) -> list[int]:
-        return sorted(self._graphs)
+        """The buckets that have a graph."""
+        return sorted({b for b, _ in self._graphs})
 
-    def _arguments(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _arguments(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        b, i = key
         ids, positions, slots, seq_lens, starts, tables = self.inputs.device_views(b)
-        splits = self.plans[b].num_splits
+        plan = self.plans[b][i]
         meta = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=starts,
             seq_lens=seq_lens,
             block_tables=tables,
             max_query_len=1,
-            max_seq_len=self.max_model_len,
-            decode_num_splits=splits,
-            decode_workspace=self.workspace if splits > 1 else None,
+            max_seq_len=plan.max_seq_len,
+            decode_num_splits=plan.num_splits,
+            decode_workspace=self.workspace if plan.num_splits > 1 else None,
         )
         return ids, positions, meta
+
+    def _key(self, items: Sequence[ScheduledSeq]) -> GraphKey | None:
+        b = bucket_for(len(items), self.captured)
+        if b is None:
+            return None
+        longest = max(it.start_pos for it in items) + 1
+        i = next((i for i, p in enumerate(self.plans[b]) if longest <= p.max_seq_len), None)
+        return None if i is None or (b, i) not in self._graphs else (b, i)
 
     def replay(self, items: Sequence[ScheduledSeq]) -> torch.Tensor | None:
         """The forward pass of a decode batch (every item one token) from its graph: (len(items), hidden),
         a view of the graph's output, valid until the next replay. None: no graph for it, run it eagerly."""
-        b = bucket_for(len(items), self.captured)
-        if b is None or not self.inputs.fill(items, b):
+        key = self._key(items)
+        if key is None or not self.inputs.fill(items, key[0]):
             return None
-        self.inputs.upload(b)
-        replay, out = self._graphs[b]
+        self.inputs.upload(key[0])
+        replay, out = self._graphs[key]
         replay()
-        self.num_replays += 1
+        self.replay_counts[key] += 1
         return out[: len(items)]
+
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replay_counts.values())

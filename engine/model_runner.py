@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from engine.attention import decode_graph_plan, graph_capturable
+from engine.attention import DecodeGraphPlan, decode_graph_plans, graph_capturable
 from engine.attention_metadata import AttentionMetadata
 from engine.config import CacheConfig
 from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, capture_sizes
@@ -101,8 +102,8 @@ class ModelRunner:
         def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
             return self.model(ids, positions, meta, kv_cache)
 
-        def plan(num_seqs: int):
-            return decode_graph_plan(
+        def plans(num_seqs: int) -> list[DecodeGraphPlan]:
+            return decode_graph_plans(
                 num_seqs, self.max_model_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                 self.device,
             )  # fmt: skip
@@ -112,48 +113,54 @@ class ModelRunner:
             self.graph_sizes,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            plan=plan,
+            plans=plans,
             device=self.device,
             capturer=CudaGraphCapturer(self.device),
         )
 
     @torch.inference_mode()
     def _profile_graph_memory(self) -> int:
-        """Bytes the decode graphs will hold, measured before the KV cache takes the rest: the largest
-        bucket's graph (its pool is what the smaller ones reuse) plus, per further graph, what the smallest
-        one added on top, captured over a one-block scratch cache."""
+        """Bytes the decode graphs will hold, measured over a one-block scratch cache before the KV cache
+        takes the rest, in two parts. Their memory pool, read from this process's allocator (exact whatever
+        else runs on the GPU): the largest graph's, which the smaller ones reuse, plus for each other graph
+        what the smallest one added. The driver's memory for each graph (about the same for all: the same
+        kernels), read from the device's free memory around three captures: the median, so another process
+        allocating or freeing meanwhile moves at most one of the three."""
         scratch = torch.zeros(
             self.num_layers, 2, 1, *self.kv_shape_tail, dtype=self.dtype, device=self.device
         )
-        torch.cuda.synchronize(self.device)
-        free0 = torch.cuda.mem_get_info(self.device)[0]
         probe = self._decode_graphs(scratch)
-        probe.capture([self.graph_sizes[-1]])
-        torch.cuda.synchronize(self.device)
-        free1 = torch.cuda.mem_get_info(self.device)[0]
-        extra = 0
-        if len(self.graph_sizes) > 1:
-            probe.capture([self.graph_sizes[0]])
-            torch.cuda.synchronize(self.device)
-            extra = max(free1 - torch.cuda.mem_get_info(self.device)[0], 0)
-        reserve = (free0 - free1) + extra * (len(self.graph_sizes) - 1) + GRAPH_MEMORY_MARGIN
-        del probe, scratch
+        keys = probe.keys
+        kept, pools, drivers = [], [], []
+        for key in (keys[0], keys[-1], keys[-1]):
+            free0, reserved0 = self._memory_now()
+            kept.append(probe.capture_one(key))
+            free1, reserved1 = self._memory_now()
+            pools.append(reserved1 - reserved0)
+            drivers.append(max(free0 - free1 - pools[-1], 0))
+        n = len(keys)
+        reserve = pools[0] + max(pools[1:]) * (n - 1) + statistics.median(drivers) * n + GRAPH_MEMORY_MARGIN
+        del kept, probe, scratch
         torch.cuda.empty_cache()
-        logger.info("CUDA graphs: reserving %.2f GiB for %d graphs", reserve / 2**30, len(self.graph_sizes))
-        return reserve
+        logger.info("CUDA graphs: reserving %.2f GiB for %d graphs", reserve / 2**30, n)
+        return int(reserve)
+
+    def _memory_now(self) -> tuple[int, int]:
+        """(free device bytes, bytes this process's allocator holds), with its unused cache given back."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
 
     @torch.inference_mode()
     def _capture_graphs(self) -> DecodeGraphs:
         t0 = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        free0 = torch.cuda.mem_get_info(self.device)[0]
+        free0, _ = self._memory_now()
         graphs = self._decode_graphs(self.kv_cache)
         graphs.capture()
-        torch.cuda.synchronize(self.device)
-        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        used = free0 - self._memory_now()[0]
         logger.info(
             "captured %d CUDA graphs (decode batches %d..%d) in %.2f s, %.2f GiB",
-            len(graphs.captured),
+            len(graphs.keys),
             self.graph_sizes[0],
             self.graph_sizes[-1],
             time.perf_counter() - t0,

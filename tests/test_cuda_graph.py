@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import decode_graph_plan
+from engine.attention import SHORT_CONTEXT, DecodeGraphPlan, decode_graph_plans
 from engine.cuda_graph import DecodeGraphs, EagerCapturer, StaticInputs, bucket_for, capture_sizes
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import ScheduledSeq
@@ -61,27 +61,23 @@ def test_a_table_wider_than_the_graphs_runs_eagerly():
     assert not inputs.fill([item(9, [1, 2, 3], 1)], 1)
 
 
-def with_static_graphs(llm: LLM, sizes: list[int]) -> DecodeGraphs:
-    """Give the CPU engine decode "graphs" that replay by re-running the model over the static buffers."""
+def real_plans(llm: LLM):
     runner = llm.engine.runner
     cfg = runner.model_config
+    return lambda b: decode_graph_plans(
+        b, runner.max_model_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, runner.device
+    )
 
-    def plan(b: int):
-        return decode_graph_plan(
-            b,
-            runner.max_model_len,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            runner.device,
-        )
 
+def with_static_graphs(llm: LLM, sizes: list[int], plans=None) -> DecodeGraphs:
+    """Give the CPU engine decode "graphs" that replay by re-running the model over the static buffers."""
+    runner = llm.engine.runner
     graphs = DecodeGraphs(
         lambda ids, positions, meta: runner.model(ids, positions, meta, runner.kv_cache),
         sizes,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
-        plan=plan,
+        plans=plans or real_plans(llm),
         device=runner.device,
         capturer=EagerCapturer(),
     )
@@ -116,16 +112,28 @@ def batch(tiny):
 
 
 def test_static_path_gives_the_eager_tokens_across_batch_sizes_and_preemptions(tiny, batch):
-    """Batches of 7 down to 1 rows (buckets 1, 2, 4 and the eager path above 4), growing contexts, and
-    preemptions from a small pool: every step's inputs are the step's own, so the tokens match the eager
-    engine and transformers."""
+    """Batches of 7 down to 1 rows (buckets 1, 2, 4 and the eager path above 4), growing contexts (two
+    context classes per bucket), and preemptions from a small pool: every step's inputs are the step's
+    own, so the tokens match the eager engine and transformers."""
     kw = dict(device="cpu", dtype="float32", max_model_len=160, enable_prefix_caching=False)
     eager = generate(LLM(str(tiny), **kw), batch, MAX_TOKENS)
     assert eager == hf_greedy(tiny, batch, MAX_TOKENS)
     llm = LLM(str(tiny), num_gpu_blocks_override=14, **kw)
-    graphs = with_static_graphs(llm, [1, 2, 4])
+    classes = [DecodeGraphPlan(48, 1, 0), DecodeGraphPlan(160, 1, 0)]
+    graphs = with_static_graphs(llm, [1, 2, 4], plans=lambda b: classes)
     assert generate(llm, batch, MAX_TOKENS) == eager
-    assert graphs.num_replays > 20 and llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    used = {key for key, n in graphs.replay_counts.items() if n}
+    assert {b for b, _ in used} == {1, 2, 4} and {i for _, i in used} == {0, 1}
+
+
+def test_decode_plans_split_only_small_batches_and_long_contexts():
+    cpu = torch.device("cpu")  # 8 "SMs" here: kernels/_backend.py
+    short, long = decode_graph_plans(1, 8192, 32, 8, 128, cpu)
+    assert (short.max_seq_len, short.num_splits, short.workspace_numel) == (SHORT_CONTEXT, 1, 0)
+    assert long.max_seq_len == 8192 and long.num_splits > 1 and long.workspace_numel > 0
+    assert decode_graph_plans(64, 8192, 32, 8, 128, cpu) == [DecodeGraphPlan(8192, 1, 0)]
+    assert decode_graph_plans(1, 256, 32, 8, 128, cpu) == [DecodeGraphPlan(256, 1, 0)]
 
 
 def test_cpu_engine_captures_nothing(tiny):

@@ -41,11 +41,12 @@ def test_graphs_match_eager_and_transformers_across_batches_and_preemptions(arch
     graphs = llm.engine.runner.graphs
     assert graphs is not None and graphs.captured == [1, 2, 4, 8, 16]
     got = tokens(llm, batch, max_tokens)
-    assert graphs.num_replays > 50 and llm.engine.scheduler.num_preemptions > 0
     eager = LLM(str(tiny), enforce_eager=True, num_gpu_blocks_override=40, **kw)
     assert eager.engine.runner.graphs is None
     assert got == tokens(eager, batch, max_tokens)
     assert got == hf_greedy(tiny, batch, max_tokens)
+    assert graphs.num_replays > 10 and llm.engine.scheduler.num_preemptions > 0
+    assert len({b for (b, _), n in graphs.replay_counts.items() if n}) >= 3  # several buckets, padded rows
 
 
 @pytest.fixture
@@ -87,5 +88,7 @@ def test_split_kv_graphs_with_arrivals_mid_run_match_transformers(long_tiny):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         steps += 1
-    assert len(rids) == len(batch) and graphs.num_replays > 20
     assert [done[r] for r in rids] == hf_greedy(long_tiny, batch, max_tokens)
+    assert len(rids) == len(batch) and graphs.num_replays > 20
+    split = [n for (b, i), n in graphs.replay_counts.items() if graphs.plans[b][i].num_splits > 1]
+    assert sum(split) > 10  # the split-KV graphs ran
