@@ -71,7 +71,7 @@ def draw(params: SamplingParams, salt: int) -> np.ndarray:
     rows = [params] * ROWS
     t = sampling_tensors(rows, seeds, positions, len(P), torch.device("cpu"))
     logits = torch.tensor(LOGITS, dtype=torch.float32).expand(ROWS, -1)
-    tokens = sample_tokens(logits, t, stages_of(rows, len(P)))
+    tokens = sample_tokens(logits, t, stages_of(rows))
     return np.bincount(tokens.numpy(), minlength=len(P))
 
 
