@@ -3,12 +3,15 @@ that fails (Redis down, a timeout, a bug) with what "no index" means: no matches
 
 After a failure the wrapped index is left alone for `retry_s` (a circuit breaker): one call per interval
 probes it, so requests do not each pay a timeout while it is down. The first call that works again closes
-the circuit, and `take_recovered()` tells the router to resync the index from its workers.
+the circuit. Whatever the index lost meanwhile the router repairs from its workers: each heartbeat carries
+the last event seq it applied, and an index that no longer has it asks for a snapshot.
+Thread-safe: the router applies events and snapshots from a thread, routes from its event loop.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -36,9 +39,9 @@ class FallbackIndex(PrefixIndex):
         self.retry_s = retry_s
         self.metrics = metrics
         self._clock = clock
+        self._lock = threading.Lock()
         self._retry_at = 0.0  # while down: no call before this
         self.up = True
-        self._recovered = False
 
     def _call(self, fallback: T, fn: Callable[..., T], *args: Any) -> T:
         if not self.up and self._clock() < self._retry_at:
@@ -49,16 +52,19 @@ class FallbackIndex(PrefixIndex):
             self._failed(exc)
             return fallback
         if not self.up:
-            self.up, self._recovered = True, True
-            self.metrics.index_state.set(1)
-            logger.warning("the prefix index answers again: resyncing it from the workers")
+            with self._lock:
+                back, self.up = not self.up, True
+            if back:
+                self.metrics.index_state.set(1)
+                logger.warning("the prefix index answers again; workers whose entries it lost are resynced")
         return out
 
     def _failed(self, exc: Exception) -> None:
         self.metrics.index_errors.inc()
-        self._retry_at = self._clock() + self.retry_s
-        if self.up:
-            self.up = False
+        with self._lock:
+            self._retry_at = self._clock() + self.retry_s
+            went_down, self.up = self.up, False
+        if went_down:
             self.metrics.index_state.set(0)
             logger.warning(
                 "the prefix index failed (%s: %s); routing by load alone, trying it again every %g s",
@@ -66,11 +72,6 @@ class FallbackIndex(PrefixIndex):
                 exc,
                 self.retry_s,
             )
-
-    def take_recovered(self) -> bool:
-        """True once after each return of the index (its entries may be gone: resync them)."""
-        recovered, self._recovered = self._recovered, False
-        return recovered
 
     def apply(self, batch: EventBatch) -> ApplyResult:
         return self._call(ApplyResult.RESYNC_NEEDED, self.index.apply, batch)

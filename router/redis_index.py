@@ -273,9 +273,11 @@ class RedisPrefixIndex(PrefixIndex):
     `reap` runs at most every `reap_interval_s` from `heartbeat`; between reaps a dead worker's entries
     are still stored but every query leaves out workers whose heartbeat key has expired.
 
-    Given a URL, the client waits at most `timeout_s` per call (connecting included) and never retries: a
-    router treats a failed call as "no index" and goes on (router/fallback_index.py), so a hung or absent
-    Redis costs a request no more than that.
+    Given a URL, calls wait at most `timeout_s` (connecting included) and are never retried: a router
+    treats a failed call as "no index" and goes on (router/fallback_index.py), so a hung or absent Redis
+    costs a request no more than that. `apply`, `resync` and `num_entries` carry whole batches or snapshots
+    (a snapshot of 10,000 blocks takes Redis tens of milliseconds) and wait up to `bulk_timeout_s`: call
+    them off the event loop.
     """
 
     def __init__(
@@ -287,17 +289,10 @@ class RedisPrefixIndex(PrefixIndex):
         reap_interval_s: float = 1.0,
         max_log: int = 4096,
         timeout_s: float | None = None,
+        bulk_timeout_s: float | None = None,
     ) -> None:
-        self.redis = (
-            redis.Redis.from_url(
-                client,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
-            )
-            if isinstance(client, str)
-            else client
-        )
+        self.redis = _client(client, timeout_s)
+        self._bulk = _client(client, bulk_timeout_s) if isinstance(client, str) else self.redis
         self.prefix = prefix
         self.heartbeat_ttl = heartbeat_ttl
         self.reap_interval_s = reap_interval_s
@@ -325,8 +320,11 @@ class RedisPrefixIndex(PrefixIndex):
     def _run(self, name: str, worker_id: str, *args: Any) -> Any:
         return self._scripts[name](args=[self.prefix, worker_id, *args])
 
+    def _run_bulk(self, name: str, worker_id: str, *args: Any) -> Any:
+        return self._scripts[name](args=[self.prefix, worker_id, *args], client=self._bulk)
+
     def apply(self, batch: EventBatch) -> ApplyResult:
-        out = self._run(
+        out = self._run_bulk(
             "apply",
             batch.worker_id,
             str(batch.epoch),
@@ -339,7 +337,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     def resync(self, worker_id: str, epoch: int, seq: int, all_hashes: Iterable[BlockHash]) -> ApplyResult:
         blob = b"".join(all_hashes)
-        return _result(self._run("resync", worker_id, str(epoch), seq, blob, self._ttl_ms))
+        return _result(self._run_bulk("resync", worker_id, str(epoch), seq, blob, self._ttl_ms))
 
     def heartbeat(self, worker_id: str, epoch: int, load: WorkerLoad, seq: int | None = None) -> ApplyResult:
         out = self._run(
@@ -388,7 +386,14 @@ class RedisPrefixIndex(PrefixIndex):
         return [w.decode() for w in self._run("reap", "")]
 
     def num_entries(self) -> int:
-        return int(self._run("num_entries", ""))
+        return int(self._run_bulk("num_entries", ""))
+
+
+def _client(client: redis.Redis | str, timeout_s: float | None) -> redis.Redis:
+    if not isinstance(client, str):
+        return client
+    timeouts = {} if timeout_s is None else {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    return redis.Redis.from_url(client, retry=Retry(NoBackoff(), 0), **timeouts)
 
 
 def _result(out: bytes) -> ApplyResult:

@@ -57,6 +57,9 @@ class RouterConfig:
     poll_s: float = 0.5
     heartbeat_ttl_s: float = 3.0
     redis_timeout_s: float = 0.05  # per Redis call; past it the request is routed by load alone
+    redis_bulk_timeout_s: float = (
+        5.0  # per Redis call that carries a snapshot or event batches (off the loop)
+    )
     drain_timeout_s: float = 30.0  # on SIGTERM, how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics; None or 0: off
     tokenize_threads: int = 2
@@ -110,6 +113,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
         self.workers = WorkerTable(self.roles, config.heartbeat_ttl_s, self.metrics)
         self._poll_failures = {a: Failures(f"polling {a}", logger) for a in self.channels}
+        self._pull_failures = {a: Failures(f"pulling KV events from {a}", logger) for a in config.prefill}
+        self._pulls: dict[str, asyncio.Task] = {}  # prefill address -> its event pull in progress
         self._decode_streams: dict[str, ManyStream] = {}
         self.model_info: pb.ModelInfo | None = None
         self._event_pos: dict[str, tuple[int, int]] = {}  # prefill address -> (epoch, last seq applied)
@@ -140,8 +145,6 @@ class RouterServicer(pb_grpc.RouterServicer):
         for address in self.workers.expire():
             self._drop_decode_stream(address)
         self.index.reap()
-        if self.index.take_recovered():  # the index is back, maybe empty: every prefill worker resends all
-            self._event_pos.clear()
 
     async def _poll(self, address: str) -> None:
         failures = self._poll_failures[address]
@@ -167,12 +170,14 @@ class RouterServicer(pb_grpc.RouterServicer):
         pos = self._event_pos.get(address)
         seq = pos[1] if pos is not None and pos[0] == reply.epoch else None
         load = self.workers.load(address)
-        result = self.index.heartbeat(address, reply.epoch, load, seq)
-        if reply.role != "prefill" or not self.index.up:
-            return  # while the index is down its events wait on the worker; a snapshot follows its return
+        result = self.index.heartbeat(address, reply.epoch, load, seq)  # an index that lost `seq`: RESYNC
+        if reply.role != "prefill" or not self.index.up or address in self._pulls:
+            return  # while the index is down the worker keeps its events (or a snapshot follows)
         if result is ApplyResult.RESYNC_NEEDED:
             self._event_pos.pop(address, None)
-        await self._pull_events(address)
+        task = asyncio.get_running_loop().create_task(self._pull(address))  # never holds up the polls
+        self._pulls[address] = task
+        task.add_done_callback(lambda _: self._pulls.pop(address, None))
 
     def _learn_model(self, reply: pb.WorkerLoad) -> None:
         if self.router is not None:
@@ -190,8 +195,18 @@ class RouterServicer(pb_grpc.RouterServicer):
             block_size=reply.block_size,
         )
 
+    async def _pull(self, address: str) -> None:
+        failures = self._pull_failures[address]
+        try:
+            await self._pull_events(address)
+        except Exception:
+            failures.failed()  # the next poll tries again
+            return
+        failures.ok()
+
     async def _pull_events(self, address: str) -> None:
-        """Apply the prefill worker's new prefix-cache events; a gap or a new epoch brings a full snapshot."""
+        """Apply the prefill worker's new prefix-cache events; a gap or a new epoch brings a full snapshot.
+        The index calls run on a thread: a snapshot can take the index a while."""
         epoch, after = self._event_pos.get(address, (0, 0))
         try:
             reply = await pb_grpc.PrefillStub(self.channels[address]).GetKVEvents(
@@ -199,19 +214,28 @@ class RouterServicer(pb_grpc.RouterServicer):
             )
         except grpc.aio.AioRpcError:
             return
+        pos = await asyncio.to_thread(self._apply_events, address, (epoch, after), reply)
+        if pos is None:
+            self._event_pos.pop(
+                address, None
+            )  # a gap, or the index failed: the next poll asks for a snapshot
+        else:
+            self._event_pos[address] = pos
+
+    def _apply_events(
+        self, address: str, pos: tuple[int, int], reply: pb.KVEventsResponse
+    ) -> tuple[int, int] | None:
+        """Apply a GetKVEvents reply to the index; the (epoch, seq) now applied, or None to resync."""
         if reply.snapshot:
             snap = Snapshot.from_bytes(reply.snapshot)
             self.index.resync(address, snap.epoch, snap.seq, snap.hashes)
-            self._event_pos[address] = (snap.epoch, snap.seq)
+            pos = (snap.epoch, snap.seq)
         for data in reply.batches:
             batch = dataclasses.replace(EventBatch.from_bytes(data), worker_id=address)
             if self.index.apply(batch) == ApplyResult.RESYNC_NEEDED:
-                break
-            self._event_pos[address] = (batch.epoch, batch.seq)
-        else:
-            if self.index.up:
-                return
-        self._event_pos.pop(address, None)  # a gap, or the index failed: the next poll asks for a snapshot
+                return None
+            pos = (batch.epoch, batch.seq)
+        return pos if self.index.up else None
 
     def _drop_decode_stream(self, address: str) -> None:
         """A decode worker went down: its stream's calls fail now, and its return gets a fresh stream."""
@@ -272,6 +296,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         return len(self._active)
 
     async def close(self) -> None:
+        for task in list(self._pulls.values()):
+            task.cancel()
+        await asyncio.gather(*self._pulls.values(), return_exceptions=True)
         for stream in self._decode_streams.values():
             stream.close()
         self._decode_streams.clear()
@@ -477,7 +504,10 @@ def _make_index(config: RouterConfig) -> PrefixIndex:
         from router.redis_index import RedisPrefixIndex
 
         return RedisPrefixIndex(
-            config.redis_url, heartbeat_ttl=config.heartbeat_ttl_s, timeout_s=config.redis_timeout_s
+            config.redis_url,
+            heartbeat_ttl=config.heartbeat_ttl_s,
+            timeout_s=config.redis_timeout_s,
+            bulk_timeout_s=config.redis_bulk_timeout_s,
         )
     return InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
 

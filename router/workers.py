@@ -131,7 +131,7 @@ class WorkerTable:
 
     def no_worker(self, kind: str) -> str:
         roles = PREFILL_ROLES if kind == "prefill" else DECODE_ROLES
-        known = [w for w in self._workers.values() if w.role in roles]
+        known = sorted((w for w in self._workers.values() if w.role in roles), key=lambda w: w.address)
         states = ", ".join(f"{w.address} {w.state.value}" for w in known)
         return (
             f"no live {kind} worker ({len(known)} known: {states})"

@@ -250,7 +250,9 @@ def test_redis_killed_then_restarted_empty(
             for i in range(20):  # every request is served, by load, while Redis is gone
                 t0 = time.monotonic()
                 rid, out = await h.generate(prompt(100 + i))
-                assert out[-1].HasField("usage") and time.monotonic() - t0 < 1.0
+                assert (
+                    out[-1].HasField("usage") and time.monotonic() - t0 < 2.0
+                )  # never a hang on the dead index
                 assert await h.health() == SERVING
                 await asyncio.sleep(0.05)
             assert not h.servicer.index.up
@@ -285,7 +287,7 @@ def test_redis_hung_by_sigstop(redis_server: RedisServer, caplog: pytest.LogCapt
                 worst = max(worst, time.monotonic() - t0)
                 assert await h.health() == SERVING
                 await asyncio.sleep(0.1)
-            assert worst < 0.5, worst  # a timed-out Redis call costs 50 ms, and only once per poll interval
+            assert worst < 2.0, worst  # a Redis call waits 50 ms at most, and only one per poll interval
             redis_server.signal(signal.SIGCONT)
             await h.wait_for("the index to be back", lambda: h.servicer.index.up)
             await h.wait_for("prefix routing after SIGCONT", lambda: routes_by_prefix(h, ids, holder))
@@ -334,8 +336,8 @@ def test_poller_and_health_follower_survive_exceptions(caplog: pytest.LogCapture
             await h.wait_for("its events to be applied", lambda: routes_by_prefix(h, ids, holder))
 
     run(main())
-    assert len(messages(caplog, f"polling {holder} failed")) == 1
-    assert len(messages(caplog, f"polling {holder} works again")) == 1
+    assert len(messages(caplog, f"pulling KV events from {holder} failed")) == 1
+    assert len(messages(caplog, f"pulling KV events from {holder} works again")) == 1
     assert len(messages(caplog, "the worker poller failed")) == 1
     assert len(messages(caplog, "the worker poller works again")) == 1
     assert len(messages(caplog, "the health follower failed")) == 1
@@ -398,7 +400,14 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
                     return exc.code()
                 return grpc.StatusCode.OK
 
-            t0 = time.monotonic()
+            encoded: list[str] = []
+            real_encode = s.prompts.encode
+
+            async def counting(request: pb.GenerateRequest) -> list[int]:
+                encoded.append(request.WhichOneof("prompt") or "")
+                return await real_encode(request)
+
+            s.prompts.encode = counting  # type: ignore[method-assign]
             codes = await asyncio.gather(*(send(huge) for _ in range(4)))
             assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4
             turns = [pb.ChatMessage(role="user", content="word " * 2_000_000) for _ in range(2)]
@@ -415,7 +424,7 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
             assert (err.value.details() or "").startswith(
                 "this model's maximum context length is 1024 tokens, but the prompt alone is at least"
             )
-            assert time.monotonic() - t0 < 5.0  # 100 MB refused from their size alone, never tokenized
+            assert encoded == []  # 120 MB refused from their size alone, never tokenized
 
             async def watch(until: asyncio.Future) -> list[int]:
                 seen = []
@@ -428,6 +437,7 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
             statuses = await watch(burst)
             codes = burst.result()
             assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert encoded  # these were long enough to need the tokenizer
             assert set(statuses) == {SERVING}
             assert all(w.polls > p for (w, _), p in zip(h.prefill + h.decode, polls))
             assert all(s.workers.state(a) is State.UP for a in s.channels)
@@ -466,7 +476,7 @@ def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.Log
             _servers[address] = revived
             t0 = time.monotonic()
             await h.wait_for("SERVING again", lambda: _serving(h))
-            assert time.monotonic() - t0 < 1.5, time.monotonic() - t0  # ~ a poll interval, not gRPC's backoff
+            assert time.monotonic() - t0 < 2.5, time.monotonic() - t0  # ~ a poll interval, not gRPC's backoff
             rid, out = await h.generate(prompt(9))
             assert out[-1].HasField("usage")
             metric = h.servicer.metrics.registry.get_sample_value
@@ -762,3 +772,18 @@ def test_tokenizing_is_bounded_and_a_full_queue_refuses(bundled_model_dir) -> No
     finally:
         encoder.close()
     assert encoder.min_tokens(pb.GenerateRequest(text="x" * 1000)) == -(-1000 // encoder.max_token_chars)
+
+
+def test_a_large_snapshot_reaches_redis(redis_server: RedisServer) -> None:
+    """A snapshot of 20,000 blocks takes Redis longer than a request's 50 ms budget: it goes with the
+    longer bulk timeout, off the event loop, and the index still learns it."""
+
+    async def main() -> None:
+        async with running_router(redis_url=redis_server.url) as h:
+            (_, a1), (second, a2) = sorted(h.prefill, key=lambda p: p[1])
+            ids = prompt(11)
+            second.store(hashes(ids) + [os.urandom(32) for _ in range(20_000)])
+            await h.wait_for("prefix routing through Redis", lambda: routes_by_prefix(h, ids, a2), timeout=20)
+            assert all(h.servicer.workers.state(a) is State.UP for a in h.servicer.channels)
+
+    run(main())
