@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +98,10 @@ class StopSignals:
     """SIGTERM and SIGINT to `up`, counted (installed in the main thread)."""
 
     count: int = 0
-    previous: dict[int, object] = field(default_factory=dict)
 
     def install(self) -> StopSignals:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self.previous[sig] = signal.signal(sig, self._on_signal)
+            signal.signal(sig, self._on_signal)
         return self
 
     def _on_signal(self, signum: int, frame: object) -> None:

@@ -121,9 +121,20 @@ def _landed_on(worker: dict, stub, streams: list[Stream]) -> bool:
     return load is not None and load.num_running > 0
 
 
+def _engine_process(worker_pid: int) -> int:
+    """The worker's engine process: its child started by multiprocessing's spawn."""
+    with open(f"/proc/{worker_pid}/task/{worker_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                return pid
+    raise AssertionError(f"worker {worker_pid} has no engine process among {children}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_killed_decode_worker_and_router_are_restarted_on_their_addresses():
+def test_a_killed_decode_worker_router_or_engine_process_is_restarted_on_its_address():
     cluster = start_cluster(1, 2, "tcp", "--policy", "round_robin")
     streams: list[Stream] = []
     try:
@@ -159,6 +170,15 @@ def test_a_killed_decode_worker_and_router_are_restarted_on_their_addresses():
         wait_until(lambda: health(cluster.router) == "SERVING", 180, "the restarted router serving")
         tokens, _, _ = collect(cluster.stub().Generate(greedy_request([1, 422, 3458], 4, ignore_eos=True)))
         assert len(tokens[0]) == 4
+
+        other = next(w for w in decode if w is not busy)  # its engine process dies: the worker exits 1
+        os.kill(_engine_process(other["pid"]), signal.SIGKILL)
+        back = json.loads(cluster.wait_line("pdserve restarted: ", timeout=60))
+        assert (back["role"], back["address"]) == ("decode", other["address"])
+        assert f"decode {other['address']} (pid {other['pid']}) died: exit code 1" in cluster.output()
+        wait_until(
+            lambda: health(other["address"]) == "SERVING", 180, "the other decode worker serving again"
+        )
         cluster.proc.send_signal(signal.SIGTERM)
         assert cluster.proc.wait(timeout=120) == 0
     finally:

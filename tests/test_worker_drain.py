@@ -13,6 +13,8 @@ import subprocess
 import grpc
 import pytest
 
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 from tests.cluster import (
     Cluster,
     Stream,
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.slow
 # loaded), so streams that must finish are short-ish and their drain gets a long timeout; the default
 # (30 s) is what production uses.
 LONG_DRAIN = ("--drain-timeout-s", "240")
+SAMPLING = pb.SamplingParams(temperature=0, max_tokens=4)
 FINISHING = 64  # tokens per stream that must finish while its worker drains
 NOISE = ("Traceback", "Task was destroyed", "Exception not handled", "Exception ignored")
 
@@ -110,6 +113,11 @@ def test_a_decode_worker_sigtermed_alone_drains_exits_0_and_up_starts_it_again()
         load = wait_until(lambda: (x := worker_load(busy)) is not None and x.draining and x, 10, "draining")
         assert load.num_running > 0  # it reports draining while it still holds its streams
         assert health(busy["address"]) == "NOT_SERVING"
+        with grpc.insecure_channel(busy["address"]) as ch, pytest.raises(grpc.RpcError) as refused:
+            request = pb.DecodeRequest(request_id="late", prompt_token_ids=_prompt(9), sampling=SAMPLING)
+            list(pb_grpc.DecodeStub(ch).Generate(request, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == "server shutting down"
         for s in streams:
             s.join(timeout=300)
         assert [(s.error, s.finish_reason, len(s.tokens)) for s in streams] == [
