@@ -15,6 +15,7 @@ import torch
 from kernels.sampling_noise import gumbel_argmax
 from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff
 
+CANDIDATES = 1024  # top values per row in which top-k / top-p usually find their cutoff
 INT_KNOBS = ("seed", "position")
 FLOAT_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition", "frequency", "presence", "pad")
 
@@ -81,12 +82,41 @@ def history_counts(
     return counts[:, :vocab], seen[:, :vocab]
 
 
+def cutoff(
+    scaled: torch.Tensor,  # (rows, vocab) float32: logits / temperature
+    top_k: torch.Tensor,  # (rows, 1); the vocabulary size when off
+    top_p: torch.Tensor,  # (rows, 1); 1: off
+    skip: torch.Tensor,  # (rows,) bool: rows that need no cutoff (greedy)
+) -> torch.Tensor:  # (rows, 1): the smallest value top-k then top-p keep
+    """From the rows' CANDIDATES largest values (one topk) wherever they decide it: top_k within them, or
+    top-p's mass reached within them. Other rows (a flat distribution, a large k) get the exact
+    search over the whole row (`kernels/top_k_top_p_cutoff.py`), which skips the rows decided here."""
+    vocab = scaled.shape[1]
+    best = scaled.topk(min(CANDIDATES, vocab), dim=-1).values  # (rows, c), descending
+    c = best.shape[1]
+    rank = torch.arange(c, device=scaled.device)
+    small_k = top_k <= c  # (rows, 1): top-k's cut is among the candidates
+    weights = torch.exp(best - best[:, :1]).masked_fill(rank >= top_k, 0.0)  # (rows, c)
+    cum = weights.cumsum(dim=-1)
+    rest = torch.exp(scaled - best[:, :1]).sum(dim=-1, keepdim=True) - cum[:, -1:]  # mass beyond them
+    total = torch.where(small_k, cum[:, -1:], cum[:, -1:] + rest)  # the top-k's mass
+    reached = (cum - weights) < top_p * total  # tokens whose predecessors' mass is short of top_p
+    kept = torch.where(
+        top_p >= 1.0, torch.minimum(top_k, torch.full_like(top_k, c)), reached.sum(-1, keepdim=True)
+    )
+    no_k = top_k >= vocab  # (a k past the candidates but short of the vocabulary: the search decides)
+    decided = small_k | (no_k & ((top_p >= 1.0) | (cum[:, -1:] >= top_p * total)))
+    fast = best.gather(1, (kept.long().clamp(1, c) - 1))
+    fast = fast.masked_fill(no_k & (top_p >= 1.0), float("-inf"))
+    exact = top_k_top_p_cutoff(scaled, top_k, top_p, skip=skip | decided.squeeze(1))
+    return torch.where(decided, fast, exact)
+
+
 def filter_threshold(scaled: torch.Tensor, t: SamplingTensors, stages: Stages) -> torch.Tensor:
     """(rows, 1): the smallest logits / temperature that top-k, top-p and min-p keep."""
     threshold = torch.full_like(scaled[:, :1], float("-inf"))  # (rows, 1)
     if stages.cut:
-        greedy = t.temperature.squeeze(1) <= 0
-        threshold = top_k_top_p_cutoff(scaled, t.top_k, t.top_p, skip=greedy)
+        threshold = cutoff(scaled, t.top_k, t.top_p, skip=t.temperature.squeeze(1) <= 0)
     if stages.min_p:  # p >= min_p * p_max, in logits: scaled >= max + log(min_p)
         threshold = torch.maximum(threshold, scaled.amax(dim=-1, keepdim=True) + torch.log(t.min_p))
     return threshold

@@ -295,3 +295,23 @@ def test_cutoff_kernel_finds_the_sorted_cutoff(vocab):
     want = top_k_top_p_cutoff_reference(*args)
     assert torch.equal(top_k_top_p_cutoff_triton(*args), want)
     assert want[6].item() == -math.inf and want[7].item() == -math.inf
+
+
+@pytest.mark.parametrize("candidates", [8, 64, 1024])
+def test_cutoff_from_candidates_or_search_equals_the_sort(candidates, monkeypatch):
+    """Rows decided among the top candidates (small k, top-p reached early) and rows left to the exact
+    search (a flat row, a k past the candidates) both give the sorting reference's cutoff."""
+    import engine.sampling_ops as ops
+    from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff_reference
+
+    monkeypatch.setattr(ops, "CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(candidates)
+    rows, vocab = 24, 300
+    scaled = torch.randn(rows, vocab, generator=g) * torch.linspace(0.1, 6, rows).unsqueeze(1)
+    top_k = torch.randint(1, vocab, (rows, 1), generator=g).float()
+    top_k[::3] = vocab
+    top_p = torch.rand(rows, 1, generator=g) * 0.98 + 0.01
+    top_p[1::4] = 1.0
+    skip = torch.zeros(rows, dtype=torch.bool)
+    got = ops.cutoff(scaled, top_k, top_p, skip)
+    assert torch.equal(got, top_k_top_p_cutoff_reference(scaled, top_k, top_p))

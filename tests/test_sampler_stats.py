@@ -94,8 +94,17 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=[1024, 4], ids=["cut_among_candidates", "cut_by_search"])
+def candidates(request, monkeypatch):
+    """With 4 candidates most cases' cutoffs fall past them: the exact search over the row decides."""
+    import engine.sampling_ops
+
+    monkeypatch.setattr(engine.sampling_ops, "CANDIDATES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("knobs, wrong", CASES)
-def test_draws_follow_the_filtered_distribution(knobs, wrong):
+def test_draws_follow_the_filtered_distribution(knobs, wrong, candidates):
     want, other = exact(LOGITS, **knobs), exact(LOGITS, **wrong)
     assert np.abs(want - other).sum() > 0.02, "the wrong distribution must differ"
     counts = draw(SamplingParams(**knobs), salt=len(str(knobs)))
