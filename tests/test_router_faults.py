@@ -619,6 +619,7 @@ def stream_in_thread(address: str, results: list) -> None:
     threading.Thread(target=go, daemon=True).start()
 
 
+@pytest.mark.slow  # a router process, waiting on its drain
 @pytest.mark.parametrize("drain_s", [30.0, 0.5])
 def test_sigterm_drains_streams_then_exits_cleanly(drain_s: float, bundled_model_dir) -> None:
     workers = WorkersInThread()
