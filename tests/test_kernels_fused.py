@@ -18,8 +18,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.attention_metadata import AttentionMetadata
 from engine.layers.rotary import RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.weights import load_model
+from kernels import _backend
 from kernels.fused_add_rmsnorm import (
     _rmsnorm_kernel,
     fused_add_rmsnorm_reference,
@@ -29,6 +32,7 @@ from kernels.fused_add_rmsnorm import (
 )
 from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
 from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
+from tests.hf_reference import tiny_random_model_dir
 
 assert isinstance(_rmsnorm_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
 DTYPES = [torch.float32, torch.float16]
@@ -216,3 +220,27 @@ def test_rotary_reference_equals_transformers(head_dim, rope):
     torch.testing.assert_close(got_q, want_q, rtol=0, atol=1e-6)  # cos/sin may differ in the last ulp
     torch.testing.assert_close(kv[0].flatten(0, 1)[: len(positions)], want_k, rtol=0, atol=1e-6)
     assert torch.equal(kv[1].flatten(0, 1)[: len(positions)], v)
+
+
+# ---- the model on the fused kernels ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama3_scaled"])
+@torch.no_grad()
+def test_tiny_model_triton_path_equals_torch_path(arch, tmp_path, monkeypatch):
+    """A prefill then two decode steps through the whole model (fused kernels, in-place norms, attention
+    reading the cache the fused RoPE wrote): the interpreted Triton path gives the torch path's logits."""
+    model, config = load_model(tiny_random_model_dir(tmp_path, arch))
+    steps = [([9], [9], 0), ([1], [10], 9), ([1], [11], 10)]  # (query_lens, seq_lens, first position)
+    ids = torch.randint(0, config.vocab_size, (11,))
+    logits = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+        kv = torch.zeros(config.num_hidden_layers, 2, 4, 4, config.num_key_value_heads, config.head_dim)
+        rows = []
+        for q_lens, s_lens, start in steps:
+            meta = AttentionMetadata.build(q_lens, s_lens, [[2, 0, 3]], block_size=4)
+            positions = torch.arange(start, start + q_lens[0])
+            rows.append(model.compute_logits(model(ids[positions], positions, meta, kv)))
+        logits[backend] = torch.cat(rows)
+    torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
