@@ -237,6 +237,7 @@ def run(coro) -> None:
 # ---- Redis ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_redis_killed_then_restarted_empty(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -271,6 +272,7 @@ def test_redis_killed_then_restarted_empty(
     assert not messages(caplog, "is down")
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_redis_hung_by_sigstop(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="router")
 
@@ -366,6 +368,7 @@ def test_a_policy_that_raises_fails_only_its_request_with_a_plain_message(caplog
 # ---- huge prompts --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_dir) -> None:
     async def main() -> None:
         async with running_router(
@@ -448,6 +451,7 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
 # ---- workers that go and come back ---------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="router")
 
@@ -679,6 +683,7 @@ def test_metrics_are_served_over_http() -> None:
     assert "pdserve:router_index_state 1.0" in body
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_an_emptied_redis_is_resynced_from_the_workers(redis_server: RedisServer) -> None:
     async def main() -> None:
         async with running_router(redis_url=redis_server.url) as h:
@@ -694,6 +699,7 @@ def test_an_emptied_redis_is_resynced_from_the_workers(redis_server: RedisServer
     run(main())
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_a_prefill_worker_restarted_with_a_new_epoch_is_resynced() -> None:
     async def main() -> None:
         async with running_router() as h:
@@ -714,6 +720,7 @@ def test_a_prefill_worker_restarted_with_a_new_epoch_is_resynced() -> None:
     run(main())
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_a_draining_worker_gets_nothing_new(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="router")
 
@@ -738,6 +745,7 @@ def test_a_draining_worker_gets_nothing_new(caplog: pytest.LogCaptureFixture) ->
     assert len(messages(caplog, "is draining")) == 2
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_tokenizing_is_bounded_and_a_full_queue_refuses(bundled_model_dir) -> None:
     import threading
 
@@ -775,6 +783,7 @@ def test_tokenizing_is_bounded_and_a_full_queue_refuses(bundled_model_dir) -> No
     assert encoder.min_tokens(pb.GenerateRequest(text="x" * 1000)) == -(-1000 // encoder.max_token_chars)
 
 
+@pytest.mark.slow  # seconds of waiting on real servers and timeouts
 def test_a_large_snapshot_reaches_redis(redis_server: RedisServer) -> None:
     """A snapshot of 20,000 blocks takes Redis longer than a request's 50 ms budget: it goes with the
     longer bulk timeout, off the event loop, and the index still learns it."""
