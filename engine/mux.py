@@ -27,6 +27,7 @@ raises `RpcAbort` for a status, exactly as it would call `context.abort` on a ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -65,6 +66,8 @@ class RpcAbort(Exception):
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
+
+_FIRST_FRAME_S = 1.0  # what a closing server waits for a new stream's first frame (serve_many)
 
 # a shared stream that fails with these says something about the server, not the connection: keep them
 _STREAM_CODES_KEPT = (
@@ -129,6 +132,7 @@ async def serve_many(
     async def read() -> None:
         try:
             async for frame in frames:
+                first_frame.set()
                 if frame.stream == 0:  # a ping: answer at once
                     out.put_nowait(reply_cls(stream=0))
                     continue
@@ -151,10 +155,15 @@ async def serve_many(
 
     async def end_when_idle(closing: asyncio.Event) -> None:
         await closing.wait()
+        # a stream opened just now carries its first call right behind it: let it in, to get its own
+        # answer (a draining worker's refusal) rather than a stream that ends under it
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(first_frame.wait(), _FIRST_FRAME_S)
         while tasks:
             await asyncio.gather(*list(tasks.values()), return_exceptions=True)
         out.put_nowait(None)
 
+    first_frame = asyncio.Event()
     reader = asyncio.create_task(read())
     closer = None if closing is None else asyncio.create_task(end_when_idle(closing))
     try:

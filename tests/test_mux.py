@@ -24,10 +24,12 @@ from protos import pdserve_pb2_grpc as pb_grpc
 class _Scripted(pb_grpc.PrefillServicer):
     """request_id says what to do: 'echo-N' replies N times then ends; 'wait' replies once, then waits for
     a later message and echoes its dst_block_ids; 'hang' replies once and waits forever; 'fail' aborts;
-    'bug' raises. GetLoad returns what the handlers saw, as JSON in worker_id."""
+    'bug' raises; 'close' starts the server's closing (as a drain does). GetLoad returns what the handlers
+    saw, as JSON in worker_id."""
 
     def __init__(self) -> None:
         self.log: list[str] = []
+        self.closing = asyncio.Event()
 
     async def _handle(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):
         rid = request.request_id
@@ -48,12 +50,14 @@ class _Scripted(pb_grpc.PrefillServicer):
                 raise RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room for it")
             elif rid == "bug":
                 raise KeyError("oops")
+            elif rid == "close":
+                self.closing.set()
         except asyncio.CancelledError:
             self.log.append(f"cancelled {rid}")
             raise
 
     async def PrefillMany(self, frames, context):
-        async for reply in serve_many(frames, self._handle, pb.PrefillReply, "response"):
+        async for reply in serve_many(frames, self._handle, pb.PrefillReply, "response", self.closing):
             yield reply
 
     async def GetLoad(self, request, context):
@@ -146,6 +150,31 @@ def test_a_later_message_reaches_the_running_call(server):
             with pytest.raises(grpc.aio.UsageError):
                 await call.write(request_id="wait")
             assert "more wait [3, 4, 5]" in await _server_log(channel)
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_a_closing_server_ends_the_stream_once_its_last_call_has_ended(server):
+    address, _ = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address) as channel:
+            many = _stream(channel)
+            call = many.open(request_id="wait")
+            it = aiter(call)
+            assert (await anext(it)).first_token_id == -1
+            assert await _collect(many.open(request_id="close")) == []
+            await asyncio.sleep(0.2)
+            assert many._call is not None  # "wait" is still open: so is the stream
+            await call.write(request_id="wait", dst_block_ids=[1, 2])
+            assert [r.first_token_id async for r in call] == [3]  # finished, not failed
+            for _ in range(100):
+                if many._call is None:  # the server ended the stream: the next call opens a new one
+                    break
+                await asyncio.sleep(0.05)
+            assert many._call is None
+            assert await _collect(many.open(request_id="echo-2")) == [0, 1]
             many.close()
 
     asyncio.run(main())
