@@ -68,7 +68,9 @@ class StaticInputs:
         self.host_buf = torch.zeros(numel, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self.host_buf.numpy()
         self._arange = np.arange(max_batch + 1, dtype=np.int32)
-        self._uploaded: torch.cuda.Event | None = None
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+        self._host_views: dict[int, tuple[np.ndarray, ...]] = {}
+        self._copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def numel(self, b: int) -> int:
         return 8 * b + 1 + b * self.width
@@ -80,16 +82,23 @@ class StaticInputs:
         tables = buf[8 * b + 1 : self.numel(b)].view(b, self.width)
         return (*i64, buf[6 * b : 7 * b], buf[7 * b : 8 * b + 1], tables)
 
+    def _views(self, b: int) -> tuple[np.ndarray, ...]:
+        """(ids, positions, slots, seq_lens, query_start_loc, block_tables) of bucket b on the host."""
+        if b not in self._host_views:
+            h = self.host
+            i64 = [h[k * 2 * b : (k + 1) * 2 * b].view(np.int64) for k in range(3)]
+            tables = h[8 * b + 1 : self.numel(b)].reshape(b, self.width)
+            self._host_views[b] = (*i64, h[6 * b : 7 * b], h[7 * b : 8 * b + 1], tables)
+        return self._host_views[b]
+
     def fill(self, items: Sequence[ScheduledSeq], b: int) -> bool:
         """Write a decode batch (every item one token), padded to b rows, into the host buffer. False (and
         nothing to upload) when a block table is wider than the graphs' tables."""
         if any(len(it.block_table) > self.width for it in items):
             return False
         self._wait_for_last_upload()
-        h, n, bs = self.host, len(items), self.block_size
-        ids, pos, slots = (h[k * 2 * b : (k + 1) * 2 * b].view(np.int64) for k in range(3))
-        seq_lens = h[6 * b : 7 * b]
-        tables = h[8 * b + 1 : self.numel(b)].reshape(b, self.width)
+        n, bs = len(items), self.block_size
+        ids, pos, slots, seq_lens, starts, tables = self._views(b)
         for i, it in enumerate(items):
             p, table = it.start_pos, it.block_table
             ids[i] = it.token_ids[0]
@@ -98,15 +107,17 @@ class StaticInputs:
             seq_lens[i] = p + 1
             tables[i, : len(table)] = table
         ids[n:], pos[n:], slots[n:], seq_lens[n:] = 0, 0, -1, 0
-        h[7 * b : 8 * b + 1] = self._arange[: b + 1]
+        starts[:] = self._arange[: b + 1]
         return True
 
     def upload(self, b: int) -> None:
         """Queue the copy of bucket b's inputs to the device (pinned: the host does not wait)."""
-        k = self.numel(b)
-        self.device_buf[:k].copy_(self.host_buf[:k], non_blocking=True)
-        if self.device_buf.is_cuda:
-            self._uploaded = torch.cuda.Event()
+        if b not in self._copy_views:
+            k = self.numel(b)
+            self._copy_views[b] = (self.device_buf[:k], self.host_buf[:k])
+        dst, src = self._copy_views[b]
+        dst.copy_(src, non_blocking=True)
+        if self._uploaded is not None:
             self._uploaded.record()
 
     def _wait_for_last_upload(self) -> None:
@@ -197,13 +208,13 @@ class DecodeGraphs:
 
     def capture_one(self, key: GraphKey) -> tuple[Replay, torch.Tensor]:
         """Capture one graph and return it (replay, output) without keeping it."""
-        b = key[0]
+        b, forward = key[0], self.forward
         self.inputs.fill([], b)
         self.inputs.upload(b)
         ids, positions, meta = self._arguments(key)
 
         def fn() -> torch.Tensor:
-            return self.forward(ids, positions, meta)
+            return forward(ids, positions, meta)
 
         self.capturer.warmup(fn)
         return self.capturer.capture(fn)

@@ -97,10 +97,11 @@ class ModelRunner:
     # ---- CUDA graphs ---------------------------------------------------------------------------------
 
     def _decode_graphs(self, kv_cache: torch.Tensor) -> DecodeGraphs:
-        cfg = self.model_config
+        cfg, model = self.model_config, self.model
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            return self.model(ids, positions, meta, kv_cache)
+            # closes over the model, not the runner: no reference cycle keeps a dropped engine's memory
+            return model(ids, positions, meta, kv_cache)
 
         def plans(num_seqs: int) -> list[DecodeGraphPlan]:
             return decode_graph_plans(
