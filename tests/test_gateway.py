@@ -73,6 +73,20 @@ def stack(bundled_model_dir):
         cluster.stop()
 
 
+SMALL_LIMIT = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_gateway(stack):
+    """A second gateway on the same cluster that accepts bodies up to 1 MiB."""
+    proc, url = start_gateway(stack.cluster.router, "--api-key", KEY, "--max-request-bytes", str(SMALL_LIMIT))
+    try:
+        yield Stack(stack.cluster, proc, url, stack.model)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def tok(bundled_model_dir):
     from engine.tokenizer import Tokenizer
@@ -246,6 +260,33 @@ def test_error_statuses(stack):
     assert stack.post("/v1/completions", {"model": stack.model, "prompt": "hi"}, key=None).status_code == 401
 
 
+def test_big_bodies_are_refused_at_once_while_others_are_served(small_gateway):
+    gw = small_gateway
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    async def run():
+        async with httpx.AsyncClient(headers=headers, timeout=120) as client:
+
+            async def big(size: int) -> tuple[int, str, float]:
+                body = b'{"model": "%s", "prompt": "' % gw.model.encode() + b"go " * (size // 3) + b'"}'
+                start = time.monotonic()
+                r = await client.post(gw.url + "/v1/completions", content=body)
+                return r.status_code, r.json()["error"]["code"], time.monotonic() - start
+
+            async def normal() -> int:
+                body = {"model": gw.model, "prompt": "Hello", "max_tokens": 2}
+                return (await client.post(gw.url + "/v1/completions", json=body)).status_code
+
+            ok = asyncio.create_task(normal())
+            refused = await asyncio.gather(*(big(2 * 1024 * 1024) for _ in range(10)), big(20 * 1024 * 1024))
+            return refused, await ok
+
+    refused, ok = asyncio.run(run())
+    assert ok == 200
+    assert [(status, code) for status, code, _ in refused] == [(413, "request_too_large")] * 11
+    assert max(took for _, _, took in refused) < 1.0, refused
+
+
 def test_health_models_metrics(stack):
     assert httpx.get(stack.url + "/health").status_code == 200
     assert [m.id for m in stack.client().models.list()] == [stack.model]
@@ -392,7 +433,7 @@ def from_openapi(schema: dict, components: dict, depth: int = 0) -> st.SearchStr
     if kind == "number":
         return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False)
     simple = {"string": st.text(max_size=20), "boolean": st.booleans(), "null": st.none()}
-    return simple.get(kind, _json_leaf)
+    return simple.get(str(kind), _json_leaf)
 
 
 def _fuzz_schema(stack, statuses):
@@ -423,6 +464,52 @@ def _fuzz_schema(stack, statuses):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
     run()
+
+
+_BRACKETS = st.sampled_from(["[", '{"a": '])
+
+
+@st.composite
+def _abusive(draw) -> tuple[bytes, int]:
+    """A body over the small gateway's limit (413), or one nesting deeper than 64 (400), with its status."""
+    if draw(st.booleans()):
+        filler = draw(st.sampled_from([b"a", b"[", b"\\u00e9", b'{"x": 1}, ']))
+        size = draw(st.integers(SMALL_LIMIT + 1, 3 * SMALL_LIMIT))
+        return b'{"model": "SmolLM2-135M-Instruct", "prompt": "' + filler * (size // len(filler)) + b'"}', 413
+    opens = draw(st.lists(_BRACKETS, min_size=65, max_size=400)) * draw(st.integers(1, 50))
+    closes = "".join("]" if o == "[" else "}" for o in reversed(opens)) if draw(st.booleans()) else ""
+    inner = "".join(opens) + "1" + closes
+    where = draw(
+        st.sampled_from(["{}", '{{"model": "SmolLM2-135M-Instruct", "prompt": {}}}', '{{"messages": {}}}'])
+    )
+    return where.format(inner).encode(), 400
+
+
+def _fuzz_limits(gw: Stack) -> None:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    @settings(
+        max_examples=40,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
+    @given(_abusive(), st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+    def run(case, path):
+        raw, status = case
+        r = httpx.post(gw.url + path, content=raw, headers=headers, timeout=60)
+        assert r.status_code == status, (len(raw), raw[:80], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    run()
+
+
+def test_fuzzing_oversized_and_deep_bodies_never_give_5xx(small_gateway):
+    _fuzz_limits(small_gateway)
+    assert small_gateway.proc.poll() is None
+    r = small_gateway.client().completions.create(model=small_gateway.model, prompt="Hi", max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_fuzzing_never_gives_5xx_and_nothing_dies(stack):
