@@ -32,6 +32,7 @@ from engine.uploads import upload
 
 History = tuple[list[int], list[int]]  # (prompt ids, output ids)
 _WORD = (1 << 64) - 1
+MAX_TOPK = 1024  # top-k without top-p up to this k takes torch.topk, beyond it a sort
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Sampler:
         )
         if histories is not None and any(p.has_penalties for p in params):
             logits = apply_penalties_with(logits, t, params, histories)
-        tokens = sample_tokens(logits, t, stages_of(params))  # (num_seqs,)
+        tokens = sample_tokens(logits, t, stages_of(params, logits.shape[1]))  # (num_seqs,)
         top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
         packed = tokens if top < 0 else _pack([tokens, *logprob_tensors(raw, tokens, top)])
         ready = None
@@ -131,11 +132,16 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([x.double().flatten() for x in tensors])
 
 
-def stages_of(params: list[SamplingParams]) -> Stages:
+def stages_of(params: list[SamplingParams], vocab: int) -> Stages:
     sampling = [p for p in params if not p.greedy]
+    sort = any(p.top_p < 1.0 for p in sampling)
+    max_k = max((min(p.top_k, vocab) for p in sampling if p.top_k > 0), default=0)
+    if max_k > MAX_TOPK:  # a large k: one sort is cheaper than topk
+        sort, max_k = True, 0
     return Stages(
         sample=bool(sampling),
-        cut=any(p.top_k > 0 or p.top_p < 1.0 for p in sampling),
+        sort=sort,
+        max_k=0 if sort else max_k,
         min_p=any(p.min_p > 0.0 for p in sampling),
     )
 
@@ -206,5 +212,5 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """Softmax of logits / temperature after top-k, top-p and min-p filtering; (rows, vocab)."""
     t = sampling_tensors(params, [0] * len(params), [0] * len(params), logits.shape[1], logits.device)
     scaled = scaled_logits(logits, t)
-    keep = _filter_mask(scaled, t, Stages(sample=True, cut=True, min_p=True))
+    keep = _filter_mask(scaled, t, Stages(sample=True, sort=True, max_k=0, min_p=True))
     return scaled.masked_fill(~keep, float("-inf")).softmax(dim=-1)

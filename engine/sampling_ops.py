@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling_noise import gumbel_argmax
-from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff
 
-CANDIDATES = 1024  # top values per row in which top-k / top-p usually find their cutoff
 INT_KNOBS = ("seed", "position")
 FLOAT_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition", "frequency", "presence", "pad")
 
@@ -25,7 +23,8 @@ class Stages:
     """What a step's rows need, known on the host from their parameters."""
 
     sample: bool  # some row samples (temperature > 0)
-    cut: bool  # some sampling row has top-k or top-p
+    sort: bool  # some sampling row has top-p: sort the rows
+    max_k: int  # without top-p, the largest top-k of a sampling row (0: none): one topk, no sort
     min_p: bool  # some sampling row has min-p
 
 
@@ -82,41 +81,51 @@ def history_counts(
     return counts[:, :vocab], seen[:, :vocab]
 
 
-def cutoff(
+def top_k_top_p_cutoff(
     scaled: torch.Tensor,  # (rows, vocab) float32: logits / temperature
-    top_k: torch.Tensor,  # (rows, 1); the vocabulary size when off
+    top_k: torch.Tensor,  # (rows, 1)
     top_p: torch.Tensor,  # (rows, 1); 1: off
-    skip: torch.Tensor,  # (rows,) bool: rows that need no cutoff (greedy)
-) -> torch.Tensor:  # (rows, 1): the smallest value top-k then top-p keep
-    """From the rows' CANDIDATES largest values (one topk) wherever they decide it: top_k within them, or
-    top-p's mass reached within them. Other rows (a flat distribution, a large k) get the exact
-    search over the whole row (`kernels/top_k_top_p_cutoff.py`), which skips the rows decided here."""
+) -> torch.Tensor:  # (rows, 1): the smallest logit the filters keep
+    """Top-k, then top-p over the top-k renormalized (vLLM's order): keep the fewest top tokens whose
+    probability reaches top_p. One sort of the rows; the cutoff is a value, so tokens tied with the last
+    kept one are kept too."""
     vocab = scaled.shape[1]
-    best = scaled.topk(min(CANDIDATES, vocab), dim=-1).values  # (rows, c), descending
-    c = best.shape[1]
-    rank = torch.arange(c, device=scaled.device)
-    small_k = top_k <= c  # (rows, 1): top-k's cut is among the candidates
-    weights = torch.exp(best - best[:, :1]).masked_fill(rank >= top_k, 0.0)  # (rows, c)
-    cum = weights.cumsum(dim=-1)
-    rest = torch.exp(scaled - best[:, :1]).sum(dim=-1, keepdim=True) - cum[:, -1:]  # mass beyond them
-    total = torch.where(small_k, cum[:, -1:], cum[:, -1:] + rest)  # the top-k's mass
-    reached = (cum - weights) < top_p * total  # tokens whose predecessors' mass is short of top_p
-    kept = torch.where(
-        top_p >= 1.0, torch.minimum(top_k, torch.full_like(top_k, c)), reached.sum(-1, keepdim=True)
-    )
-    no_k = top_k >= vocab  # (a k past the candidates but short of the vocabulary: the search decides)
-    decided = small_k | (no_k & ((top_p >= 1.0) | (cum[:, -1:] >= top_p * total)))
-    fast = best.gather(1, (kept.long().clamp(1, c) - 1))
-    fast = fast.masked_fill(no_k & (top_p >= 1.0), float("-inf"))
-    exact = top_k_top_p_cutoff(scaled, top_k, top_p, skip=skip | decided.squeeze(1))
-    return torch.where(decided, fast, exact)
+    ordered = scaled.sort(dim=-1, descending=True).values  # (rows, vocab)
+    in_k = torch.arange(vocab, device=scaled.device) < top_k  # (rows, vocab)
+    probs = ordered.masked_fill(~in_k, float("-inf")).softmax(dim=-1)
+    before = _cumsum(probs) - probs  # mass of the tokens ranked above each one
+    in_p = (before < top_p) | (top_p >= 1.0)  # the top token always stays
+    num_kept = (in_k & in_p).sum(dim=-1, keepdim=True)  # (rows, 1), at least 1
+    return ordered.gather(1, num_kept - 1)
+
+
+def top_k_cutoff(scaled: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """(rows, 1): the top_k-th largest of each row, from one topk of the largest k asked for (no sort);
+    -inf for rows whose k is past max_k (top-k off)."""
+    best = scaled.topk(max_k, dim=-1).values  # (rows, max_k), descending
+    cut = best.gather(1, top_k.long().clamp(1, max_k) - 1)
+    return cut.masked_fill(top_k > max_k, float("-inf"))
+
+
+def _cumsum(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Cumulative sum along the last dim in blocks: many short scans and one over the block totals run far
+    faster on a GPU than one scan per long row."""
+    rows, n = x.shape
+    pad = -n % block
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(rows, -1, block).cumsum(dim=-1)  # (rows, nb, block)
+    totals = blocks[..., -1]  # (rows, nb)
+    offsets = totals.cumsum(dim=-1) - totals  # exclusive
+    return (blocks + offsets.unsqueeze(-1)).view(rows, -1)[:, :n]
 
 
 def filter_threshold(scaled: torch.Tensor, t: SamplingTensors, stages: Stages) -> torch.Tensor:
     """(rows, 1): the smallest logits / temperature that top-k, top-p and min-p keep."""
     threshold = torch.full_like(scaled[:, :1], float("-inf"))  # (rows, 1)
-    if stages.cut:
-        threshold = cutoff(scaled, t.top_k, t.top_p, skip=t.temperature.squeeze(1) <= 0)
+    if stages.sort:
+        cut = top_k_top_p_cutoff(scaled, t.top_k, t.top_p)
+        threshold = torch.maximum(threshold, cut)
+    elif stages.max_k:
+        threshold = torch.maximum(threshold, top_k_cutoff(scaled, t.top_k, stages.max_k))
     if stages.min_p:  # p >= min_p * p_max, in logits: scaled >= max + log(min_p)
         threshold = torch.maximum(threshold, scaled.amax(dim=-1, keepdim=True) + torch.log(t.min_p))
     return threshold
@@ -137,7 +146,7 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors, stages: Stages) -> t
     softmax(logits / temperature) with noise from (seed, position)."""
     if not stages.sample:
         return logits.argmax(dim=-1)
-    if stages.cut or stages.min_p:
+    if stages.sort or stages.max_k or stages.min_p:
         threshold = filter_threshold(scaled_logits(logits, t), t, stages)
     else:
         threshold = torch.full_like(t.temperature, float("-inf"))

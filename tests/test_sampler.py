@@ -264,54 +264,30 @@ def test_fused_sampling_kernel_matches_its_reference():
     assert want[1] == scaled[1].argmax()  # only the top token is at or above its threshold
 
 
-def test_top_k_cuts_only_the_rows_that_ask():
+def test_top_k_without_top_p_cuts_only_the_rows_that_ask():
     from engine.sampler import sampling_tensors, stages_of
     from engine.sampling_ops import filter_threshold
 
     scaled = torch.randn(3, 100)
     params = [SamplingParams(top_k=5), SamplingParams(), SamplingParams(top_k=2)]
+    stages = stages_of(params, 100)
+    assert not stages.sort and stages.max_k == 5
     t = sampling_tensors(params, [0] * 3, [0] * 3, 100, torch.device("cpu"))
-    cut = filter_threshold(scaled, t, stages_of(params)).squeeze(1)
+    cut = filter_threshold(scaled, t, stages).squeeze(1)
     top = scaled.sort(dim=1, descending=True).values
     assert cut.tolist() == [top[0, 4].item(), -math.inf, top[2, 1].item()]
 
 
-@pytest.mark.parametrize("vocab", [7, 300, 2048, 5000])
-def test_cutoff_kernel_finds_the_sorted_cutoff(vocab):
-    """The bisection kernel (Triton's interpreter here) against the sorting reference: top-k, top-p,
-    both, neither, skipped rows, ties and -inf entries."""
-    from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
+def test_a_large_top_k_sorts_and_cuts_like_topk():
+    from engine.sampler import MAX_TOPK, sampling_tensors, stages_of
+    from engine.sampling_ops import filter_threshold
 
-    g = torch.Generator().manual_seed(vocab)
-    rows = 8
-    scaled = torch.randn(rows, vocab, generator=g) * 3
-    scaled[1] = scaled[1].round()  # many ties
-    scaled[2, : vocab // 2] = -math.inf
-    top_k = torch.tensor([5, vocab, 3, vocab, 1, 40, vocab, 2], dtype=torch.float32).clamp(max=vocab)
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.95, 0.7, 1.0, 0.01])
-    skip = torch.zeros(rows, dtype=torch.bool)
-    skip[7] = True
-    args = (scaled, top_k.unsqueeze(1), top_p.unsqueeze(1), skip)
-    want = top_k_top_p_cutoff_reference(*args)
-    assert torch.equal(top_k_top_p_cutoff_triton(*args), want)
-    assert want[6].item() == -math.inf and want[7].item() == -math.inf
-
-
-@pytest.mark.parametrize("candidates", [8, 64, 1024])
-def test_cutoff_from_candidates_or_search_equals_the_sort(candidates, monkeypatch):
-    """Rows decided among the top candidates (small k, top-p reached early) and rows left to the exact
-    search (a flat row, a k past the candidates) both give the sorting reference's cutoff."""
-    import engine.sampling_ops as ops
-    from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff_reference
-
-    monkeypatch.setattr(ops, "CANDIDATES", candidates)
-    g = torch.Generator().manual_seed(candidates)
-    rows, vocab = 24, 300
-    scaled = torch.randn(rows, vocab, generator=g) * torch.linspace(0.1, 6, rows).unsqueeze(1)
-    top_k = torch.randint(1, vocab, (rows, 1), generator=g).float()
-    top_k[::3] = vocab
-    top_p = torch.rand(rows, 1, generator=g) * 0.98 + 0.01
-    top_p[1::4] = 1.0
-    skip = torch.zeros(rows, dtype=torch.bool)
-    got = ops.cutoff(scaled, top_k, top_p, skip)
-    assert torch.equal(got, top_k_top_p_cutoff_reference(scaled, top_k, top_p))
+    vocab = MAX_TOPK * 2
+    scaled = torch.randn(2, vocab)
+    params = [SamplingParams(top_k=MAX_TOPK + 1), SamplingParams(top_k=7)]
+    stages = stages_of(params, vocab)
+    assert stages.sort and not stages.max_k
+    t = sampling_tensors(params, [0] * 2, [0] * 2, vocab, torch.device("cpu"))
+    cut = filter_threshold(scaled, t, stages).squeeze(1)
+    top = scaled.sort(dim=1, descending=True).values
+    assert cut.tolist() == [top[0, MAX_TOPK].item(), top[1, 6].item()]

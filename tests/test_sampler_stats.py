@@ -71,7 +71,7 @@ def draw(params: SamplingParams, salt: int) -> np.ndarray:
     rows = [params] * ROWS
     t = sampling_tensors(rows, seeds, positions, len(P), torch.device("cpu"))
     logits = torch.tensor(LOGITS, dtype=torch.float32).expand(ROWS, -1)
-    tokens = sample_tokens(logits, t, stages_of(rows))
+    tokens = sample_tokens(logits, t, stages_of(rows, len(P)))
     return np.bincount(tokens.numpy(), minlength=len(P))
 
 
@@ -94,17 +94,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=[1024, 4], ids=["cut_among_candidates", "cut_by_search"])
-def candidates(request, monkeypatch):
-    """With 4 candidates most cases' cutoffs fall past them: the exact search over the row decides."""
-    import engine.sampling_ops
-
-    monkeypatch.setattr(engine.sampling_ops, "CANDIDATES", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("knobs, wrong", CASES)
-def test_draws_follow_the_filtered_distribution(knobs, wrong, candidates):
+def test_draws_follow_the_filtered_distribution(knobs, wrong):
     want, other = exact(LOGITS, **knobs), exact(LOGITS, **wrong)
     assert np.abs(want - other).sum() > 0.02, "the wrong distribution must differ"
     counts = draw(SamplingParams(**knobs), salt=len(str(knobs)))

@@ -10,7 +10,6 @@ from engine.sampler import Sampler, sampling_tensors, stages_of
 from engine.sampling_ops import sample_tokens
 from engine.sampling_params import SamplingParams
 from kernels.sampling_noise import gumbel_noise_reference, gumbel_noise_triton
-from kernels.top_k_top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
 
 ROWS, VOCAB = 64, 32_000
 CASES = [
@@ -46,27 +45,15 @@ def test_noise_kernel_matches_its_reference_on_the_device():
     assert (got.cpu() == ref).float().mean() > 0.999
 
 
-def test_cutoff_kernel_matches_the_sort():
-    scaled = well_separated_logits(6) / 0.8
-    g = torch.Generator().manual_seed(7)
-    top_k = torch.randint(1, 2000, (ROWS, 1), generator=g).float()
-    top_k[::4] = VOCAB  # top-p alone
-    top_p = torch.rand(ROWS, 1, generator=g) * 0.9 + 0.05
-    top_p[1::4] = 1.0  # top-k alone
-    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
-    got = top_k_top_p_cutoff_triton(scaled.cuda(), top_k.cuda(), top_p.cuda())
-    assert torch.equal(got.cpu(), want)
-
-
 @pytest.mark.parametrize("params", CASES)
 def test_gpu_draws_the_cpu_tokens(params):
     logits = well_separated_logits(1)
     rows, seeds, positions = row_knobs(params, 2)
     cpu = sample_tokens(
-        logits, sampling_tensors(rows, seeds, positions, VOCAB, torch.device("cpu")), stages_of(rows)
+        logits, sampling_tensors(rows, seeds, positions, VOCAB, torch.device("cpu")), stages_of(rows, VOCAB)
     )
     t = sampling_tensors(rows, seeds, positions, VOCAB, torch.device("cuda"))
-    gpu = sample_tokens(logits.cuda(), t, stages_of(rows))
+    gpu = sample_tokens(logits.cuda(), t, stages_of(rows, VOCAB))
     assert gpu.cpu().tolist() == cpu.tolist()
 
 
@@ -102,7 +89,7 @@ def test_sampling_queues_everything_before_the_read():
 def test_sampling_replays_in_a_cuda_graph():
     params = CASES[1]
     rows, seeds, positions = row_knobs(params, 4)
-    stages = stages_of(rows)
+    stages = stages_of(rows, VOCAB)
     static_logits = well_separated_logits(5).cuda()
     t = sampling_tensors(rows, seeds, positions, VOCAB, torch.device("cuda"))
     sample_tokens(static_logits, t, stages)  # compiles the kernel outside the capture
