@@ -139,3 +139,12 @@ def test_decode_plans_split_only_small_batches_and_long_contexts():
 def test_cpu_engine_captures_nothing(tiny):
     llm = LLM(str(tiny), device="cpu", dtype="float32", max_model_len=64)
     assert llm.engine.runner.graphs is None
+
+
+def test_enforce_eager_reaches_the_engine_config_from_the_command_line():
+    from engine.cli import build_parser, engine_kwargs
+
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["generate", "hi", "--enforce-eager"]))["enforce_eager"] is True
+    assert engine_kwargs(parser.parse_args(["generate", "hi"]))["enforce_eager"] is False
+    assert engine_kwargs(parser.parse_args(["decode", "--enforce-eager"]))["enforce_eager"] is True
