@@ -99,13 +99,12 @@ class StaticInputs:
         self._wait_for_last_upload()
         n, bs = len(items), self.block_size
         ids, pos, slots, seq_lens, starts, tables = self._views(b)
+        ids[:n] = [it.token_ids[0] for it in items]
+        pos[:n] = [it.start_pos for it in items]
+        slots[:n] = [it.block_table[it.start_pos // bs] * bs + it.start_pos % bs for it in items]
+        np.add(pos[:n], 1, out=seq_lens[:n], casting="unsafe")
         for i, it in enumerate(items):
-            p, table = it.start_pos, it.block_table
-            ids[i] = it.token_ids[0]
-            pos[i] = p
-            slots[i] = table[p // bs] * bs + p % bs
-            seq_lens[i] = p + 1
-            tables[i, : len(table)] = table
+            tables[i, : len(it.block_table)] = it.block_table
         ids[n:], pos[n:], slots[n:], seq_lens[n:] = 0, 0, -1, 0
         starts[:] = self._arange[: b + 1]
         return True
