@@ -78,8 +78,6 @@ class Sampler:
             before_read()
         if ready is not None:
             ready.synchronize()
-        if top < 0:
-            return SamplerOutput(packed.tolist(), [None] * len(params))
         token_ids = packed[: len(params)].long().tolist()
         return SamplerOutput(token_ids, self._logprobs(params, token_ids, top, packed))
 
@@ -100,8 +98,10 @@ class Sampler:
         params: list[SamplingParams], token_ids: list[int], top: int, packed: torch.Tensor
     ) -> list[dict[int, float] | None]:
         """The packed results on the host as one dict per row (None where not asked for): the sampled
-        token's logprob, then the top ones the row asked for."""
+        token's logprob, then the top ones the row asked for. `top` < 0: no row asked."""
         n = len(params)
+        if top < 0:
+            return [None] * n
         chosen = packed[n : 2 * n].tolist()
         values = packed[2 * n : 2 * n + n * top].view(n, top).tolist() if top else [[]] * n
         ids = packed[2 * n + n * top :].view(n, top).long().tolist() if top else [[]] * n
