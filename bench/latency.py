@@ -98,6 +98,14 @@ def engine_part(shape: str) -> dict[str, Any]:
     runner.graphs = graphs
     for batch in (1, 64):
         out[f"b{batch}"] = steady_decode(engine, batch, vocab)
+    # A-B: the graphs again with the other short-context plan (engine/attention.py: SHORT_SPLIT)
+    import engine.attention as attention
+
+    attention.SHORT_SPLIT = not attention.SHORT_SPLIT
+    runner.capture_graphs()
+    out["short_split_other"] = {"short_split": attention.SHORT_SPLIT, **decode_tps(generate)}
+    attention.SHORT_SPLIT = not attention.SHORT_SPLIT
+    out["short_split"] = attention.SHORT_SPLIT
     return out
 
 
@@ -342,6 +350,11 @@ def write_records(shape: str, eng: dict, hf: dict, copy_gbs: float, out_dir: Pat
     base_s = f"{base:.0f} tok/s transformers ({tps / base:.2f}x)" if base else "-"
     rows.append([f"decode b1 {shape} tok/s", f"{tps:.0f}", f"roofline {roofline:.0f}; {base_s}",
                  f"{rec['ratio']:.2f}", goal, "yes" if met else "NO"])  # fmt: skip
+    other = eng.get("short_split_other", {})
+    if other:
+        rows.append([f"  same, short-context split {other['short_split']} (default {eng['short_split']})",
+                     f"{other['tok_s']:.0f}", "-", "-", "-", "-"])  # fmt: skip
+    rows.append(["  same, eager (enforce_eager)", f"{eng['eager']['tok_s']:.0f}", "-", "-", "-", "-"])
     if shape == "llama3-8b":
         for batch in (1, 64):
             busy = eng[f"b{batch}"].get("busy")

@@ -18,8 +18,15 @@ from kernels.kv_cache_write import kv_cache_write
 from kernels.paged_decode_attention import MIN_PARTITION, paged_decode_attention, plan_num_splits
 from kernels.paged_prefill_attention import paged_prefill_attention
 
-# contexts up to this many keys decode unsplit (kernels/paged_decode_attention.py: plan_num_splits)
+# contexts up to this many keys are short: the kernel's own plan never splits them
+# (kernels/paged_decode_attention.py: plan_num_splits), a graph's short class may
 SHORT_CONTEXT = 2 * MIN_PARTITION
+# a graph's short class splits short contexts into partitions of SHORT_PARTITION keys (one 64-key tile)
+# when the batch leaves the GPU idle: a program walking its pages one tile after another pays two memory
+# latencies per tile (block table, then K/V), so at batch 1 the unsplit kernel takes ~9 us for 300 keys
+# at Llama-3-8B heads whatever the bandwidth; False: the short class is unsplit
+SHORT_SPLIT = True
+SHORT_PARTITION = 64
 
 
 @dataclass(frozen=True)
@@ -33,16 +40,26 @@ def decode_graph_plans(
     num_seqs: int, max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
 ) -> list[DecodeGraphPlan]:
     """What a captured decode batch of `num_seqs` rows passes the decode kernel on every replay, by the
-    longest context in the batch, shortest class first: up to SHORT_CONTEXT keys the kernel never splits
-    (as when it plans per call), beyond it the split count planned for max_model_len (the partitions come
-    from the plan's max_seq_len, fixed too; shorter sequences leave later splits idle) with the workspace
-    those splits need. A batch too big to split has one plan."""
+    longest context in the batch, shortest class first. A batch big enough to fill the GPU unsplit has
+    one plan, unsplit. Smaller batches have two: contexts up to SHORT_CONTEXT keys, split into as many
+    SHORT_PARTITION-key partitions as fill the GPU (SHORT_SPLIT); longer ones, the split count planned for
+    max_model_len (the partitions come from the plan's max_seq_len, fixed too, so shorter sequences leave
+    later splits idle). Each with the workspace its splits need."""
     splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device)
     if splits == 1:
         return [DecodeGraphPlan(max_model_len, 1, 0)]
-    numel = decode_workspace_size(num_seqs, num_heads, splits, head_dim, num_kv_heads)
-    # splits > 1: max_model_len > SHORT_CONTEXT
-    return [DecodeGraphPlan(SHORT_CONTEXT, 1, 0), DecodeGraphPlan(max_model_len, splits, numel)]
+    # splits > 1: max_model_len > SHORT_CONTEXT, and (sequence, kv head) programs leave the GPU idle
+    target = 4 * _backend.num_sms(device)
+    short = max(1, min(SHORT_CONTEXT // SHORT_PARTITION, target // (num_seqs * num_kv_heads)))
+    short = short if SHORT_SPLIT else 1
+
+    def numel(s: int) -> int:
+        return decode_workspace_size(num_seqs, num_heads, s, head_dim, num_kv_heads) if s > 1 else 0
+
+    return [
+        DecodeGraphPlan(SHORT_CONTEXT, short, numel(short)),
+        DecodeGraphPlan(max_model_len, splits, numel(splits)),
+    ]
 
 
 def graph_capturable(device: torch.device) -> bool:

@@ -73,7 +73,9 @@ class ModelRunner:
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
         )
-        self.graphs: DecodeGraphs | None = self._capture_graphs() if self.graph_sizes else None
+        self.graphs: DecodeGraphs | None = None
+        if self.graph_sizes:
+            self.capture_graphs()
 
     @property
     def num_blocks(self) -> int:
@@ -153,7 +155,9 @@ class ModelRunner:
         return torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
 
     @torch.inference_mode()
-    def _capture_graphs(self) -> DecodeGraphs:
+    def capture_graphs(self) -> DecodeGraphs:
+        """Capture the decode graphs over the KV cache; again, the old ones go first (their memory reused)."""
+        self.graphs = None
         t0 = time.perf_counter()
         free0, _ = self._memory_now()
         graphs = self._decode_graphs(self.kv_cache)
@@ -167,6 +171,7 @@ class ModelRunner:
             time.perf_counter() - t0,
             used / 2**30,
         )
+        self.graphs = graphs
         return graphs
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.attention import SHORT_CONTEXT
 from tests.hf_reference import _tiny_config, hf_greedy, tiny_random_model_dir, write_tiny_tokenizer
 
 
@@ -90,5 +91,10 @@ def test_split_kv_graphs_with_arrivals_mid_run_match_transformers(long_tiny):
         steps += 1
     assert [done[r] for r in rids] == hf_greedy(long_tiny, batch, max_tokens)
     assert len(rids) == len(batch) and graphs.num_replays > 20
-    split = [n for (b, i), n in graphs.replay_counts.items() if graphs.plans[b][i].num_splits > 1]
-    assert sum(split) > 10  # the split-KV graphs ran
+    long = [n for (b, i), n in graphs.replay_counts.items() if graphs.plans[b][i].max_seq_len > SHORT_CONTEXT]
+    assert sum(long) > 10  # the long-context graphs (split-KV over max_model_len) ran
+    short = random_prompts([20, 7, 33], seed=5)  # then only short contexts: the short-context graphs
+    assert tokens(llm, short, [25, 30, 12]) == hf_greedy(long_tiny, short, [25, 30, 12])
+    assert sum(
+        n for (b, i), n in graphs.replay_counts.items() if graphs.plans[b][i].max_seq_len <= SHORT_CONTEXT
+    )
