@@ -53,6 +53,7 @@ def worker_config(args: argparse.Namespace, role: str):
         seed=kw["seed"],
         max_model_len=kw["max_model_len"],
         served_model_name=args.served_model_name,
+        enforce_eager=kw["enforce_eager"],
         scheduler=SchedulerConfig(
             max_num_seqs=kw["max_num_seqs"],
             max_num_batched_tokens=budget,
