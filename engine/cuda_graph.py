@@ -11,11 +11,13 @@ launches them all at once. What the graphs hold and how a step uses them:
   A step fills its pinned host twin and uploads the bucket's part in one copy, then replays, so no graph
   ever sees another step's inputs.
 - Padded rows: token 0 at position 0, slot -1 (the KV write skips it: no block is touched) and seq_len 0
-  (the decode kernel reads no page and writes zeros). Rows past a sequence's own blocks are never read.
+  (the decode kernel reads no page and writes zeros). Table columns past a sequence's own blocks keep
+  whatever an earlier step left there: the kernels never read them.
 - Attention: the attention backend gives each bucket one plan per context class (engine/attention.py:
-  decode_graph_plans): small buckets have an unsplit graph for short contexts and a split-KV one (a fixed
-  split count, partitions sized for max_model_len) for the rest; one split workspace serves every graph
-  and layer. A step replays the graph of the first class that holds its longest context.
+  decode_graph_plans): small buckets have one graph for short contexts (split into one-tile partitions)
+  and one for the rest (a split count planned for max_model_len); big buckets one, unsplit. One split
+  workspace serves every graph and layer. A step replays the graph of the first class that holds its
+  longest context.
 - Capture: largest bucket first, into one memory pool, so the smaller graphs reuse its blocks.
 """
 
