@@ -96,6 +96,7 @@ def engine_part(shape: str) -> dict[str, Any]:
     graphs, runner.graphs = runner.graphs, None
     out["eager"] = decode_tps(generate)
     runner.graphs = graphs
+    del graphs  # the runner's reference only: recapturing below frees them
     for batch in (1, 64):
         out[f"b{batch}"] = steady_decode(engine, batch, vocab)
     # A-B: the graphs again with the other short-context plan (engine/attention.py: SHORT_SPLIT)
