@@ -1,5 +1,6 @@
-"""Seeded sampling through `LLM` on the bundled SmolLM2 (fp32, CPU): a request's tokens depend on its
-seed, prompt and parameters only, not on what shares its batch."""
+"""Seeded sampling on the bundled SmolLM2 (fp32, CPU): a request's tokens depend on its seed, prompt and
+parameters only, not on what shares its batch, nor on whether one process or a prefill and a decode
+worker compute them (the first token is drawn on the prefill worker, the rest on the decode worker)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,32 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch_of_16(llm):
     assert llm.generate(PROMPT, other_seed)[0].outputs[0].token_ids != alone
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_disaggregated_seeded_tokens_equal_one_process(llm):
+    from protos import pdserve_pb2 as pb
+    from tests.cluster import collect, start_cluster
+
+    tok = llm.engine.tokenizer
+    prompts = [tok.encode(PROMPT), tok.encode("Paging keeps memory tidy: blocks of sixteen tokens. " * 12)]
+    knobs = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_tokens": 12, "ignore_eos": True}
+    want = [
+        [c.token_ids for c in out.outputs]
+        for out in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(n=2, seed=77, **knobs)
+        )
+    ]
+    cluster = start_cluster(1, 1, "tcp")
+    try:
+        for ids, expected in zip(prompts, want):
+            req = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(n=2, seed=77, **knobs)
+            )
+            tokens, _, _ = collect(cluster.stub().Generate(req))
+            assert [tokens[0], tokens[1]] == expected
+        cluster.wait_all_blocks_free()
+    finally:
+        cluster.stop()
 
 
 def _knobs(p: SamplingParams) -> dict:
