@@ -97,16 +97,21 @@ class Gateway:
             raise from_grpc(exc) from exc
         return self._info
 
-    async def healthy(self) -> bool:
+    async def unhealthy(self) -> str | None:
+        """None while the router can route; otherwise why not, in the router's words where it gives them."""
         assert self.channel is not None
         try:
             reply = await health_pb2_grpc.HealthStub(self.channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=2
             )
-            await self.model_info(fresh=True)
-        except (grpc.aio.AioRpcError, APIError):
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+            await self.model_info(fresh=True)  # a router that cannot route says why here
+        except grpc.aio.AioRpcError:
+            return f"the router at {self.config.router} does not answer"
+        except APIError as exc:
+            return exc.message
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return "the router is not serving"
+        return None
 
     async def serve(
         self, request: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
@@ -274,9 +279,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def health() -> Response:
         if gw.drain.draining:
             return JSONResponse({"status": "unavailable", "reason": "draining"}, status_code=503)
-        if await gw.healthy():
+        reason = await gw.unhealthy()
+        if reason is None:
             return JSONResponse({"status": "ok"})
-        return APIError(503, "the router or its workers are not serving").response()
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -101,3 +101,14 @@ def test_the_image_holds_every_package_the_distribution_ships() -> None:
     assert packages == copied
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not packages & set(ignored)
+
+
+def test_docker_stop_waits_past_every_drain(services) -> None:
+    """`docker stop` sends SIGTERM, then SIGKILL after the grace period: it must outlast the drain."""
+    for name, service in services.items():
+        if name == "redis":
+            continue
+        grace = service.get("stop_grace_period", "10s")
+        assert grace.endswith("s"), (name, grace)
+        drain = parsed(service).drain_timeout_s
+        assert float(grace[:-1]) > drain + 5, (name, grace, drain)

@@ -411,3 +411,47 @@ def test_a_second_signal_ends_the_drain_at_once(router, tmp_path):
     finally:
         gw.proc.kill()
     assert "Traceback" not in gw.output()
+
+
+class UnroutableRouter(pb_grpc.RouterServicer):
+    """A router whose workers are gone: NOT_SERVING, and GetModelInfo says why."""
+
+    REASON = "no live decode worker (1 known: 127.0.0.1:9 down)"
+
+    def GetModelInfo(self, request, context):
+        context.abort(grpc.StatusCode.UNAVAILABLE, self.REASON)
+
+
+@pytest.fixture
+def unroutable():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_RouterServicer_to_server(UnroutableRouter(), server)
+    checks = health.HealthServicer()
+    checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(grace=None)
+
+
+def test_health_gives_the_routers_reason_when_it_cannot_route(unroutable, tmp_path):
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    cmd = [sys.executable, "-m", "gateway.cli", "--router", unroutable, "--port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+        assert r.status_code == 503
+        assert r.json() == {"status": "unavailable", "reason": UnroutableRouter.REASON}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

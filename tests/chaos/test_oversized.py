@@ -4,11 +4,11 @@ drops out of routing (/health stays 200 and every steady request succeeds)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from tests.chaos.tools import Stack, SteadyLoad, failures, p99
@@ -23,16 +23,22 @@ def huge_body(model: str, size: int) -> bytes:
 
 
 def post_raw(url: str, body: bytes) -> tuple[int, float, dict]:
+    """One POST as a plain client sends it: the body in one write, which lets go of the GIL."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
     t0 = time.monotonic()
-    with httpx.Client(timeout=10) as client:
-        r = client.post(url + "/v1/completions", content=body, headers={"content-type": "application/json"})
-    return r.status_code, time.monotonic() - t0, r.json()
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        return reply.status, time.monotonic() - t0, json.loads(reply.read())
+    finally:
+        conn.close()
 
 
 def test_oversized_bodies_are_refused_fast_and_do_not_stall_others(stack: Stack) -> None:
     bodies = [huge_body(stack.model, 20 * MB)] + [huge_body(stack.model, 2 * MB) for _ in range(10)]
     with SteadyLoad(stack.url, stack.model) as load:
-        load.wait_for(40)  # the baseline
+        load.wait_for(30, timeout=60)  # the baseline
         baseline = p99(load.outcomes)
         start = time.monotonic()
         with ThreadPoolExecutor(len(bodies)) as pool:
@@ -40,10 +46,11 @@ def test_oversized_bodies_are_refused_fast_and_do_not_stall_others(stack: Stack)
         end = time.monotonic()
         load.wait_for(4)
     during = [o for o in load.outcomes if start <= o.start <= end or o.start <= start < o.start + o.seconds]
-    for status, seconds, reply in refused:
+    for status, _, reply in refused:
         assert status in (400, 413), (status, reply)
         assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
-        assert seconds <= 1.0, f"an oversized body took {seconds:.2f} s to be refused"
+    slowest = max(seconds for _, seconds, _ in refused)
+    assert slowest <= 1.0, f"refusals took {[(s, round(t, 2)) for s, t, _ in refused]} s"
     assert during, "no steady request overlapped the oversized ones"
     assert p99(during) <= 2 * baseline, (p99(during), baseline)
     assert not failures(load.outcomes), failures(load.outcomes)[:5]

@@ -35,7 +35,7 @@ RECOVERY_S = 5.0  # "within a few heartbeats" (the router polls every 0.5 s)
 
 
 def prefix(topic: str) -> str:
-    return topic * 4
+    return topic * 6
 
 
 @pytest.fixture(scope="module")

@@ -86,9 +86,7 @@ def finish_reason(event: str) -> str | None:
 
 def test_sigterm_lets_every_stream_finish(tmp_path):
     log = tmp_path / "stack.log"
-    # 16 prefills and a few decode steps fit the default 30 s on any real machine, not always on a
-    # loaded 2-core test box: a longer timeout keeps the test about draining, not speed
-    proc, url = start_stack(log, "--drain-timeout-s", "150")
+    proc, url = start_stack(log)  # the default drain timeout, 30 s
     try:
         results = asyncio.run(sigterm_during_streams(proc, url, max_tokens=6, streaming=1))
         assert proc.wait(timeout=120) == 0
