@@ -8,6 +8,7 @@ RUN apt-get update \
 WORKDIR /opt/pdserve
 COPY pyproject.toml README.md ./
 COPY engine engine
+COPY serving serving
 COPY kernels kernels
 COPY kvtransfer kvtransfer
 COPY router router

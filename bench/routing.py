@@ -29,11 +29,11 @@ import numpy as np
 
 from bench.record import device_name, record
 from engine.block_hash import hash_prompt_blocks
-from router.events import BlockStored, EventBatch, WorkerLoad
 from router.index import InMemoryPrefixIndex, PrefixIndex
 from router.policy import PrefixRouter, make_policy
 from router.sim.fleet import FleetConfig, SimResult, simulate
 from router.sim.workload import Request, WorkloadConfig, generate
+from serving.kv_events import BlockStored, EventBatch, WorkerLoad
 
 POLICIES = ("prefix_aware", "round_robin", "least_loaded", "random")
 CACHE_BLOCKS = 32_768  # per worker: 512k tokens, 64 GiB of Llama-3-8B bf16 KV (128 KiB per token)

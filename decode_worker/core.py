@@ -1,4 +1,4 @@
-"""The decode worker's engine (runs in the engine process; see engine/engine_proc.py).
+"""The decode worker's engine (runs in the engine process; see serving/engine_proc.py).
 
 A request's life here:
   add        -> pending: waits until its prompt's blocks can be reserved (bounded queue)
@@ -25,11 +25,11 @@ import torch
 
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.engine_proc import id_list
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from engine.worker_config import WorkerConfig
 from kvtransfer import KVTransferError, create_receiver
+from serving.engine_proc import id_list
+from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

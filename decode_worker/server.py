@@ -11,13 +11,13 @@ import grpc
 import numpy as np
 
 from engine import trace
-from engine.drain import Drain
-from engine.engine_proc import EngineProcess
-from engine.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
-from engine.mux import ManyCall, ManyStream, RpcAbort, serve_many
-from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.drain import Drain
+from serving.engine_proc import EngineProcess
+from serving.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from serving.mux import ManyCall, ManyStream, RpcAbort, serve_many
+from serving.worker import STATUS, worker_load
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(abort.code, abort.details)
 
     async def GenerateMany(self, frames, context: grpc.aio.ServicerContext):
-        """Generate calls multiplexed on one stream (the router's; engine/mux.py)."""
+        """Generate calls multiplexed on one stream (the router's; serving/mux.py)."""
         async for reply in serve_many(frames, self._admitted, pb.DecodeReply, "chunk", self.drain.started):
             yield reply
 
@@ -223,7 +223,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return self._descriptor_json
 
     def _prefill_stream(self, address: str) -> ManyStream:
-        """One shared stream per prefill worker (engine/mux.py), on one channel each."""
+        """One shared stream per prefill worker (serving/mux.py), on one channel each."""
         stream = self._streams.get(address)
         if stream is None:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

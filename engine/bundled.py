@@ -67,6 +67,13 @@ def gguf_model_dir(gguf_path: str | Path) -> Path:
     return converted_dir(source, cache_root() / "gguf" / f"{source.stem}-{key}")
 
 
+def model_dir(model: str | None) -> str:
+    """A `--model` value as a model directory: the bundled model when absent, a GGUF file converted."""
+    if model is None:
+        return str(bundled_model_dir())
+    return str(gguf_model_dir(model)) if Path(model).is_file() else model
+
+
 def converted_dir(source: Path, target: Path) -> Path:
     if _is_complete(target):
         return target

@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from engine.grpc_common import CHANNEL_OPTIONS
 from engine.tokenizer import Tokenizer
 from gateway.access import AccessLog, AccessRecord, record_of
 from gateway.auth import BearerAuth
@@ -34,6 +33,7 @@ from gateway.responses import Choice, Formatter, TokenText, Totals
 from gateway.router_client import RouterStreams, build, chat_requests, completion_requests
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_common import CHANNEL_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class GatewayConfig:
 def _load_tokenizer(model_dir: str | None) -> Tokenizer | None:
     try:
         if model_dir is None:
-            from engine.roles import model_dir as resolve
+            from engine.bundled import model_dir as resolve
 
             model_dir = resolve(None)
         if not Path(model_dir, "tokenizer.json").is_file():

@@ -1,6 +1,6 @@
 """`pdserve gateway --router HOST:PORT --port 8000`: the OpenAI-compatible HTTP server.
 
-engine/cli.py wires it with `add_gateway_parser(sub)`; `python -m gateway.cli ...` runs it alone.
+serving/cli.py wires it with `add_gateway_parser(sub)`; `python -m gateway.cli ...` runs it alone.
 SIGTERM or Ctrl-C drains it (gateway/drain.py) and it exits 0.
 """
 

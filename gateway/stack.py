@@ -28,7 +28,7 @@ class _Interrupted(Exception):
 
 
 def launch_cluster(prefill: int, decode: int, router_port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "engine.cli", "up", "--prefill", str(prefill), "--decode", str(decode)]
+    cmd = [sys.executable, "-m", "serving.cli", "up", "--prefill", str(prefill), "--decode", str(decode)]
     cmd += ["--port", str(router_port), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -62,7 +62,7 @@ def stop(proc: subprocess.Popen, timeout_s: float) -> None:
 
 def cluster_flags(drain_timeout_s: float) -> list[str]:
     """`--drain-timeout-s` for `pdserve up`, when it (or the workers it passes flags to) takes it."""
-    from engine.cli import build_parser
+    from serving.cli import build_parser
 
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

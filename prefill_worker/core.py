@@ -1,4 +1,4 @@
-"""The prefill worker's engine (runs in the engine process; see engine/engine_proc.py).
+"""The prefill worker's engine (runs in the engine process; see serving/engine_proc.py).
 
 Each request is "compute the prompt, sample one token": it reuses this worker's prefix cache, is batched
 and chunked with other prompts by the ordinary scheduler, and when its last chunk has run, its blocks go
@@ -18,13 +18,13 @@ import numpy as np
 
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.engine_proc import id_list
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sequence import SequenceStatus
-from engine.worker_config import WorkerConfig
 from kvtransfer import KVSender, KVTransferError, connect
-from router.events import KVEventPublisher
+from serving.engine_proc import id_list
+from serving.kv_events import KVEventPublisher
+from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

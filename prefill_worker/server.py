@@ -12,14 +12,14 @@ import grpc
 import numpy as np
 
 from engine import trace
-from engine.drain import Drain
-from engine.engine_proc import EngineProcess
-from engine.grpc_common import logprobs_to_proto, params_from_proto
-from engine.mux import RpcAbort, serve_many
-from engine.serving import STATUS, worker_load
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.events import EventBatch
+from serving.drain import Drain
+from serving.engine_proc import EngineProcess
+from serving.grpc_common import logprobs_to_proto, params_from_proto
+from serving.kv_events import EventBatch
+from serving.mux import RpcAbort, serve_many
+from serving.worker import STATUS, worker_load
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(abort.code, abort.details)
 
     async def PrefillMany(self, frames, context: grpc.aio.ServicerContext):
-        """Prefill calls multiplexed on one stream (a decode worker's; engine/mux.py)."""
+        """Prefill calls multiplexed on one stream (a decode worker's; serving/mux.py)."""
         async for reply in serve_many(
             frames, self._admitted, pb.PrefillReply, "response", self.drain.started
         ):

@@ -395,7 +395,7 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetKVEvents(self, request, context):
-        """The worker's prefix-cache events since `after_seq` (router/events.py wire format), or a full
+        """The worker's prefix-cache events since `after_seq` (serving/kv_events.py wire format), or a full
         snapshot when the caller's epoch is not the worker's or the events it missed are no longer kept.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

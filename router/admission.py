@@ -10,11 +10,11 @@ import dataclasses
 import grpc
 import numpy as np
 
-from engine.grpc_common import params_from_proto
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.errors import Stop
 from router.prompts import Overloaded, PromptEncoder, prompt_chars
+from serving.grpc_common import params_from_proto
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from engine.block_hash import BlockHash
-from router.events import EventBatch, WorkerLoad
 from router.index import ApplyResult, Lookup, PrefixIndex
 from router.metrics import RouterMetrics
+from serving.kv_events import EventBatch, WorkerLoad
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.block_hash import BlockHash
-from router.events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, WorkerLoad
+from serving.kv_events import AllBlocksCleared, BlockStored, EventBatch, KVEvent, WorkerLoad
 
 
 class ApplyResult(enum.Enum):

@@ -15,9 +15,9 @@ import signal
 import grpc
 from grpc_health.v1 import health
 
-from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servicer
 from router.supervise import run_forever
+from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from engine.block_hash import BlockHash
-from router.events import WorkerLoad
 from router.index import PrefixIndex
+from serving.kv_events import WorkerLoad
 
 
 class NoWorkersError(RuntimeError):

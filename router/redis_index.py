@@ -28,8 +28,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from engine.block_hash import BlockHash
-from router.events import EventBatch, WorkerLoad, encode_events
 from router.index import ApplyResult, Lookup, PrefixIndex
+from serving.kv_events import EventBatch, WorkerLoad, encode_events
 
 _LIB = r"""
 local P, W = ARGV[1], ARGV[2]
@@ -79,7 +79,7 @@ local function touch(w, ttl)
   redis.call('SADD', P .. 'workers', w)
 end
 
--- events: (op u8 | count u32 little-endian | count x 32-byte hash)*, as router.events encodes them.
+-- events: (op u8 | count u32 little-endian | count x 32-byte hash)*, as serving.kv_events encodes them.
 local function apply_events(w, ev)
   local pos, blocks, spec = 1, wkey(w, 'blocks'), wkey(w, 'spec')
   while pos <= #ev do

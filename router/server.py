@@ -23,8 +23,6 @@ import numpy as np
 
 from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
-from engine.grpc_common import CHANNEL_OPTIONS, params_to_proto
-from engine.mux import ManyCall, ManyStream
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -32,7 +30,6 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.admission import admit
 from router.errors import SHUTTING_DOWN, Stop, decode_failure
-from router.events import EventBatch, Snapshot
 from router.fallback_index import FallbackIndex
 from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
@@ -40,6 +37,9 @@ from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_po
 from router.prompts import PromptEncoder
 from router.supervise import Failures, run_forever
 from router.workers import WorkerTable
+from serving.grpc_common import CHANNEL_OPTIONS, params_to_proto
+from serving.kv_events import EventBatch, Snapshot
+from serving.mux import ManyCall, ManyStream
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             out.put_nowait(None)
 
     def _decode_stream(self, address: str) -> ManyStream:
-        """The shared stream that carries every call to one decode worker (engine/mux.py)."""
+        """The shared stream that carries every call to one decode worker (serving/mux.py)."""
         stream = self._decode_streams.get(address)
         if stream is None:
             stub = pb_grpc.DecodeStub(self.channels[address])

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from protos import pdserve_pb2 as pb
-from router.events import WorkerLoad
 from router.metrics import RouterMetrics
+from serving.kv_events import WorkerLoad
 
 logger = logging.getLogger(__name__)
 

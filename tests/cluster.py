@@ -118,7 +118,7 @@ def start_cluster(
     cmd = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "serving.cli",
         "--log-level",
         log_level,
         "up",

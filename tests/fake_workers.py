@@ -2,7 +2,7 @@
 
 A `FakePrefill` answers GetLoad and GetKVEvents from a block set the test controls (`store`), numbered
 batches under a random epoch, a snapshot on a gap or another epoch, as a real prefill worker does. A
-`FakeDecode` answers GenerateMany (on engine/mux.py's shared stream) with `tokens` tokens, `delay_s` apart,
+`FakeDecode` answers GenerateMany (on serving/mux.py's shared stream) with `tokens` tokens, `delay_s` apart,
 and records which prefill worker each call names.
 """
 
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.block_hash import BlockHash
-from engine.mux import RpcAbort, serve_many
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.events import BlockStored, EventBatch, Snapshot
+from serving.kv_events import BlockStored, EventBatch, Snapshot
+from serving.mux import RpcAbort, serve_many
 
 BLOCK_SIZE = 16
 

@@ -167,11 +167,11 @@ def _tiny_merges(vocab: dict[str, int], size: int) -> list[tuple[str, str]]:
 
 
 def tiny_worker_config(tmp_path: Path, worker_id: str, **kwargs):
-    """A worker config (engine/worker_config.py) over tiny_random_model_dir on CPU, fp32, a small pool:
+    """A worker config (serving/worker_config.py) over tiny_random_model_dir on CPU, fp32, a small pool:
     for driving a worker's engine-side core directly."""
     from engine.config import CacheConfig
     from engine.engine_core import EngineConfig
-    from engine.worker_config import WorkerConfig
+    from serving.worker_config import WorkerConfig
 
     engine = EngineConfig(
         model=str(tiny_random_model_dir(tmp_path)), device="cpu", dtype="float32", max_model_len=128,

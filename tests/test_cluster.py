@@ -164,7 +164,7 @@ class _FailingPrefill(pb_grpc.PrefillServicer):
         self.requests: list[pb.PrefillRequest] = []
 
     def PrefillMany(self, frames, context):
-        """The decode worker's shared stream (engine/mux.py): one call on it, failed after its first token."""
+        """The decode worker's shared stream (serving/mux.py): one call on it, failed after its first token."""
         first = next(frames)
         self.requests.append(first.request)
         yield pb.PrefillReply(stream=first.stream, response=pb.PrefillResponse(first_token_id=42))
@@ -314,8 +314,8 @@ def test_router_health_follows_its_workers():
 
 def test_pdserve_health_answers_for_live_workers_and_fails_for_a_dead_port(tcp_1x1) -> None:
     """`pdserve health` (compose.yaml's health checks) asks the gRPC health service of each address."""
-    from engine.cli import main
-    from engine.roles import free_port
+    from serving.cli import main
+    from serving.roles import free_port
 
     live = [tcp_1x1.router, *(w["address"] for w in tcp_1x1.workers)]
     assert main(["health", *live]) == 0

@@ -12,7 +12,7 @@ import pytest
 import tomllib
 import yaml
 
-from engine.cli import build_parser
+from serving.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")

@@ -144,13 +144,14 @@ def test_cpu_engine_captures_nothing(tiny):
 
 
 def test_enforce_eager_reaches_the_engine_config_from_the_command_line():
-    from engine.cli import build_parser, engine_kwargs
+    from engine.args import engine_kwargs
+    from serving.cli import build_parser
 
     parser = build_parser()
     assert engine_kwargs(parser.parse_args(["generate", "hi", "--enforce-eager"]))["enforce_eager"] is True
     assert engine_kwargs(parser.parse_args(["generate", "hi"]))["enforce_eager"] is False
     assert engine_kwargs(parser.parse_args(["decode", "--enforce-eager"]))["enforce_eager"] is True
-    from engine.roles import worker_config
+    from serving.roles import worker_config
 
     args = parser.parse_args(["decode", "--enforce-eager"])
     assert worker_config(args, "decode").engine.enforce_eager is True

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from engine.roles import free_port
+from serving.roles import free_port
 from tests.cluster import start_cluster
 from tests.hf_reference import hf_greedy, hf_logits
 

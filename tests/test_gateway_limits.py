@@ -24,9 +24,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.roles import free_port
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.roles import free_port
 
 KEY = "sk-limits"
 MODEL = "scripted"

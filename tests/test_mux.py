@@ -1,4 +1,4 @@
-"""engine/mux.py: many calls on one gRPC stream, against a real grpc.aio server in another process.
+"""serving/mux.py: many calls on one gRPC stream, against a real grpc.aio server in another process.
 
 The server process serves Prefill.PrefillMany with a scripted handler, so the frames are the real protos
 and the stream is a real HTTP/2 stream over TCP. What each call's handler saw (started, got a later
@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from engine.mux import ManyStream, RpcAbort, serve_many
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.mux import ManyStream, RpcAbort, serve_many
 
 
 class _Scripted(pb_grpc.PrefillServicer):
@@ -322,7 +322,7 @@ def test_a_broken_stream_reports_unavailable_unless_the_server_refused_the_metho
     """A peer that dies can end the shared stream with INTERNAL (a write racing the reset) or UNKNOWN; the
     calls on it report UNAVAILABLE (the worker is unreachable: the router routes around it), keeping the
     original status in the details. A server that does not serve the method keeps UNIMPLEMENTED."""
-    from engine.mux import _stream_error, rpc_error
+    from serving.mux import _stream_error, rpc_error
 
     for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
         err = _stream_error(rpc_error(code, "Internal error from Core"))

@@ -10,12 +10,12 @@ import asyncio
 import grpc
 import pytest
 
-from engine.grpc_common import params_to_proto
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
-from router.events import WorkerLoad
 from router.policy import PrefixRouter, make_policy
 from router.server import RouterConfig, RouterServicer, _Stop
+from serving.grpc_common import params_to_proto
+from serving.kv_events import WorkerLoad
 
 
 class FakeCall:

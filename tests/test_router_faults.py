@@ -24,13 +24,13 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.block_hash import extra_keys, hash_prompt_blocks
-from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.main import HealthFollower
 from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servicer
 from router.supervise import run_forever
 from router.workers import State
+from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection
 from tests.fake_workers import BLOCK_SIZE, FakeDecode, FakePrefill, start
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -499,8 +499,8 @@ async def _not_serving(h: Harness) -> bool:
 
 
 def test_decode_failures_reach_the_client_as_plain_sentences() -> None:
-    from engine.mux import rpc_error
     from router.errors import decode_failure
+    from serving.mux import rpc_error
 
     U, C = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED
     cases = [
@@ -583,7 +583,7 @@ class WorkersInThread:
 def router_process(workers: WorkersInThread, drain_s: float, model_dir: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "engine.cli", "router", "--port", str(port), "--model", model_dir,
+        sys.executable, "-m", "serving.cli", "router", "--port", str(port), "--model", model_dir,
         "--prefill", workers.addresses[0], "--decode", workers.addresses[1], "--drain-timeout-s", str(drain_s),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from router.events import (
+from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
+from serving.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -17,7 +18,6 @@ from router.events import (
     WorkerLoad,
     decode_events,
 )
-from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 
 H = [hashlib.sha256(b"block %d" % i).digest() for i in range(12)]
 APPLIED, STALE, RESYNC = ApplyResult.APPLIED, ApplyResult.STALE, ApplyResult.RESYNC_NEEDED

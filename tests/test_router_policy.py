@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from router.events import WorkerLoad
 from router.index import InMemoryPrefixIndex
 from router.policy import (
     NoWorkersError,
@@ -14,6 +13,7 @@ from router.policy import (
     RoutingView,
     make_policy,
 )
+from serving.kv_events import WorkerLoad
 from tests.test_router_index import APPLIED, FakeClock, H, stored
 
 BS = 16

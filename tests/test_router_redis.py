@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from router.index import InMemoryPrefixIndex
 from router.policy import PrefixRouter, make_policy
 from router.redis_index import RedisPrefixIndex
+from serving.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from tests.test_router_index import APPLIED, H, IndexContract, stored
 
 

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from engine.roles import free_port
+from serving.roles import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""`pdserve up` keeps its children running (engine/supervisor.py): a child that dies is reaped at once (no
+"""`pdserve up` keeps its children running (serving/supervisor.py): a child that dies is reaped at once (no
 zombie, nothing left of its process group), logged with its role and address, and restarted on the same
 address after a growing backoff; on stop every child gets SIGTERM and stragglers are killed. First with
 small stand-in processes, then with a real cluster whose decode worker and router are killed with -9."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.supervisor import Backoff, Child, StopSignals, Supervisor
+from serving.supervisor import Backoff, Child, StopSignals, Supervisor
 from tests.cluster import (
     Stream,
     collect,
@@ -44,7 +44,7 @@ def _run_in_thread(supervisor: Supervisor, signals: StopSignals) -> threading.Th
 
 @pytest.mark.timeout(60)
 def test_a_child_that_keeps_exiting_is_reaped_logged_and_restarted_with_growing_backoff(capsys, caplog):
-    caplog.set_level(logging.WARNING, logger="engine.supervisor")
+    caplog.set_level(logging.WARNING, logger="serving.supervisor")
     child = Child("decode", "127.0.0.1:1", [sys.executable, "-c", "import sys; sys.exit(3)"])
     supervisor = Supervisor([child], drain_timeout_s=1, backoff=Backoff(first_s=0.2, cap_s=0.8))
     signals = StopSignals()

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.block_hash import BlockHash
-from router.events import EventBatch, KVEventPublisher, WorkerLoad
 from router.index import ApplyResult, InMemoryPrefixIndex
 from router.policy import PrefixRouter, RoutingDecision, make_policy
 from router.sim.workload import Request
+from serving.kv_events import EventBatch, KVEventPublisher, WorkerLoad
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.roles import free_port
+from serving.roles import free_port
 
 pytestmark = pytest.mark.slow
 

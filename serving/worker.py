@@ -10,10 +10,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from engine.drain import SHUTTING_DOWN, Drain
-from engine.engine_proc import EngineProcess
-from engine.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 from protos import pdserve_pb2 as pb
+from serving.drain import SHUTTING_DOWN, Drain
+from serving.engine_proc import EngineProcess
+from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
 
 logger = logging.getLogger(__name__)
 

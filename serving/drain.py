@@ -1,9 +1,9 @@
 """A worker's shutdown state: once draining it refuses new requests and counts down the ones it holds.
 
-`run_worker` (engine/serving.py) starts the drain on SIGTERM/SIGINT; the servicers wrap each request's
+`run_worker` (serving/worker.py) starts the drain on SIGTERM/SIGINT; the servicers wrap each request's
 handler with `admit`, so a request that arrived before the drain runs to its end (a decode worker's
 stream, a prefill worker's KV for a request already admitted there, its later grant included) and a new
-one is refused with UNAVAILABLE "server shutting down". Shared streams (engine/mux.py: serve_many) end
+one is refused with UNAVAILABLE "server shutting down". Shared streams (serving/mux.py: serve_many) end
 once the drain has begun and none of their calls is left, so no stream is cut by the server stopping.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from engine.mux import RpcAbort
+from serving.mux import RpcAbort
 
 SHUTTING_DOWN = "server shutting down"
 

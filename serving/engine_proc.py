@@ -40,7 +40,7 @@ from engine import trace
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.25
-# After work, the idle loop polls at the servers' keep-warm period for their linger (engine/mux.py), so the
+# After work, the idle loop polls at the servers' keep-warm period for their linger (serving/mux.py), so the
 # next request of a trickle finds this process warm too; past the linger it blocks for _IDLE_WAIT_S at a time.
 _WARM_WAIT_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
 _WARM_LINGER_S = float(os.environ.get("PDSERVE_KEEP_WARM_LINGER_MS", "1000")) / 1e3

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.supervisor import Child, StopSignals, Supervisor
+from serving.supervisor import Child, StopSignals, Supervisor
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -37,10 +37,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace, role: str):
-    from engine.cli import engine_kwargs
+    from engine.args import engine_kwargs
     from engine.config import CacheConfig, SchedulerConfig
     from engine.engine_core import EngineConfig
-    from engine.worker_config import WorkerConfig
+    from serving.worker_config import WorkerConfig
 
     kw = engine_kwargs(args)
     budget = kw["max_num_batched_tokens"] or 8192
@@ -79,7 +79,7 @@ def worker_config(args: argparse.Namespace, role: str):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from engine.serving import run_worker
+    from serving.worker import run_worker
 
     config = worker_config(args, args.command)
     if args.command == "decode":
@@ -98,15 +98,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_dir(model: str | None) -> str:
-    from engine.bundled import bundled_model_dir, gguf_model_dir
-
-    if model is None:
-        return str(bundled_model_dir())
-    return str(gguf_model_dir(model)) if Path(model).is_file() else model
-
-
 def cmd_router(args: argparse.Namespace) -> int:
+    from engine.bundled import model_dir
     from router.main import serve_router
     from router.server import RouterConfig
 
@@ -134,7 +127,7 @@ def free_port() -> int:
 
 def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start router + N prefill + M decode workers as processes; wait until healthy; keep them running
-    (engine/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
+    (serving/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
     signals = StopSignals().install()
     children = _children(args, passthrough)
     supervisor = Supervisor(children, args.drain_timeout_s)
@@ -163,8 +156,10 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     """Every worker, then the router; each with the command line it is started (and restarted) with."""
+    from engine.bundled import model_dir
+
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
-    exe = [sys.executable, "-m", "engine.cli", "--log-level", args.log_level]
+    exe = [sys.executable, "-m", "serving.cli", "--log-level", args.log_level]
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
     drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
     children = []
@@ -187,7 +182,7 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
 async def _wait_healthy(
     addrs: list[str], supervisor: Supervisor, signals: StopSignals, timeout: float
 ) -> bool:
-    from engine.grpc_common import check_health
+    from serving.grpc_common import check_health
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not signals.stopping:
