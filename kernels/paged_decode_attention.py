@@ -34,14 +34,14 @@ FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: 
 FUSED_MERGE = False
 # config["pdl"] unless given: the split merge as a programmatic dependent launch. On (CUDA only; Triton
 # needs launch_pdl): on the H200 it saved 0.3 us at Llama-3-8B 1 x 32k and 0.7 us at SmolLM2 1 x 32k
-# (39.3 vs 39.6, 14.7 vs 15.4 us, same run, third session).
+# (39.3 vs 39.6, 14.7 vs 15.4 us, same run).
 PDL = True
 # config["head_major"] unless given: launch order. True: grid (kv head, sequence, split), so a
 # sequence's kv heads start side by side and between them read its pages whole; False: grid (sequence,
 # kv head, split), programs that start together read one kv head of different sequences (256-byte rows
 # 2 KiB apart in each page at Llama-3-8B). On the H200, head-major was faster at every batched shape
 # (same run, A-B-A-B: Llama-3-8B 64 x 4096 244.8 vs 246.8 us, 256 x 1024 247.4 vs 252.5, SmolLM2
-# 256 x 1024 52.5 vs 53.3; seventh session, bench/results/kernels_sweep_grid_order.json).
+# 256 x 1024 52.5 vs 53.3).
 HEAD_MAJOR = True
 MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge step (registers)
 # config["merge_warps"] / ["merge_block_d"] unless given: the separate merge launch runs one program per
@@ -49,7 +49,7 @@ MERGE_ELEMS_PER_THREAD = 128  # fp32 partial elements per thread per fused-merge
 # is tiny (64 splits x 128 dims per head at 1 x 32k); what it costs is its latency after the split kernel
 # (the split kernel alone: 37.0-37.5 us at Llama-3-8B 1 x 32k, with the merge 39.4-40.2). On the H200,
 # same runs, A-B: 39.3-39.4 us against 40.2-40.3 with (4 warps, all 128 dims); SmolLM2 1 x 32k 14.4
-# against 14.5 (ninth session, bench/results/kernels_sweep_merge_launch.json).
+# against 14.5.
 MERGE_WARPS, MERGE_BLOCK_D = 2, 32
 
 

@@ -1,7 +1,7 @@
 """Many gRPC calls over one long-lived bidirectional stream, between two pdserve processes.
 
 Why: on the H200 hosts a new grpc.aio call costs ~0.6-0.8 ms more per hop than a message on an open stream
-(bench/hop_probe.py: 1.36 against 0.71 ms there, 0.56 against 0.41 back, requests 50 ms apart), and a
+(1.36 against 0.71 ms there, 0.56 against 0.41 back, requests 50 ms apart), and a
 request crosses two internal hops each way (router -> decode -> prefill). So the router keeps one
 `Decode.GenerateMany` stream per decode worker and each decode worker one `Prefill.PrefillMany` stream per
 prefill worker, and every call rides on it as frames (protos: DecodeFrame / PrefillFrame and their
@@ -45,7 +45,7 @@ Handler = Callable[[Any, AsyncIterator[Any]], AsyncIterator[Any]]  # (request, l
 # While calls are open on a stream and it has been quiet this long, the caller sends a ping (a frame of
 # stream 0) and the server answers it: both processes' gRPC paths stay warm for the reply that is coming.
 # On the H200 hosts a message on an open stream took 0.60-0.65 ms one way after 50 ms of quiet and
-# 0.27-0.31 ms with a ping every 2 ms (bench/hop_probe.py --warm-ms); a request's first token comes back
+# 0.27-0.31 ms with a ping every 2 ms; a request's first token comes back
 # over these streams after its whole forward pass. 0 turns it off.
 KEEP_WARM_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
 # ... and for this long after the last call closed, so the next request of a steady trickle also meets warm

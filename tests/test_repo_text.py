@@ -23,10 +23,6 @@ PATTERNS = (
     re.compile(r"_s[0-9]+(run|machine|final|ab|x[0-9])"),  # run-suffixed record names
     re.compile(r"_s[0-9]+(\.(json|txt|md)\b|[*`])"),  # ... and their globs
 )
-# Files other helpers are reworking right now; each entry leaves once its history is gone. Under rework.
-PENDING = {
-    "kernels/paged_decode_attention.py",
-}
 
 
 def tracked_text_files() -> list[str]:
@@ -88,14 +84,8 @@ def test_the_tree_has_no_history() -> None:
     hits = [
         hit
         for path in files
-        if path not in PENDING
         for hit in history_hits(path, (ROOT / path).read_text(encoding="utf-8", errors="replace"))
     ]
     assert not hits, "history in the repo's text (say what is true now; git keeps the past):\n" + "\n".join(
         hits
     )
-
-
-def test_pending_files_still_exist() -> None:
-    """The allowlist only shrinks: a file that left the tree leaves the list too."""
-    assert all((ROOT / p).is_file() for p in PENDING)
