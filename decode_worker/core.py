@@ -21,7 +21,6 @@ import time
 from collections import deque
 
 import numpy as np
-import torch
 
 from engine import trace
 from engine.engine_core import EngineCore
@@ -157,7 +156,6 @@ class DecodeCore:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = num_cached
         self.blocks.cache_computed_blocks(seq)
-        _skip_first_draw(seq, self.engine.model_config.vocab_size)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         seq.append_token(first_token)
@@ -263,9 +261,3 @@ class DecodeCore:
                 max(seq.num_cached_tokens, 0),
             )
         )
-
-
-def _skip_first_draw(seq: Sequence, vocab: int) -> None:
-    """The prefill worker drew the first token from this seed's generator; draw once here to stay in step."""
-    if seq.generator is not None and not seq.params.greedy:
-        torch.empty(vocab).exponential_(generator=seq.generator)
