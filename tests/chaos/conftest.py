@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engine.tokenizer import Tokenizer
-from tests.chaos.tools import RedisServer, Stack
+from tests.chaos.tools import RedisServer, Stack, one_thread_per_engine
 from tests.cluster import start_cluster
 from tests.test_gateway import start_gateway
 
@@ -18,7 +18,8 @@ def stack(bundled_model_dir) -> Iterator[Stack]:
     server = RedisServer()
     server.start()
     try:
-        cluster = start_cluster(2, 1, "tcp", "--redis-url", server.url, "--policy", "prefix_aware")
+        with one_thread_per_engine():
+            cluster = start_cluster(2, 1, "tcp", "--redis-url", server.url, "--policy", "prefix_aware")
         try:
             proc, url = start_gateway(cluster.router)
             try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.chaos.tools import REQUEST_TIMEOUT_S, wait_until
+from tests.chaos.tools import REQUEST_TIMEOUT_S, one_thread_per_engine, wait_until
 from tests.cluster import Cluster, health, start_cluster, worker_load
 from tests.test_gateway import start_gateway
 
@@ -66,7 +66,8 @@ class SSEStream:
 
 @pytest.fixture(scope="module")
 def stack(bundled_model_dir) -> Iterator[tuple[Cluster, str, str]]:
-    cluster = start_cluster(1, 2, "tcp")
+    with one_thread_per_engine():
+        cluster = start_cluster(1, 2, "tcp")
     try:
         proc, url = start_gateway(cluster.router)
         try:
@@ -110,9 +111,9 @@ def test_killed_decode_worker_ends_its_streams_plainly_and_comes_back(stack) -> 
     serving = time.monotonic()
     probes: list[SSEStream] = []
 
-    def landed() -> bool:
-        if not probes or probes[-1].events or probes[-1].ended_at:
-            probes.append(SSEStream(url, model, f"Probe {len(probes)}: the sky is", 64))
+    def landed() -> bool:  # a new short request every 0.1 s until one runs on the restarted worker
+        if len(probes) < 40 and time.monotonic() - serving >= 0.1 * len(probes):
+            probes.append(SSEStream(url, model, f"Probe {len(probes)}: the sky is", 16))
         load = worker_load(busy, timeout=1)
         return load is not None and load.num_running + load.num_waiting > 0
 

@@ -4,13 +4,15 @@ request's outcome."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -31,14 +33,22 @@ class Stack:
     model: str
     tokenizer: Tokenizer
 
-    def complete(self, prompt: str, max_tokens: int = 2) -> dict:
+    def complete(self, prompt: str, max_tokens: int = 2, timeout: float = REQUEST_TIMEOUT_S) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
         assert r.status_code == 200, r.text
         return r.json()
 
     def cached(self, prompt: str) -> int:
         return self.complete(prompt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def live_in_index(self) -> int:
+        """How many workers the Redis index holds a fresh heartbeat for."""
+        client = self.redis.client()
+        try:
+            return len(client.keys(b"pdserve:kv:w:*:hb"))
+        finally:
+            client.close()
 
     def holders(self, prefix: str, blocks: int) -> set[bytes]:
         """The workers that the Redis index says hold the prefix's first `blocks` full blocks."""
@@ -49,6 +59,21 @@ class Stack:
             return set(client.smembers(b"pdserve:kv:h:" + last))
         finally:
             client.close()
+
+
+@contextmanager
+def one_thread_per_engine() -> Iterator[None]:
+    """Processes started inside run torch on one thread: three engines on two cores would otherwise spin
+    each other's threads off the CPU, and every request would wait on that rather than on the fault."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 def free_port() -> int:
