@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servic
 from router.supervise import run_forever
 from router.workers import State
 from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection
+from tests.chaos.tools import RedisServer
 from tests.fake_workers import BLOCK_SIZE, FakeDecode, FakePrefill, start
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -42,62 +42,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class RedisServer:
-    """A redis-server on a fixed free port that a test can kill -9, SIGSTOP/SIGCONT and restart (empty)."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: the router fault tests need it")
-        self.binary = binary
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert self.proc.poll() is None, f"redis-server exited with {self.proc.returncode}"
-                assert time.monotonic() < deadline, "redis-server did not answer within 5 s"
-                time.sleep(0.05)
-        client.close()
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, sig)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture
 def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
@@ -105,7 +49,7 @@ def redis_server() -> Iterator[RedisServer]:
     try:
         yield server
     finally:
-        server.close()
+        server.stop()
 
 
 class Harness:
