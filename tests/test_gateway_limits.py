@@ -66,10 +66,15 @@ def scripted():
 
 @pytest.fixture(scope="module")
 def router(scripted):
+    yield from serve_router(scripted, health_pb2.HealthCheckResponse.SERVING)
+
+
+def serve_router(servicer, status):
+    """A gRPC server holding `servicer` whose health check answers `status`; yields its address."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    pb_grpc.add_RouterServicer_to_server(scripted, server)
+    pb_grpc.add_RouterServicer_to_server(servicer, server)
     checks = health.HealthServicer()
-    checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    checks.set("", status)
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -424,15 +429,7 @@ class UnroutableRouter(pb_grpc.RouterServicer):
 
 @pytest.fixture
 def unroutable():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_RouterServicer_to_server(UnroutableRouter(), server)
-    checks = health.HealthServicer()
-    checks.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
+    yield from serve_router(UnroutableRouter(), health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def test_health_gives_the_routers_reason_when_it_cannot_route(unroutable, tmp_path):
