@@ -59,8 +59,8 @@ def warmed(stack: Stack) -> Stack:
 
 
 def assert_recovered(stack: Stack, back: float) -> None:
-    """Redis is back: the index is rebuilt from the workers (their blocks, and heartbeats for all three), and
-    every topic hits its holder again."""
+    """Redis is back: within a few heartbeats the index is rebuilt from the workers (their blocks, and
+    heartbeats for all three)."""
     wait_until(
         lambda: stack.live_in_index() == 3 and all(stack.holders(prefix(t), PREFIX_BLOCKS) for t in TOPICS),
         RECOVERY_S,
