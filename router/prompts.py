@@ -1,8 +1,9 @@
 """Text and chat prompts to token ids, with bounded work per request and none of it on the event loop.
 
-Tokenizing runs in a small pool of threads of its own; at most `max_pending` prompts are queued or running
-at once, and a prompt beyond that is refused (`Overloaded`), so a burst of huge prompts cannot starve the
-router's polls and health answers or queue without bound. Before any of that, `min_tokens` bounds a
+Tokenizing runs in a small pool of threads of its own. The work queued or running is bounded twice: at most
+`max_pending` prompts and at most `max_pending_chars` characters of them (a prompt is always taken when
+nothing else is pending). A prompt beyond either is refused (`Overloaded`), so a burst of huge prompts cannot
+starve the router's polls and health answers or queue without bound, while a burst of ordinary ones queues. Before any of that, `min_tokens` bounds a
 prompt's length from its size alone: no token is longer than `max_token_chars` characters, so a prompt of
 C characters has at least ceil(C / max_token_chars) tokens, and one that cannot fit is refused unread.
 """
@@ -47,30 +48,43 @@ def prompt_chars(request: pb.GenerateRequest) -> int:
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Tokenizer, threads: int = 2, max_pending: int = 16) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        threads: int = 2,
+        max_pending: int = 1024,
+        max_pending_chars: int = 1 << 24,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_token_chars = longest_token_chars(tokenizer)
         self.max_pending = max_pending
+        self.max_pending_chars = max_pending_chars
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self._lock = threading.Lock()
-        self._pending = 0  # queued or running; released when the thread is done, even for a cancelled wait
+        # queued or running; released when the thread is done, even for a cancelled wait
+        self._pending = 0
+        self._pending_chars = 0
 
     def min_tokens(self, request: pb.GenerateRequest) -> int:
         return -(-prompt_chars(request) // self.max_token_chars)
 
     async def encode(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids (ValueError for a prompt that cannot be encoded; Overloaded)."""
+        chars = prompt_chars(request)
         with self._lock:
-            if self._pending >= self.max_pending:
+            crowded = self._pending and self._pending_chars + chars > self.max_pending_chars
+            if self._pending >= self.max_pending or crowded:
                 raise Overloaded
             self._pending += 1
+            self._pending_chars += chars
         future = self._pool.submit(self._encode, request)
-        future.add_done_callback(self._release)
+        future.add_done_callback(lambda _: self._release(chars))
         return await asyncio.wrap_future(future)
 
-    def _release(self, _future: object) -> None:
+    def _release(self, chars: int) -> None:
         with self._lock:
             self._pending -= 1
+            self._pending_chars -= chars
 
     def _encode(self, request: pb.GenerateRequest) -> list[int]:
         tok = self.tokenizer

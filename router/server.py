@@ -63,15 +63,19 @@ class RouterConfig:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics; None or 0: off
     tokenize_threads: int = 2
-    max_pending_prompts: int = 16  # prompts being tokenized or queued for it; past that RESOURCE_EXHAUSTED
+    # prompts being tokenized or queued for it, and their characters; past either RESOURCE_EXHAUSTED
+    max_pending_prompts: int = 1024
+    max_pending_prompt_chars: int = 1 << 24
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.heartbeat_ttl_s, self.redis_timeout_s) <= 0 or self.drain_timeout_s < 0:
             raise ValueError(
                 "poll_s, heartbeat_ttl_s and redis_timeout_s must be positive, drain_timeout_s >= 0"
             )
-        if self.tokenize_threads < 1 or self.max_pending_prompts < 1:
-            raise ValueError("tokenize_threads and max_pending_prompts must be at least 1")
+        if min(self.tokenize_threads, self.max_pending_prompts, self.max_pending_prompt_chars) < 1:
+            raise ValueError(
+                "tokenize_threads, max_pending_prompts and max_pending_prompt_chars must be >= 1"
+            )
 
 
 @dataclass
@@ -99,7 +103,12 @@ class RouterServicer(pb_grpc.RouterServicer):
         has_tokenizer = Path(config.model_dir, "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model_dir) if has_tokenizer else None
         self.prompts = (
-            PromptEncoder(self.tokenizer, config.tokenize_threads, config.max_pending_prompts)
+            PromptEncoder(
+                self.tokenizer,
+                config.tokenize_threads,
+                config.max_pending_prompts,
+                config.max_pending_prompt_chars,
+            )
             if self.tokenizer
             else None
         )

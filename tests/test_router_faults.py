@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -390,6 +391,36 @@ def test_huge_prompts_are_refused_early_and_do_not_starve_polls(bundled_model_di
             assert all(s.workers.state(a) is State.UP for a in s.channels)
 
     run(main())
+
+
+def test_the_tokenizing_queue_takes_a_burst_of_short_prompts_and_bounds_characters(bundled_model_dir) -> None:
+    from engine.tokenizer import Tokenizer
+    from router.prompts import Overloaded, PromptEncoder
+
+    encoder = PromptEncoder(Tokenizer.from_dir(str(bundled_model_dir)), threads=1, max_pending_chars=1000)
+    gate = threading.Event()
+    real = encoder._encode
+    encoder._encode = lambda request: (gate.wait(30), real(request))[1]  # type: ignore[method-assign]
+
+    async def main() -> None:
+        short = [
+            asyncio.ensure_future(encoder.encode(pb.GenerateRequest(text=f"Count to {i}:")))
+            for i in range(64)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):  # 64 short prompts and this one pass 1000 characters pending
+            await encoder.encode(pb.GenerateRequest(text="x" * 900))
+        gate.set()
+        assert [len(ids) for ids in await asyncio.gather(*short)] == [
+            len(real(pb.GenerateRequest(text=f"Count to {i}:"))) for i in range(64)
+        ]
+        # nothing pending: one prompt longer than the whole character budget is still taken
+        assert len(await encoder.encode(pb.GenerateRequest(text="word " * 400))) >= 400
+
+    try:
+        run(main())
+    finally:
+        encoder.close()
 
 
 # ---- workers that go and come back ---------------------------------------------------------------
