@@ -27,13 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 import kernels.paged_decode_attention as pda
 from bench.record import record
 from kernels.decode_reduce import decode_reduce_triton, decode_workspace_size
-from kernels.paged_decode_attention import (
-    HEAD_MAJOR,
-    PDL,
-    default_config,
-    paged_decode_attention_triton,
-    plan_num_splits,
-)
+from kernels.paged_decode_attention import default_config, paged_decode_attention_triton, plan_num_splits
 from kernels.paged_prefill_attention import paged_prefill_attention_triton
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}  # (q heads, kv heads, head_dim)
@@ -158,12 +152,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def decode_fns(sets, config=None, num_splits=None):
-    """One decode call per set; all share one zeroed workspace (as the engine's CUDA graphs would), so no
-    call allocates or zero-fills inside the timed graph."""
+    """One decode call per set; all share one workspace (as the engine's CUDA graphs do), so no call
+    allocates inside the timed graph."""
     batch, num_heads, _, dim = sets[0]["q"].shape
     num_kv, seq_len = sets[0]["k"].shape[1], sets[0]["k"].shape[2]
     splits = num_splits or plan_num_splits(batch, num_kv, seq_len, torch.device("cuda"))
-    ws = torch.zeros(decode_workspace_size(batch, num_heads, splits, dim, num_kv), device="cuda")
+    ws = torch.empty(decode_workspace_size(batch, num_heads, splits, dim), device="cuda")
     return [
         lambda s=s: paged_decode_attention_triton(
             s["q"][:, :, 0],
@@ -198,16 +192,7 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
     sets = [paged_set(batch, seq_len, heads, 1) for _ in range(math.ceil(ROTATE_BYTES / per_set))]
     t = time_us(decode_fns(sets))
     splits = plan_num_splits(batch, heads[1], seq_len, torch.device("cuda"))
-    # the same split decode with the merge fused into the decode launch (off by default: slower here)
-    t_fused = time_us(decode_fns(sets, {"fused_merge": True})) if splits > 1 else None
-    # and with the merge launched plainly, not as a programmatic dependent launch (the default, PDL)
-    t_plain = time_us(decode_fns(sets, {"pdl": False})) if splits > 1 else None
-    # and launched in the other grid order (config "head_major"; one sequence launches alike in both)
-    t_order = time_us(decode_fns(sets, {"head_major": not HEAD_MAJOR})) if batch > 1 else None
-    print(
-        f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us; fused merge: {t_fused}; "
-        f"merge launched without pdl: {t_plain}; head_major={not HEAD_MAJOR}: {t_order}"
-    )
+    print(f"decode {model} {batch}x{seq_len}: {splits} splits, {t:.1f} us")
     sdpa_t, sdpa_name, sdpa_all = time_sdpa(sets, None)
     err = rel_err(decode_fns(sets[:1])[0](), sdpa_fn(sets[0], None)().squeeze(2))
     gbs = per_set / t / 1e3
@@ -223,8 +208,6 @@ def bench_decode(model, batch, seq_len, copy_gbs, out_dir):
         baseline=sdpa_t, baseline_name=f"SDPA {sdpa_name} (us)", goal=">=0.8 copy bw and <= SDPA time" if goal else None,
         extra={"time_us": t, "sdpa_us": sdpa_t, "sdpa_all": sdpa_all, "rel_err_vs_sdpa": err, "input_sets": len(sets),
                "goal_met": met if goal else None, "bytes": per_set, "num_splits": splits,
-               "time_fused_merge_us": t_fused, "time_merge_without_pdl_us": t_plain, "pdl": PDL,
-               "head_major": HEAD_MAJOR, "time_other_order_us": t_order,
                "same_bytes_copy_us": same_copy_t, "ratio_to_same_bytes_copy": same_copy_t / t}, out_dir=out_dir,
     )  # fmt: skip
     return ("decode", f"{model} {batch} x {seq_len}", t, gbs, gbs / copy_gbs, sdpa_t, sdpa_name, t / sdpa_t,
@@ -268,14 +251,8 @@ def sweep(log, seconds: float) -> list[dict]:
     base = default_config(128, DTYPE)
     merges = [{**base, "merge_warps": w, "merge_block_d": d} for w, d in ((4, None), (2, None), (1, 32), (2, 32),
                                                                             (1, 64), (2, 64), (4, 32))]  # fmt: skip
-    plan = [  # the separate merge launch's warps and head_dim slice per program, A-B as the hosts drift
-        # (all 128 dims per program: 2 warps 38.9-39.2 us, 4 warps 39.4-39.5, 8 warps 41.4-41.5); below, the
-        # split kernel timed without its merge. Other sweeps, none better than the defaults: split counts
-        # past the planner's 64 (kernels_sweep_1x32k_splits.json), the launch order
-        # (kernels_sweep_grid_order.json), 32-key tiles (kernels_sweep_head_major_tiles.json,
-        # kernels_sweep_32key_tiles.json), unpipelined tiles (kernels_sweep_unpipelined_tiles.json), an L2
-        # eviction hint (kernels_sweep_kv_eviction.json), an L2 prefetch of the first tile
-        # (kernels_sweep_prefetch.json)
+    plan = [  # the merge launch's warps and head_dim slice per program, A-B as the hosts drift; below, the
+        # split kernel timed without its merge (docs/kernels.md lists the other sweeps and their records)
         ("llama3-8b", 1, 32768, merges * 2, (None,)),
         ("smollm2", 1, 32768, merges, (None,)),
     ]

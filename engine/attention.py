@@ -54,7 +54,7 @@ def decode_graph_plans(
     short = short if SHORT_SPLIT else 1
 
     def numel(s: int) -> int:
-        return decode_workspace_size(num_seqs, num_heads, s, head_dim, num_kv_heads) if s > 1 else 0
+        return decode_workspace_size(num_seqs, num_heads, s, head_dim) if s > 1 else 0
 
     return [
         DecodeGraphPlan(SHORT_CONTEXT, short, numel(short)),

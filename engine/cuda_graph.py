@@ -192,7 +192,7 @@ class DecodeGraphs:
         self.inputs = StaticInputs(self.sizes[-1], width, block_size, device)
         self.plans = {b: plans(b) for b in self.sizes}
         numel = max(p.workspace_numel for ps in self.plans.values() for p in ps)
-        # zeroed: the fused merge's ticket counters live at its end and must start at 0
+        # the split partials of every graph and layer (each call writes what its merge reads)
         self.workspace = torch.zeros(numel, dtype=torch.float32, device=device) if numel else None
         self._graphs: dict[GraphKey, tuple[Replay, torch.Tensor]] = {}
         self.replay_counts: dict[GraphKey, int] = dict.fromkeys(self.keys, 0)

@@ -2,19 +2,13 @@
 
 The split decode kernel leaves, per (sequence, query head, split), the unnormalised output of
 its key range, the running max of its scores (log2 units, already scaled) and the sum of their
-exp2. One flat fp32 workspace holds them, acc first so its rows stay 16-byte aligned, and ends
-with one int32 ticket counter per (sequence, kv head) for the fused merge:
+exp2. One flat fp32 workspace holds them, acc first so its rows stay 16-byte aligned:
 
-    workspace = | acc (num_seqs, num_heads, num_splits, head_dim) | m (...splits) | l (...splits) | ... | counters |
-                                                                   <--- ml[0] ---> <--- ml[1] --->       <- int32 ->
+    workspace = | acc (num_seqs, num_heads, num_splits, head_dim) | m (...splits) | l (...splits) |
+                                                                   <--- ml[0] ---> <--- ml[1] --->
 
-The counters are the last num_seqs * num_kv_heads elements of the buffer, whatever its size
-(viewed as int32). They must be zero before the first call (allocate with torch.zeros); the
-fused kernel leaves them at zero after every call, so the buffer can be reused, also inside a
-CUDA graph. A buffer shared by calls of different shapes must be sized by
-decode_workspace_size(largest num_seqs, num_heads, largest num_splits, ...): then no call's
-partials reach the last (largest num_seqs) * num_kv_heads elements, where every call's counters
-lie. The two-kernel path (this file's reduce) never touches the counters.
+A buffer shared by calls of different shapes must be sized by decode_workspace_size(largest
+num_seqs, num_heads, largest num_splits, head_dim).
 
 Split s of a sequence covers keys [s * partition_size, (s + 1) * partition_size); splits that
 start at or past the sequence's length were never written and are not read.
@@ -38,17 +32,9 @@ def carve_workspace(
     return acc, workspace[n * head_dim : n * (head_dim + 2)].view(2, num_seqs, num_heads, num_splits)
 
 
-def decode_workspace_size(
-    num_seqs: int, num_heads: int, num_splits: int, head_dim: int, num_kv_heads: int
-) -> int:
-    """fp32 elements a split decode call needs: the partial states plus the ticket counters."""
-    return num_seqs * num_heads * num_splits * (head_dim + 2) + num_seqs * num_kv_heads
-
-
-def workspace_counters(workspace: torch.Tensor, num_seqs: int, num_kv_heads: int) -> torch.Tensor:
-    """The int32 ticket counters, one per (sequence, kv head): the buffer's last elements."""
-    assert workspace.dtype == torch.float32 and workspace.dim() == 1 and workspace.is_contiguous()
-    return workspace.view(torch.int32)[workspace.numel() - num_seqs * num_kv_heads :]
+def decode_workspace_size(num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> int:
+    """fp32 elements a split decode call needs for its partial states."""
+    return num_seqs * num_heads * num_splits * (head_dim + 2)
 
 
 @triton.jit
@@ -75,9 +61,7 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     WAIT_FOR_PRIMARY: tl.constexpr,
 ):
-    if (
-        WAIT_FOR_PRIMARY
-    ):  # launched as a programmatic dependent: the split kernel's writes are visible after this
+    if WAIT_FOR_PRIMARY:  # a programmatic dependent launch: the split kernel's writes are visible after this
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)

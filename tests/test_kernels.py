@@ -18,12 +18,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from engine.attention import PagedAttention
 from engine.attention_metadata import AttentionMetadata
 from kernels import _backend
-from kernels.decode_reduce import (
-    decode_reduce_reference,
-    decode_reduce_triton,
-    decode_workspace_size,
-    workspace_counters,
-)
+from kernels.decode_reduce import decode_reduce_reference, decode_reduce_triton, decode_workspace_size
 from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
 from kernels.paged_decode_attention import (
     _paged_decode_kernel,
@@ -75,108 +70,62 @@ def test_decode_ragged(num_heads, num_kv_heads, head_dim, block_size):
     torch.testing.assert_close(out, ref, **TOL)
 
 
-def split_workspace(num_seqs, num_heads, num_splits, head_dim, num_kv_heads):
-    """NaN-poisoned partial states (an unwritten split that is read fails), zeroed counters."""
-    workspace = torch.full(
-        (decode_workspace_size(num_seqs, num_heads, num_splits, head_dim, num_kv_heads),), float("nan")
-    )
-    workspace_counters(workspace, num_seqs, num_kv_heads).zero_()
-    return workspace
+def split_workspace(num_seqs, num_heads, num_splits, head_dim):
+    """NaN-poisoned partial states: an unwritten split that is read fails."""
+    return torch.full((decode_workspace_size(num_seqs, num_heads, num_splits, head_dim),), float("nan"))
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("num_splits,block_n", [(None, 64), (3, 16), (5, 32)])
-def test_decode_split_kv(num_splits, block_n, fused):
+def test_decode_split_kv(num_splits, block_n):
     seq_lens = [700, 1, 130, 333]  # splits past a short sequence's end are skipped, never read
     kv_cache, tables, lens = make_paged_kv(seq_lens, 2, 64, 16)
     query = torch.randn(len(seq_lens), 6, 64)
     ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
-    workspace = split_workspace(len(seq_lens), 6, 16, 64, 2)
+    workspace = split_workspace(len(seq_lens), 6, 16, 64)
     out = paged_decode_attention_triton(
         query, kv_cache, lens, tables, 0.125, max_seq_len=700, num_splits=num_splits,
-        config={"block_n": block_n, "fused_merge": fused}, workspace=workspace, out=poisoned(query),
+        config={"block_n": block_n}, workspace=workspace, out=poisoned(query),
     )  # fmt: skip
     torch.testing.assert_close(out, ref, **TOL)
     assert not workspace.isnan().all(), "expected the split path (num_sms is 8 under the interpreter)"
-    assert not workspace_counters(workspace, len(seq_lens), 2).any(), "ticket counters left non-zero"
 
 
-@pytest.mark.parametrize("num_splits,fused", [(1, False), (3, False), (3, True)])
-def test_decode_head_major_order_same_bits(num_splits, fused):
-    """The (kv head, sequence, split) launch order computes what the default order does, bit for bit,
-    unsplit, split with the separate merge and split with the fused one (its counters indexed by
-    the kv head's axis of either grid)."""
-    seq_lens = [300, 0, 17, 150, 64]
-    kv_cache, tables, lens = make_paged_kv(seq_lens, 3, 64, 16)
-    query = torch.randn(len(seq_lens), 9, 64)
-    ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
-    outs = []
-    for head_major in (False, True):
-        workspace = split_workspace(len(seq_lens), 9, num_splits, 64, 3)
-        config = {"block_n": 32, "fused_merge": fused, "head_major": head_major}
-        out = paged_decode_attention_triton(
-            query, kv_cache, lens, tables, 0.125, max_seq_len=300, num_splits=num_splits,
-            config=config, workspace=workspace, out=poisoned(query),
-        )  # fmt: skip
-        outs.append(out)
-        assert not workspace_counters(workspace, len(seq_lens), 3).any(), "ticket counters left non-zero"
-    torch.testing.assert_close(outs[1], ref, **TOL)
-    assert torch.equal(outs[0], outs[1])
+# (num_heads, num_kv_heads, head_dim, block_size, num_splits): GQA 1/3/4 at head_dim 64, 2..5 splits
+SPLIT_CASES = [(*HEADS[0], 2), (*HEADS[1], 3), (*HEADS[2], 4), (*HEADS[1], 5)]
 
 
-# (num_heads, num_kv_heads, head_dim, block_size, num_splits, merge_splits): GQA 1/3/4 at head_dim
-# 64, 2..5 splits; merge_splits 1 or 2 walks the fused merge in several steps, the last one ragged
-FUSED_CASES = [(*HEADS[0], 2, None), (*HEADS[1], 3, 2), (*HEADS[2], 4, 1), (*HEADS[1], 5, None),
-               (*HEADS[2], 5, 2)]  # fmt: skip
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,num_splits,merge_splits", FUSED_CASES)
-def test_decode_fused_merge(num_heads, num_kv_heads, head_dim, block_size, num_splits, merge_splits):
-    """The in-kernel merge against the reference and the two-kernel path. Lengths: empty, shorter
-    than one partition (the other splits unused, no ticket), partial and all splits (max_seq_len
-    320 in 32-key tiles gives exactly num_splits partitions). The counters are zero after each
-    call, and a second call on the same workspace gives the same answer."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,num_splits", SPLIT_CASES)
+def test_decode_split_merge(num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    """Lengths: empty, shorter than one partition (the other splits unused, never read), partial and
+    all splits (max_seq_len 320 in 32-key tiles gives exactly num_splits partitions). A second call
+    on the same workspace gives the same answer."""
     seq_lens = [320, 0, 5, 150]
     kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size)
     num_seqs = len(seq_lens)
     query = torch.randn(num_seqs, num_heads, head_dim)
     ref = paged_decode_attention_reference(query, kv_cache, lens, tables, head_dim**-0.5)
-    workspace = split_workspace(num_seqs, num_heads, num_splits, head_dim, num_kv_heads)
-    counters = workspace_counters(workspace, num_seqs, num_kv_heads)
+    workspace = split_workspace(num_seqs, num_heads, num_splits, head_dim)
 
-    def run(fused, workspace):
+    def run():
         return paged_decode_attention_triton(
             query, kv_cache, lens, tables, head_dim**-0.5, max_seq_len=320, num_splits=num_splits,
-            config={"block_n": 32, "merge_splits": merge_splits, "fused_merge": fused},
-            workspace=workspace, out=poisoned(query),
+            config={"block_n": 32}, workspace=workspace, out=poisoned(query),
         )  # fmt: skip
 
-    out = run(True, workspace)
-    assert not counters.any(), f"ticket counters left non-zero: {counters.tolist()}"
+    out = run()
     torch.testing.assert_close(out, ref, **TOL)
     assert torch.equal(out[1], torch.zeros_like(out[1])), "seq_len 0 must give zeros"
     assert workspace[: num_seqs * num_heads * num_splits * head_dim].isnan().any(), "expected unused splits"
-    two_kernel = run(False, split_workspace(num_seqs, num_heads, num_splits, head_dim, num_kv_heads))
-    torch.testing.assert_close(out, two_kernel, **TOL)
-    assert torch.equal(run(True, workspace), out), "the same workspace again must give the same answer"
-    assert not counters.any()
+    assert torch.equal(run(), out), "the same workspace again must give the same answer"
 
 
-def test_decode_fused_merge_own_workspace():
-    """Without a workspace the launcher allocates one, zeroed (its counters start at zero)."""
+def test_decode_split_own_workspace():
+    """Without a workspace the launcher allocates one."""
     kv_cache, tables, lens = make_paged_kv([0, 300, 70], 2, 64, 16)
     query = torch.randn(3, 8, 64)
     ref = paged_decode_attention_reference(query, kv_cache, lens, tables, 0.125)
     out = paged_decode_attention_triton(
-        query,
-        kv_cache,
-        lens,
-        tables,
-        0.125,
-        max_seq_len=300,
-        num_splits=3,
-        out=poisoned(query),
-        config={"fused_merge": True},
+        query, kv_cache, lens, tables, 0.125, max_seq_len=300, num_splits=3, out=poisoned(query)
     )
     torch.testing.assert_close(out, ref, **TOL)
 

@@ -15,7 +15,7 @@ import torch
 from engine.attention import PagedAttention
 from engine.attention_metadata import AttentionMetadata
 from kernels import _backend
-from kernels.decode_reduce import decode_workspace_size, workspace_counters
+from kernels.decode_reduce import decode_workspace_size
 from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
 from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
@@ -76,56 +76,27 @@ def test_decode_dtypes(heads, dtype):
     run_decode(heads, 16, DECODE_BATCHES["edges"] + ragged(40, 3000, 2), dtype)
 
 
-MERGES = {  # the ways split partials are merged (config keys of paged_decode_attention_triton)
-    "fused": {"fused_merge": True},
-    "two_kernel": {"fused_merge": False, "pdl": False},
-    "pdl": {"fused_merge": False, "pdl": True},  # the merge as a programmatic dependent launch
-}
-
-
-@pytest.mark.parametrize("merge", list(MERGES))
 @pytest.mark.parametrize("num_splits", [2, 7, 64, 300])
-def test_decode_forced_splits(num_splits, merge):
-    run_decode(
-        (32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits, config=MERGES[merge]
-    )  # fmt: skip
+def test_decode_forced_splits(num_splits):
+    run_decode((32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("merge", ["unsplit", *MERGES])
-@pytest.mark.parametrize("heads", [(32, 8, 128), (9, 3, 64)], ids=str)
-def test_decode_head_major_order(heads, merge):
-    """The (kv head, sequence, split) launch order: ragged lengths, unsplit and each merge path."""
-    splits = {"num_splits": 1} if merge == "unsplit" else {"num_splits": 7, "config": {**MERGES[merge]}}
-    config = {**splits.pop("config", {}), "head_major": True}
-    run_decode(heads, 16, ragged(70, 5000, 3) + [0, 1], torch.bfloat16, config=config, **splits)
-
-
-def test_decode_fused_merge_no_stale_partials():
-    """The fused merge reads partials other programs wrote during the same launch. The partial
-    region is NaN-poisoned before every call and the queries alternate, so a partial read before
-    its store is visible gives NaN or the other query's answer; the merge order is fixed, so a
-    correct call reproduces its first answer bit for bit. seq_len 0 gives zeros (split 0 writes
-    them); the counters end at zero."""
+def test_decode_split_merge_no_stale_partials():
+    """The merge, a programmatic dependent launch, reads partials the split kernel wrote while the
+    merge was already starting up. The partial region is NaN-poisoned before every call and the
+    queries alternate, so a partial read before its store is visible gives NaN or the other
+    query's answer; the merge order is fixed, so a correct call reproduces its first answer bit
+    for bit. seq_len 0 gives zeros."""
     (num_heads, num_kv_heads, head_dim), splits = (32, 8, 128), 64
     seq_lens = [8191, 1, 0, 5000, 32768]
     kv_cache, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, 16, torch.bfloat16, DEV)
     queries = [
         torch.randn(len(seq_lens), num_heads, head_dim, device=DEV, dtype=torch.bfloat16) for _ in range(2)
     ]
-    size = decode_workspace_size(len(seq_lens), num_heads, splits, head_dim, num_kv_heads)
-    workspace = torch.zeros(size, device=DEV)
-    partials = workspace[: len(seq_lens) * num_heads * splits * (head_dim + 2)]
+    workspace = torch.empty(decode_workspace_size(len(seq_lens), num_heads, splits, head_dim), device=DEV)
     scale = head_dim**-0.5
     run = lambda q: paged_decode_attention_triton(
-        q,
-        kv_cache,
-        lens,
-        tables,
-        scale,
-        max_seq_len=32768,
-        num_splits=splits,
-        workspace=workspace,
-        config={"fused_merge": True},
+        q, kv_cache, lens, tables, scale, max_seq_len=32768, num_splits=splits, workspace=workspace
     )
     first = [run(q).clone() for q in queries]
     keep = torch.tensor([i for i, n in enumerate(seq_lens) if n > 0], device=DEV)  # SDPA gets no empty rows
@@ -136,20 +107,18 @@ def test_decode_fused_merge_no_stale_partials():
         )
         check(out[keep], ref, torch.bfloat16)
     for i in range(200):
-        partials.fill_(float("nan"))
+        workspace.fill_(float("nan"))
         assert torch.equal(run(queries[i % 2]), first[i % 2]), f"call {i} differs from the first"
-    assert not workspace_counters(workspace, len(seq_lens), num_kv_heads).any()
 
 
-@pytest.mark.parametrize("merge", list(MERGES))
-def test_decode_cuda_graph_replay_with_new_lengths(merge):
+def test_decode_cuda_graph_replay_with_new_lengths():
     """Preallocated out + workspace, fixed splits: one captured graph serves a growing batch."""
     num_heads, num_kv_heads, head_dim, bs = 32, 8, 128, 16
     kv_cache, tables, lens = make_paged_kv([3000, 17, 900], num_kv_heads, head_dim, bs, torch.bfloat16, DEV)
     query = torch.randn(3, num_heads, head_dim, device=DEV, dtype=torch.bfloat16)
     out = nan_like(query)
-    workspace = torch.zeros(decode_workspace_size(3, num_heads, 16, head_dim, num_kv_heads), device=DEV)
-    kwargs = dict(max_seq_len=3008, num_splits=16, workspace=workspace, out=out, config=MERGES[merge])
+    workspace = torch.empty(decode_workspace_size(3, num_heads, 16, head_dim), device=DEV)
+    kwargs = dict(max_seq_len=3008, num_splits=16, workspace=workspace, out=out)
     run = lambda: paged_decode_attention_triton(query, kv_cache, lens, tables, 0.088, **kwargs)
     run()
     graph = torch.cuda.CUDAGraph()
@@ -161,7 +130,6 @@ def test_decode_cuda_graph_replay_with_new_lengths(merge):
         graph.replay()
         ref = paged_decode_attention_reference(query.float(), kv_cache.float(), lens, tables, 0.088)
         check(out, ref, torch.bfloat16)
-        assert not workspace_counters(workspace, 3, num_kv_heads).any(), "ticket counters left non-zero"
 
 
 PREFILL_BATCHES = {  # (query_len, cached prefix)
