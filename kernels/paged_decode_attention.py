@@ -22,9 +22,9 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
+from kernels.online_softmax import LOG2E, online_softmax_tile
 from kernels.paged_prefill_attention import gather_kv
 
-LOG2E = 1.4426950408889634
 MIN_PARTITION = 256  # keys per split at least: below that the reduce costs more than it saves
 FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: half the rows fit
 # config["merge_warps"] / ["merge_block_d"] unless given: the merge launch runs one program per
@@ -38,39 +38,6 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:
         return FP32_CONFIG
     return {"block_n": 64, "num_warps": 2, "num_stages": 2}
-
-
-@triton.jit
-def _decode_tile(
-    acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
-    stride_c_kv, stride_c_block, stride_c_off,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N (MASKED: some are >= end)."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
-    else:
-        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
-    k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
-    if MASKED or BLOCK_D != HEAD_DIM:
-        kv_mask = (pos < end)[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_c_kv)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
-    if MASKED:
-        s = tl.where((pos < end)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores in log2 units from here on
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
 
 
 @triton.jit
@@ -142,16 +109,16 @@ def _paged_decode_kernel(
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _decode_tile(
-            acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
+        acc, m_i, l_i = online_softmax_tile(
+            acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
         )  # fmt: skip
     for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
-        acc, m_i, l_i = _decode_tile(
-            acc, m_i, l_i, q, qk_scale, n0, end, table, kv_base, dims,
+        acc, m_i, l_i = online_softmax_tile(
+            acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
         )  # fmt: skip
 
     if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py

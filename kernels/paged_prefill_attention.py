@@ -17,42 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
-
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_tile(
-    acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
-    stride_c_kv, stride_c_block, stride_c_off,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N; scores are in log2 units.
-    MASKED=False: every key is < seq_len and visible to every query row."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
-    else:
-        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
-    k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
-    if MASKED or BLOCK_D != HEAD_DIM:
-        kv_mask = (pos < seq_len)[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(k_ptrs + stride_c_kv)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
-    if MASKED:
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos < seq_len)[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores in log2 units from here on
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+from kernels.online_softmax import LOG2E, online_softmax_tile
 
 
 @triton.jit
@@ -112,16 +77,16 @@ def _paged_prefill_kernel(
     full_end = (ctx_len + q_start) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(ctx_len + q_start + BLOCK_M, seq_len)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = online_softmax_tile(
             acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, True, DOT_PRECISION,
         )  # fmt: skip
     for n0 in range(full_end, causal_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i = online_softmax_tile(
             acc, m_i, l_i, q, qk_scale, q_pos, n0, seq_len, table, kv_base, dims,
             stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
         )  # fmt: skip
 
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)

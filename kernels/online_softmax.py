@@ -1,0 +1,54 @@
+"""The online-softmax step over one tile of paged keys, shared by the decode and prefill attention
+kernels (kernels/paged_decode_attention.py, kernels/paged_prefill_attention.py).
+
+A program holds ROWS query rows (decode: the query heads of one kv head; prefill: BLOCK_M tokens of
+one head) and walks its keys BLOCK_N at a time. Per tile it gathers the K/V rows through the block
+table, scores them, and folds them into the running state: acc (ROWS, BLOCK_D) the unnormalised
+output, m_i (ROWS,) the running max and l_i (ROWS,) the sum of exp2, all in log2 units (the softmax
+scale times log2(e) is folded into one FMA per score).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def online_softmax_tile(
+    acc, m_i, l_i, q, qk_scale, q_pos, n0, end, table, kv_base, dims,
+    stride_c_kv, stride_c_block, stride_c_off,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One step over keys n0 .. n0 + BLOCK_N. MASKED=False: every key is < end and visible to every
+    row. MASKED: keys >= end are masked, and with CAUSAL so are keys past each row's position q_pos
+    (ROWS,); without CAUSAL q_pos is unused."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+    else:
+        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
+    k_ptrs = kv_base + row_off[:, None] + dims[None, :]  # (BLOCK_N, BLOCK_D)
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = (pos < end)[:, None] & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)  # (ROWS, BLOCK_N)
+    if MASKED:
+        if CAUSAL:
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & (pos < end)[None, :], s, float("-inf"))
+        else:
+            s = tl.where((pos < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores in log2 units from here on
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
