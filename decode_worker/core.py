@@ -1,12 +1,13 @@
 """The decode worker's engine (runs in the engine process; see serving/engine_proc.py).
 
-A request's life here:
-  add        -> pending: waits until its prompt's blocks can be reserved (bounded queue)
-  reserve    -> the prompt's blocks are taken and announced to the KV receiver; ("prefill", rid, block_ids)
-                goes out so the server asks the prefill worker to fill them
-  kv_done    -> every byte arrived: the prompt counts as computed, the first token (sampled by the prefill
-                worker) is appended, and the sequence joins the running batch
-  step       -> continuous batching as in the offline engine; ("tokens", rid, ...) per new token
+A request's life here (messages: serving/messages/):
+  Admit      -> pending: waits until its prompt's blocks can be reserved (bounded queue)
+  reserve    -> the prompt's blocks are taken and announced to the KV receiver; BlocksReserved goes out
+                so the server asks the prefill worker to fill them
+  KVArrived  -> once the receiver has every byte: the prompt counts as computed, the first token (sampled
+                by the prefill worker, streamed by the server already) is appended, the sequence joins
+                the running batch, and Landed says whether that token ended it
+  step       -> continuous batching as in the offline engine; Tokens with each step's new tokens
 Short prompts (up to local_prefill_threshold tokens) skip the transfer and are prefilled here.
 Preempted sequences recompute locally. Every path ends in `_end`, which frees the blocks; a request
 ended while a transfer still writes its blocks waits in `draining` until the receiver reports the write
@@ -20,14 +21,13 @@ import secrets
 import time
 from collections import deque
 
-import numpy as np
-
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from kvtransfer import KVTransferError, create_receiver
 from serving.engine_proc import id_list
+from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
+from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed, ToEngine
 from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -42,12 +42,12 @@ class DecodeCore:
         self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
-        # kv_done came, the receiver has not seen every byte yet: (seq, first token, its logprobs, cached
-        # tokens, deadline), checked each step
-        self.landing: dict[str, tuple[Sequence, int, dict[int, float] | None, int, float]] = {}
+        # KVArrived came, the receiver has not seen every byte yet: (seq, that message, deadline), checked
+        # each step
+        self.landing: dict[str, tuple[Sequence, KVArrived, float]] = {}
         # ended while a transfer still wrote their blocks: held until the receiver says it stopped
         self.draining: dict[str, Sequence] = {}
-        self.outbox: list[tuple] = []
+        self.outbox: list[FromEngine] = []
         self._held_back = False  # the last step sent the outbox and skipped a due forward pass
         self.epoch = secrets.randbits(63) + 1  # a restarted worker is a new worker to the router
 
@@ -80,66 +80,51 @@ class DecodeCore:
 
     # ---- inbound ------------------------------------------------------------------------------------
 
-    def handle(self, msg: tuple) -> None:
-        kind, rid = msg[0], msg[1]
-        if kind == "add":
-            self._add(rid, *msg[2:])
-        elif kind == "kv_done":
-            self._kv_done(rid, *msg[2:])
-        elif kind == "kv_failed":
-            self._kv_failed(rid, msg[2])
-        elif kind == "abort":
-            self._abort(rid)
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, Admit):
+            self._add(msg)
+        elif isinstance(msg, KVArrived):
+            self._kv_arrived(msg)
+        elif isinstance(msg, KVFailed):
+            self._kv_failed(msg.request_id, msg.reason)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id)
         else:
-            raise ValueError(f"unknown message {kind!r}")
+            raise ValueError(f"a decode engine takes no {type(msg).__name__}")
 
-    def _add(
-        self,
-        rid: str,
-        prompt_ids: np.ndarray | list[int],
-        params: SamplingParams,
-        priority: int,
-        salt: str | None,
-        remote: bool,
-    ) -> None:
+    def _add(self, msg: Admit) -> None:
+        rid = msg.request_id
         trace.mark(rid, "dcore.add")
         try:
-            self.engine.validate(prompt_ids, params)  # on the server's array: cheaper than on a list
+            # on the server's array: cheaper than on a list
+            self.engine.validate(msg.prompt_token_ids, msg.params)
         except ValueError as exc:
-            self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
+            self.outbox.append(Error(rid, "INVALID_ARGUMENT", str(exc)))
             return
-        prompt_ids = id_list(prompt_ids)
-        seq = self.engine.make_sequence(rid, prompt_ids, params, priority, salt)
-        if not remote or len(prompt_ids) <= self.config.local_prefill_threshold:
+        prompt_ids = id_list(msg.prompt_token_ids)
+        seq = self.engine.make_sequence(rid, prompt_ids, msg.params, msg.priority, msg.cache_salt)
+        if not msg.prefill_remotely or len(prompt_ids) <= self.config.local_prefill_threshold:
             self.scheduler.add(seq)
         elif len(self.pending) >= self.config.max_pending:
-            self.outbox.append(
-                (
-                    "error",
-                    rid,
-                    "RESOURCE_EXHAUSTED",
-                    f"decode worker {self.config.worker_id} has {len(self.pending)} requests queued",
-                )
-            )
+            queued = f"decode worker {self.config.worker_id} has {len(self.pending)} requests queued"
+            self.outbox.append(Error(rid, "RESOURCE_EXHAUSTED", queued))
         else:
             self.pending.append(seq)
 
-    def _kv_done(
-        self, rid: str, first_token: int, logprobs: dict[int, float] | None, num_cached: int
-    ) -> None:
+    def _kv_arrived(self, msg: KVArrived) -> None:
+        rid = msg.request_id
         trace.mark(rid, "dcore.kv_done")
         seq = self.awaiting_kv.pop(rid, None)
         if seq is None:
             return  # aborted meanwhile
-        deadline = time.monotonic() + self.config.kv_timeout_s
-        self.landing[rid] = (seq, first_token, logprobs, num_cached, deadline)
+        self.landing[rid] = (seq, msg, time.monotonic() + self.config.kv_timeout_s)
         self._check_landed(rid)
 
     def _check_landed(self, rid: str) -> None:
         """The prefill worker has sent the prompt's KV: join the batch once the receiver has every byte
         (usually at once: cuda_ipc's copy lands before kv_done crosses gRPC). Never waits: a transfer
         still landing is checked again next step, up to kv_timeout_s."""
-        seq, first_token, logprobs, num_cached, deadline = self.landing[rid]
+        seq, arrived, deadline = self.landing[rid]
         try:
             if not self.receiver.poll(rid):
                 if time.monotonic() < deadline:
@@ -150,22 +135,17 @@ class DecodeCore:
         except KVTransferError as exc:
             del self.landing[rid]
             self._drop_transfer(seq)
-            self.outbox.append(("error", rid, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+            self.outbox.append(Error(rid, "UNAVAILABLE", f"KV transfer failed: {exc}"))
             return
         del self.landing[rid]
         seq.num_computed_tokens = seq.num_prompt_tokens
-        seq.num_cached_tokens = num_cached
+        seq.num_cached_tokens = arrived.num_cached_tokens
         self.blocks.cache_computed_blocks(seq)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        seq.append_token(first_token)
-        self.scheduler.seqs[rid] = seq
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
-        status = self.scheduler._stop_status(seq)
-        if status is not None:
-            self.scheduler.finish(seq, status)
-        self._emit(seq, logprobs)
+        if arrived.first_logprobs is not None:
+            seq.logprobs.append(arrived.first_logprobs)
+        seq.append_token(arrived.first_token_id)
+        self.scheduler.admit_prefilled(seq)
+        self.outbox.append(Landed(rid, seq.status.finish_reason, _stop_text(seq)))
 
     def _kv_failed(self, rid: str, reason: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
@@ -173,7 +153,7 @@ class DecodeCore:
             seq = self._unland(rid)
         if seq is not None:
             self._drop_transfer(seq)
-            self.outbox.append(("error", rid, "UNAVAILABLE", reason))
+            self.outbox.append(Error(rid, "UNAVAILABLE", reason))
 
     def _abort(self, rid: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
@@ -186,9 +166,7 @@ class DecodeCore:
             if seq.request_id == rid:
                 self.pending.remove(seq)
                 return
-        seq = self.scheduler.seqs.get(rid)
-        if seq is not None:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.scheduler.abort(rid)
 
     def _end(self, seq: Sequence, status: SequenceStatus) -> None:
         self.blocks.free(seq)
@@ -217,7 +195,7 @@ class DecodeCore:
 
     # ---- the step -----------------------------------------------------------------------------------
 
-    def step(self) -> list[tuple]:
+    def step(self) -> list[FromEngine]:
         self._collect_drained()
         for rid in list(self.landing):
             self._check_landed(rid)
@@ -246,18 +224,21 @@ class DecodeCore:
             self.pending.popleft()
             self.receiver.expect(seq.request_id, list(seq.block_table))
             self.awaiting_kv[seq.request_id] = seq
-            self.outbox.append(("prefill", seq.request_id, list(seq.block_table)))
+            self.outbox.append(BlocksReserved(seq.request_id, tuple(seq.block_table)))
             trace.mark(seq.request_id, "dcore.reserved")
 
     def _emit(self, seq: Sequence, logprobs: dict[int, float] | None) -> None:
         self.outbox.append(
-            (
-                "tokens",
+            Tokens(
                 seq.request_id,
-                seq.output_token_ids[-1],
-                logprobs,
+                (seq.output_token_ids[-1],),
+                () if logprobs is None else (logprobs,),
                 seq.status.finish_reason,
-                None if seq.stop_reason is None else str(seq.stop_reason),
+                _stop_text(seq),
                 max(seq.num_cached_tokens, 0),
             )
         )
+
+
+def _stop_text(seq: Sequence) -> str | None:
+    return None if seq.stop_reason is None else str(seq.stop_reason)

@@ -16,6 +16,8 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from serving.drain import Drain
 from serving.engine_proc import EngineProcess
 from serving.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from serving.messages.from_engine import BlocksReserved, Error, FirstToken, Landed, Tokens
+from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed
 from serving.mux import ManyCall, ManyStream, RpcAbort, serve_many
 from serving.worker import STATUS, worker_load
 
@@ -68,68 +70,46 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         prefill_call: ManyCall | None = None
         grant: asyncio.Future | None = None
         finished = False
-        early = False  # the first token went out when the prefill worker sampled it
         promised = self._speculate(request)
         if promised:  # the prefill starts now; the blocks our engine reserves follow
             self._promised += promised
             grant = asyncio.get_running_loop().create_future()
             # its frame is queued before anything else this request does: it is what the first token waits for
             prefill_call = self._open_prefill(request, None)
-            prefill = asyncio.create_task(self._prefill(request, prefill_call, grant))
+            prefill = asyncio.create_task(self._prefill(request, prefill_call, grant, stream))
         self.engine.send(
-            (
-                "add",
+            Admit(
                 rid,
                 np.array(request.prompt_token_ids, dtype=np.int64),  # pickles ~15x faster than a list
                 params,
                 request.priority,
                 request.cache_salt or None,
-                bool(request.prefill_address),
+                prefill_remotely=bool(request.prefill_address),
             )
         )
         try:
             while not finished:
                 msg = await stream.get()
-                kind = msg[0]
                 if trace.enabled:
-                    trace.mark(rid, f"dserver.got_{kind}")
-                if kind == "prefill" and grant is not None:  # the blocks for the prefill already running
+                    trace.mark(rid, f"dserver.got_{type(msg).__name__}")
+                if isinstance(msg, BlocksReserved) and grant is not None:  # for the prefill already running
                     self._promised, promised = self._promised - promised, 0
                     if not grant.done():
-                        grant.set_result(msg[2])
-                elif kind == "prefill":
-                    prefill_call = self._open_prefill(request, msg[2])
-                    prefill = asyncio.create_task(self._prefill(request, prefill_call, None))
-                elif kind == "early":  # from _prefill: streamed before the KV transfer completes
-                    _, _, token, logprobs, cached = msg
-                    early = True
-                    yield pb.DecodeChunk(
-                        token_ids=[token],
-                        logprobs=[logprobs_to_proto(token, logprobs)] if logprobs is not None else [],
-                        num_cached_tokens=cached,
-                    )
-                elif kind == "tokens" and early:  # the engine's copy of the early token: only its end
-                    _, _, _, _, finish, stop_reason, _ = msg
-                    early, finished = False, finish is not None
-                    if finished:
-                        yield pb.DecodeChunk(finish_reason=finish, stop_reason=stop_reason or "")
-                elif kind == "tokens":
-                    _, _, token, logprobs, finish, stop_reason, cached = msg
-                    finished = finish is not None
-                    yield pb.DecodeChunk(
-                        token_ids=[token],
-                        finish_reason=finish or "",
-                        stop_reason=stop_reason or "",
-                        logprobs=[logprobs_to_proto(token, logprobs)] if logprobs is not None else [],
-                        num_cached_tokens=cached,
-                    )
-                elif kind == "error":
+                        grant.set_result(msg.block_ids)
+                elif isinstance(msg, BlocksReserved):
+                    prefill_call = self._open_prefill(request, msg.block_ids)
+                    prefill = asyncio.create_task(self._prefill(request, prefill_call, None, stream))
+                elif isinstance(msg, Error):
                     finished = True
-                    raise RpcAbort(STATUS[msg[2]], msg[3])
+                    raise RpcAbort(STATUS[msg.code], msg.details)
+                else:
+                    finished = not isinstance(msg, FirstToken) and msg.finish_reason is not None
+                    if (chunk := _chunk(msg)) is not None:
+                        yield chunk
         finally:
             self._promised -= promised
             if not finished:  # cancelled by the caller, or this server is stopping
-                self.engine.send(("abort", rid))
+                self.engine.send(Abort(rid))
             if prefill is not None and not prefill.done():
                 prefill.cancel()
                 assert prefill_call is not None  # opened with the task; a task cancelled before it ran
@@ -150,7 +130,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         free = load.get("num_free_blocks", 0) - self._promised
         return need if load.get("num_waiting", 1) == 0 and free >= 2 * need else 0
 
-    def _open_prefill(self, request: pb.DecodeRequest, dst_block_ids: list[int] | None) -> ManyCall:
+    def _open_prefill(self, request: pb.DecodeRequest, dst_block_ids: tuple[int, ...] | None) -> ManyCall:
         """Ask the prefill worker to fill our reserved blocks: `dst_block_ids`, or (None) the blocks our
         engine reserves next, sent as the call's second message (_write_grant). Queues the frame now."""
         call = self._prefill_stream(request.prefill_address).open(
@@ -160,41 +140,41 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             kv_descriptor=self._kv_descriptor,
-            dst_block_ids=dst_block_ids or [],
+            dst_block_ids=dst_block_ids or (),
         )
         trace.mark(request.request_id, "dserver.call_prefill")
         return call
 
-    async def _prefill(self, request: pb.DecodeRequest, call: ManyCall, grant: asyncio.Future | None) -> None:
+    async def _prefill(
+        self,
+        request: pb.DecodeRequest,
+        call: ManyCall,
+        grant: asyncio.Future | None,
+        stream: asyncio.Queue,
+    ) -> None:
         """Follow the prefill call (`_open_prefill`): send `grant`'s blocks when our engine has reserved
-        them, stream the first token on, and tell the engine how the transfer went."""
+        them, put the prefill worker's first token on the request's `stream` at once (the KV is still on
+        its way), and tell the engine how the transfer went."""
         rid = request.request_id
         writer = asyncio.create_task(self._write_grant(call, rid, grant)) if grant is not None else None
-        first: pb.PrefillResponse | None = None
+        first: FirstToken | None = None
         kv_done = False
         try:
             async for reply in call:
                 if reply.kv_done:
                     kv_done = True
                     break
-                if first is None:  # stream the first token on now; the KV is still on its way
-                    first = reply
+                if first is None:
                     trace.mark(rid, "dserver.first_token")
-                    lp = (
-                        logprobs_from_proto(reply.first_logprobs)
-                        if reply.HasField("first_logprobs")
-                        else None
-                    )
-                    queue = self.engine.streams.get(rid)
-                    if queue is not None:
-                        queue.put_nowait(("early", rid, reply.first_token_id, lp, reply.num_cached_tokens))
+                    first = _first_token(rid, reply)
+                    stream.put_nowait(first)
         except asyncio.CancelledError:
             call.cancel()
             raise
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED else "UNAVAILABLE"
             reason = f"prefill worker {request.prefill_address}: {exc.code().name}: {exc.details()}"
-            self.engine.send(("kv_failed", rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
+            self.engine.send(KVFailed(rid, reason if code != "INVALID_ARGUMENT" else exc.details()))
             return
         finally:
             if writer is not None:
@@ -203,11 +183,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             reason = (
                 f"prefill worker {request.prefill_address} ended its reply before the KV transfer completed"
             )
-            self.engine.send(("kv_failed", rid, reason))
+            self.engine.send(KVFailed(rid, reason))
             return
         trace.mark(rid, "dserver.prefill_reply")
-        logprobs = logprobs_from_proto(first.first_logprobs) if first.HasField("first_logprobs") else None
-        self.engine.send(("kv_done", rid, first.first_token_id, logprobs, first.num_cached_tokens))
+        self.engine.send(KVArrived(rid, first.token_id, first.logprobs, first.num_cached_tokens))
 
     async def _write_grant(self, call: ManyCall, rid: str, grant: asyncio.Future) -> None:
         """The call's second message, once our engine has reserved the blocks of a prefill started ahead."""
@@ -241,6 +220,29 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         for stream in self._streams.values():
             stream.close()
         self._streams.clear()
+
+
+def _first_token(rid: str, reply: pb.PrefillResponse) -> FirstToken:
+    logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
+    return FirstToken(rid, reply.first_token_id, logprobs, reply.num_cached_tokens)
+
+
+def _chunk(msg: FirstToken | Tokens | Landed) -> pb.DecodeChunk | None:
+    """The router's chunk for a message on a request's stream (None: nothing to tell it)."""
+    if isinstance(msg, FirstToken):  # the prefill worker's, streamed on before its KV transfer completes
+        lps = [] if msg.logprobs is None else [logprobs_to_proto(msg.token_id, msg.logprobs)]
+        return pb.DecodeChunk(token_ids=[msg.token_id], logprobs=lps, num_cached_tokens=msg.num_cached_tokens)
+    if isinstance(msg, Landed):  # that first token joined the batch: only whether it ended the completion
+        if msg.finish_reason is None:
+            return None
+        return pb.DecodeChunk(finish_reason=msg.finish_reason, stop_reason=msg.stop_reason or "")
+    return pb.DecodeChunk(
+        token_ids=msg.token_ids,
+        finish_reason=msg.finish_reason or "",
+        stop_reason=msg.stop_reason or "",
+        logprobs=[logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs)],
+        num_cached_tokens=msg.num_cached_tokens,
+    )
 
 
 def add_servicer(servicer: DecodeServicer, server: grpc.aio.Server) -> None:

@@ -110,6 +110,25 @@ class Scheduler:
         else:
             self.waiting.push(seq)
 
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Join a request whose prompt was computed elsewhere to the running batch, in the policy's order:
+        its blocks hold the prompt's KV (counted in num_computed_tokens) and its first token is appended.
+        A first token that ends the request finishes it here."""
+        self.seqs[seq.request_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+        status = self.stop_status(seq)
+        if status is not None:
+            self.finish(seq, status)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish an unfinished request as aborted, freeing its blocks; False if it is not held here."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.running or len(self.waiting) or self.deferred)
 
@@ -212,13 +231,14 @@ class Scheduler:
             if not item.sample:
                 continue
             seq.append_token(sampled[item.request_id])
-            status = self._stop_status(seq)
+            status = self.stop_status(seq)
             if status is not None:
                 self.finish(seq, status)
             updated.append(seq)
         return updated
 
-    def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
+    def stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        """How the request's newest token ends it (stop token, EOS, max_tokens, max_model_len), or None."""
         token = seq.output_token_ids[-1]
         params = seq.params
         if token in (params.stop_token_ids or ()):

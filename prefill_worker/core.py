@@ -4,6 +4,9 @@ Each request is "compute the prompt, sample one token": it reuses this worker's 
 and chunked with other prompts by the ordinary scheduler, and when its last chunk has run, its blocks go
 to the decode worker's reserved blocks through kvtransfer before the scheduler lets go of them. The
 blocks then stay here as prefix cache. A failed transfer fails only that request.
+
+Messages (serving/messages/): PrefillPrompt, then Grant when it came without its blocks; FirstToken goes out
+mid-step as soon as the token is sampled, KVSent once the blocks are written.
 """
 
 from __future__ import annotations
@@ -14,16 +17,14 @@ import logging
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.sequence import SequenceStatus
 from kvtransfer import KVSender, KVTransferError, connect
 from serving.engine_proc import id_list
 from serving.kv_events import KVEventPublisher
+from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent, Snapshot
+from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot, ToEngine
 from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,14 @@ class _Job:
     dst_block_ids: list[int] | None  # None: the decode worker's grant has not come yet
     need: int  # blocks of the prompt
     error: str | None = None
-    # computed before the grant came: the held source blocks and the "prefilled" reply to send after them
+    # computed before the grant came: the held source blocks; `computed` once its step ended (KVSent is due
+    # when they are sent)
     parked: list[int] | None = None
-    reply: tuple | None = None
+    computed: bool = False
     parked_at: float = 0.0
     prepared: bool = False  # the sender holds a grant for it: it ends in send() or release()
     shipped: bool = False  # its KV copy was queued while its last step computed (_during)
+    first_sent: bool = False  # its FirstToken went out mid-step
 
 
 class PrefillCore:
@@ -52,18 +55,18 @@ class PrefillCore:
         self.blocks = self.engine.block_manager
         self.jobs: dict[str, _Job] = {}
         self.senders: dict[str, KVSender] = {}
-        self.outbox: list[tuple] = []
+        self.outbox: list[FromEngine] = []
         # prefix-cache events for the router's index: every block hashed or evicted here
         self.events = KVEventPublisher(config.worker_id, lambda: list(self.blocks.cached))
         self.blocks.on_event = self.events.on_block_event
-        self._send_now: Callable[[list[tuple]], None] | None = None
-        self._take_inbound: Callable[[Callable[[tuple], bool]], list[tuple]] | None = None
+        self._send_now: Callable[[list[FromEngine]], None] | None = None
+        self._take_inbound: Callable[[Callable[[ToEngine], bool]], list[ToEngine]] | None = None
         self._descriptors: dict[str, tuple[dict, str]] = {}  # kv descriptor JSON -> (parsed, sender key)
 
     def bind(
         self,
-        send_now: Callable[[list[tuple]], None],
-        take_inbound: Callable[[Callable[[tuple], bool]], list[tuple]] | None = None,
+        send_now: Callable[[list[FromEngine]], None],
+        take_inbound: Callable[[Callable[[ToEngine], bool]], list[ToEngine]] | None = None,
     ) -> None:
         """The engine process's sender (first tokens go out mid-step, before their KV transfer) and its
         mid-step reader (grants that come while a forward pass runs are handled then)."""
@@ -90,37 +93,22 @@ class PrefillCore:
         self._expire_parked()
         return bool(self.scheduler.has_unfinished() or self.outbox)
 
-    def handle(self, msg: tuple) -> None:
-        kind, rid = msg[0], msg[1]
-        if kind == "prefill":
-            self._add(rid, *msg[2:])
-        elif kind == "grant":
-            self._grant(rid, msg[2])
-        elif kind == "abort":
-            seq = self.scheduler.seqs.get(rid)
-            if seq is not None:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            job = self.jobs.pop(rid, None)
-            if job is not None and job.parked is not None:
-                self.blocks.release(job.parked)
-            if job is not None:
-                self._release(rid, job)
-        elif kind == "snapshot":
-            self.outbox.append(("snapshot", rid, self.events.snapshot().to_bytes()))
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, PrefillPrompt):
+            self._add(msg)
+        elif isinstance(msg, Grant):
+            self._grant(msg.request_id, msg.dst_block_ids)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, TakeSnapshot):
+            self.outbox.append(Snapshot(msg.request_id, self.events.snapshot().to_bytes()))
         else:
-            raise ValueError(f"unknown message {kind!r}")
+            raise ValueError(f"a prefill engine takes no {type(msg).__name__}")
 
-    def _add(
-        self,
-        rid: str,
-        prompt_ids: np.ndarray | list[int],
-        params: SamplingParams,
-        salt: str | None,
-        descriptor_json: str,
-        dst_block_ids: list[int],
-    ) -> None:
+    def _add(self, msg: PrefillPrompt) -> None:
+        rid, prompt_ids, dst_block_ids = msg.request_id, msg.prompt_token_ids, msg.dst_block_ids
         trace.mark(rid, "pcore.add")
-        first_only = dataclasses.replace(params, n=1, max_tokens=1, stop=None, ignore_eos=True)
+        first_only = dataclasses.replace(msg.params, n=1, max_tokens=1, stop=None, ignore_eos=True)
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:
             self.engine.validate(prompt_ids, first_only)  # on the server's array: cheaper than on a list
@@ -128,41 +116,49 @@ class PrefillCore:
                 raise ValueError(
                     f"{len(prompt_ids)} prompt tokens need {need} blocks, got {len(dst_block_ids)}"
                 )
-            descriptor, key = self._descriptor(descriptor_json)
+            descriptor, key = self._descriptor(msg.kv_descriptor)
         except ValueError as exc:
-            self.outbox.append(("error", rid, "INVALID_ARGUMENT", str(exc)))
+            self.outbox.append(Error(rid, "INVALID_ARGUMENT", str(exc)))
             return
         job = self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
-        self.scheduler.add(self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, salt))
+        seq = self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, msg.cache_salt)
+        self.scheduler.add(seq)
         if job.dst_block_ids is not None:
             self._prepare(rid, job)
 
-    def step(self) -> list[tuple]:
+    def _abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+        job = self.jobs.pop(rid, None)
+        if job is not None and job.parked is not None:
+            self.blocks.release(job.parked)
+        if job is not None:
+            self._release(rid, job)
+
+    def step(self) -> list[FromEngine]:
         if self.scheduler.has_unfinished():
             updated, logprobs = self.engine.step_core(after_run=self._ship, during=self._during)
             for seq in updated:
                 job = self.jobs.get(seq.request_id)
                 if job is None:
                     continue
-                reply = (
-                    "prefilled",
-                    seq.request_id,
-                    seq.output_token_ids[-1],
-                    logprobs.get(seq.request_id),
-                    max(seq.num_cached_tokens, 0),
-                )
+                if not job.first_sent:  # no mid-step sender bound: it goes out with the step
+                    first = FirstToken(
+                        seq.request_id,
+                        seq.output_token_ids[-1],
+                        logprobs.get(seq.request_id),
+                        max(seq.num_cached_tokens, 0),
+                    )
+                    self.outbox.append(first)
+                    job.first_sent = True
                 if job.parked is not None:  # waits for the grant; its blocks stay held
-                    job.reply = reply
+                    job.computed = True
                     continue
                 del self.jobs[seq.request_id]
                 self._release(seq.request_id, job)  # finished without its transfer (none when sent)
-                if job.error is not None:
-                    self.outbox.append(("error", seq.request_id, "UNAVAILABLE", job.error))
-                else:
-                    self.outbox.append(reply)
+                self.outbox.append(_outcome(seq.request_id, job))
         batch = self.events.flush()
         if batch is not None:
-            self.outbox.append(("kv_events", "", batch.to_bytes()))
+            self.outbox.append(KVEvents(batch.to_bytes()))
         out, self.outbox = self.outbox, []
         return out
 
@@ -190,12 +186,13 @@ class PrefillCore:
         the pass ends, and the send after it need not wait for that round trip."""
         if self._take_inbound is None:
             return
-        for msg in self._take_inbound(lambda m: m[0] == "grant" and m[1] in self.jobs):
+        for msg in self._take_inbound(lambda m: isinstance(m, Grant) and m.request_id in self.jobs):
             try:
                 self.handle(msg)
             except Exception as exc:  # as the engine loop treats a message it cannot handle
                 logger.exception("engine failed on a grant mid-step")
-                self.outbox.append(("error", msg[1], "INTERNAL", f"{type(exc).__name__}: {exc}"))
+                assert isinstance(msg, Grant)
+                self.outbox.append(Error(msg.request_id, "INTERNAL", f"{type(exc).__name__}: {exc}"))
 
     def _ship(self, sched: SchedulerOutput, sampled: dict) -> None:
         """Send every prompt finished this step into its decode worker's blocks (the blocks are still held)."""
@@ -206,7 +203,8 @@ class PrefillCore:
             seq = self.scheduler.seqs.get(item.request_id)
             if self._send_now is not None and seq is not None and item.request_id in sampled:
                 token, logprobs = sampled[item.request_id]  # the decode worker streams it on now
-                self._send_now([("first", item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
+                self._send_now([FirstToken(item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
+                job.first_sent = True
             if job.error is not None or job.shipped:
                 continue  # a bad grant or a failed copy: fails when this step ends; or queued already
             if job.dst_block_ids is None:  # computed before the decode worker's grant: hold the blocks
@@ -250,7 +248,7 @@ class PrefillCore:
             job.error = f"KV transfer to the decode worker failed: {exc}"
             self._drop_sender(job)
 
-    def _grant(self, rid: str, dst_block_ids: list[int]) -> None:
+    def _grant(self, rid: str, dst_block_ids: tuple[int, ...]) -> None:
         """The decode worker reserved the prompt's blocks: send now if the prompt is already computed."""
         job = self.jobs.get(rid)
         if job is None or job.dst_block_ids is not None or job.error is not None:
@@ -272,17 +270,15 @@ class PrefillCore:
         assert job.parked is not None
         self.blocks.release(job.parked)
         del self.jobs[rid]
-        if job.error is not None:
-            self.outbox.append(("error", rid, "UNAVAILABLE", job.error))
-        elif job.reply is not None:
-            self.outbox.append(job.reply)
+        if job.error is not None or job.computed:
+            self.outbox.append(_outcome(rid, job))
 
     def _expire_parked(self) -> None:
         """A computed prompt whose grant never came: fail it and let its blocks go."""
         now = time.monotonic()
         for rid, job in list(self.jobs.items()):
             waited = now - job.parked_at
-            if job.parked is not None and job.reply is not None and waited > self.config.kv_timeout_s:
+            if job.parked is not None and job.computed and waited > self.config.kv_timeout_s:
                 job.error = f"the decode worker reserved no blocks within {self.config.kv_timeout_s:g} s"
                 self._unpark(rid, job)
 
@@ -309,3 +305,8 @@ class PrefillCore:
         sender = self.senders.pop(job.sender_key, None)
         if sender is not None:
             sender.close()
+
+
+def _outcome(rid: str, job: _Job) -> KVSent | Error:
+    """A finished request's last message: its blocks are in the decode worker's pool, or they are not."""
+    return KVSent(rid) if job.error is None else Error(rid, "UNAVAILABLE", job.error)

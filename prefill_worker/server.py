@@ -18,6 +18,8 @@ from serving.drain import Drain
 from serving.engine_proc import EngineProcess
 from serving.grpc_common import logprobs_to_proto, params_from_proto
 from serving.kv_events import EventBatch
+from serving.messages.from_engine import Error, FirstToken, KVEvents, KVSent, Snapshot
+from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot
 from serving.mux import RpcAbort, serve_many
 from serving.worker import STATUS, worker_load
 
@@ -33,11 +35,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self._admitted = self.drain.admit(self._prefill)  # a grant for an admitted call is not a new request
         self.events: deque[tuple[int, bytes]] = deque(maxlen=keep_batches)  # (seq, EventBatch bytes)
         self._snapshots = itertools.count()
-        engine.handlers["kv_events"] = self._on_events
+        engine.handlers[KVEvents] = self._on_events
 
-    def _on_events(self, msg: tuple) -> None:
-        data = msg[2]
-        self.events.append((EventBatch.from_bytes(data).seq, data))
+    def _on_events(self, msg: KVEvents) -> None:
+        self.events.append((EventBatch.from_bytes(msg.data).seq, msg.data))
 
     async def GetKVEvents(
         self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
@@ -53,13 +54,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         rid = f"snapshot-{next(self._snapshots)}"
         stream = self.engine.open(rid)
         try:
-            self.engine.send(("snapshot", rid))
+            self.engine.send(TakeSnapshot(rid))
             msg = await asyncio.wait_for(stream.get(), timeout=30)
         finally:
             self.engine.close(rid)
-        if msg[0] != "snapshot":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"snapshot failed: {msg[-1]}")
-        return pb.KVEventsResponse(epoch=epoch, snapshot=msg[2])
+        if not isinstance(msg, Snapshot):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"snapshot failed: {msg.details}")
+        return pb.KVEventsResponse(epoch=epoch, snapshot=msg.data)
 
     async def Prefill(self, requests, context: grpc.aio.ServicerContext):
         """Reads the prompt (and later, when it came without them, the reserved blocks); streams the first
@@ -97,29 +98,24 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         grant = None if request.dst_block_ids else asyncio.create_task(self._forward_grant(rid, later))
         try:
             self.engine.send(
-                (
-                    "prefill",
+                PrefillPrompt(
                     rid,
                     np.array(request.prompt_token_ids, dtype=np.int64),  # pickles ~15x faster than a list
                     params,
                     request.cache_salt or None,
                     request.kv_descriptor,
-                    list(request.dst_block_ids),
+                    tuple(request.dst_block_ids),
                 )
             )
-            first_sent = False
             while True:
                 msg = await stream.get()
-                if msg[0] == "error":
+                if isinstance(msg, Error):
                     done = True
-                    raise RpcAbort(STATUS[msg[2]], msg[3])
-                if (
-                    msg[0] == "first" or not first_sent
-                ):  # ("first" | "prefilled", rid, token, logprobs, cached)
+                    raise RpcAbort(STATUS[msg.code], msg.details)
+                if isinstance(msg, FirstToken):
                     trace.mark(rid, "pserver.first")
-                    yield _first_token(*msg[2:])
-                    first_sent = True
-                if msg[0] == "prefilled":
+                    yield _first_token(msg)
+                elif isinstance(msg, KVSent):
                     done = True
                     trace.mark(rid, "pserver.kv_done")
                     yield pb.PrefillResponse(kv_done=True)
@@ -128,7 +124,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             if grant is not None:
                 grant.cancel()
             if not done:
-                self.engine.send(("abort", rid))
+                self.engine.send(Abort(rid))
             self.engine.close(rid)
 
     async def _forward_grant(self, rid: str, later: AsyncIterator[pb.PrefillRequest]) -> None:
@@ -136,7 +132,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         async for request in later:
             if request.dst_block_ids:
                 trace.mark(rid, "pserver.grant")
-                self.engine.send(("grant", rid, list(request.dst_block_ids)))
+                self.engine.send(Grant(rid, tuple(request.dst_block_ids)))
                 return
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
@@ -148,10 +144,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         """Nothing of its own to close: its calls are the decode workers'."""
 
 
-def _first_token(token: int, logprobs: dict[int, float] | None, cached: int) -> pb.PrefillResponse:
-    reply = pb.PrefillResponse(first_token_id=token, num_cached_tokens=cached)
-    if logprobs is not None:
-        reply.first_logprobs.CopyFrom(logprobs_to_proto(token, logprobs))
+def _first_token(msg: FirstToken) -> pb.PrefillResponse:
+    reply = pb.PrefillResponse(first_token_id=msg.token_id, num_cached_tokens=msg.num_cached_tokens)
+    if msg.logprobs is not None:
+        reply.first_logprobs.CopyFrom(logprobs_to_proto(msg.token_id, msg.logprobs))
     return reply
 
 

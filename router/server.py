@@ -469,21 +469,17 @@ class RouterServicer(pb_grpc.RouterServicer):
                     trace.mark(started.sub_id, "router.first_chunk")
                     self.router.prefill_done(decision)
                     started.first_seen = True
-                if not chunk.token_ids:  # the end of a completion whose last token came in an earlier chunk
-                    stopped = text is not None and text.finish()
-                else:
-                    stopped = text is not None and text.add(
-                        chunk.token_ids[0], last=bool(chunk.finish_reason)
-                    )
+                stopped, kept = _detokenize(text, chunk)
                 finish = "stop" if stopped else chunk.finish_reason
                 stop_reason = text.stop if text is not None and stopped else chunk.stop_reason
                 visible = text.visible(bool(finish)) if text is not None else ""
+                whole = kept == len(chunk.token_ids)
                 resp = pb.GenerateResponse(
                     request_id=rid,
                     index=index,
-                    token_ids=chunk.token_ids,
+                    token_ids=chunk.token_ids if whole else chunk.token_ids[:kept],
                     text=visible[shown:],
-                    logprobs=chunk.logprobs,
+                    logprobs=chunk.logprobs if whole else chunk.logprobs[:kept],
                     finish_reason=finish,
                     stop_reason=stop_reason,
                 )
@@ -506,6 +502,21 @@ class RouterServicer(pb_grpc.RouterServicer):
         raise _Stop(
             grpc.StatusCode.UNAVAILABLE, f"decode worker {decision.decode_worker} ended the stream early"
         )
+
+
+def _detokenize(text: TextStream | None, chunk: pb.DecodeChunk) -> tuple[bool, int]:
+    """Add the chunk's tokens (one or several) to the completion's text, in order. Returns whether a stop
+    string ended the text and how many of the tokens are kept: those up to the one that completed it."""
+    ids = chunk.token_ids
+    if text is None:
+        return False, len(ids)
+    if not ids:  # the end of a completion whose last token came in an earlier chunk
+        return text.finish(), 0
+    last = len(ids) - 1
+    for i, token in enumerate(ids):
+        if text.add(token, last=i == last and bool(chunk.finish_reason)):
+            return True, i + 1
+    return False, len(ids)
 
 
 def _make_index(config: RouterConfig) -> PrefixIndex:

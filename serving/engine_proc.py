@@ -1,7 +1,8 @@
 """A worker's engine in its own process, talking to the gRPC server process over one socket pair.
 
 The child runs `recv -> step -> send` and nothing else, so the GPU loop never waits on the network;
-messages are small pickled tuples (token ids as int arrays, block ids), never tensors. The parent side
+messages are small pickled dataclasses (serving/messages/: token ids as int arrays, block ids), never
+tensors. The parent side
 (`EngineProcess`) lives in the server's asyncio loop: `send` a message, `open` a per-request queue to
 read replies. The parent reads and writes the socket from the loop itself (asyncio streams: no reader
 or feeder thread, so a message costs no thread wake-ups on its way; a send never blocks the loop, the
@@ -9,12 +10,12 @@ stream buffers it). Frames are multiprocessing.Connection's: a 4-byte big-endian
 pickle, so the child uses a plain Connection (`send_bytes` / `recv_bytes` / `poll`).
 
 A worker core (decode_worker/core.py, prefill_worker/core.py) implements:
-    info() -> dict                  sent once as ("ready", info) after the model is loaded
-    handle(msg: tuple) -> None      one inbound message
+    info() -> dict                  sent once as Ready(info) after the model is loaded
+    handle(msg: ToEngine) -> None   one inbound message
     bind(send_now, take_inbound)    optional: sends mid-step, and takes chosen inbound messages mid-step
     has_work() -> bool
     load() -> dict                  running / waiting requests and free blocks, reported every 0.1 s
-    step() -> list[tuple]           outbound messages, each (kind, request_id, *payload)
+    step() -> list[FromEngine]      outbound messages
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ from typing import Any
 import numpy as np
 
 from engine import trace
+from serving.messages.from_engine import (
+    Error,
+    ForRequest,
+    FromEngine,
+    Load,
+    Ready,
+    StartFailed,
+)
+from serving.messages.to_engine import Abort, Shutdown, ToEngine
 
 logger = logging.getLogger(__name__)
 
@@ -53,52 +63,52 @@ def id_list(ids: np.ndarray | Sequence[int]) -> list[int]:
 
 
 def _child_main(core_path: str, config: Any, conn: Any) -> None:
-    # Ctrl-C reaches the whole process group; the server decides when this process stops ("shutdown"),
+    # Ctrl-C reaches the whole process group; the server decides when this process stops (Shutdown),
     # and it stops by itself once the server is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     module, _, name = core_path.rpartition(".")
 
-    def send(batch: list[tuple]) -> None:
+    def send(batch: list[FromEngine]) -> None:
         conn.send_bytes(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
         core = getattr(importlib.import_module(module), name)(config)
     except Exception as exc:  # a bad model path, a pool too small: the parent reports it and exits
-        send([("failed", "", f"{type(exc).__name__}: {exc}")])
+        send([StartFailed(f"{type(exc).__name__}: {exc}")])
         return
 
-    def send_traced(batch: list[tuple]) -> None:
+    def send_traced(batch: list[FromEngine]) -> None:
         if trace.enabled:
             for m in batch:
-                trace.mark(m[1], f"proc.out_{m[0]}")
+                _mark(m, "proc.out_")
         send(batch)
 
-    backlog: list[tuple] = []  # read mid-step and left to this loop, in arrival order
+    backlog: list[ToEngine] = []  # read mid-step and left to this loop, in arrival order
 
-    def take_inbound(wanted: Callable[[tuple], bool]) -> list[tuple]:
+    def take_inbound(wanted: Callable[[ToEngine], bool]) -> list[ToEngine]:
         """Mid-step, for the core: what has arrived by now (never waits), the messages `wanted` picks
         handed over, the others kept, in order, for the loop."""
         while conn.poll(0):
             backlog.append(pickle.loads(conn.recv_bytes()))
-        taken: list[tuple] = []
-        kept: list[tuple] = []
+        taken: list[ToEngine] = []
+        kept: list[ToEngine] = []
         for m in backlog:
-            (taken if m[0] != "shutdown" and wanted(m) else kept).append(m)
+            (taken if not isinstance(m, Shutdown) and wanted(m) else kept).append(m)
         backlog[:] = kept
         if trace.enabled:
             for m in taken:
-                trace.mark(m[1], f"proc.in_{m[0]}")
+                _mark(m, "proc.in_")
         return taken
 
     if hasattr(core, "bind"):  # a core that sends some messages mid-step (prefill: first tokens)
         core.bind(send_traced, take_inbound)
-    send([("ready", "", core.info()), ("load", "", core.load())])
+    send([Ready(core.info()), Load(core.load())])
     parent = os.getppid()
     last_load = last_busy = 0.0
     try:
         while True:
             if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
-                send([("load", "", core.load())])
+                send([Load(core.load())])
                 last_load = time.monotonic()
             msgs, backlog[:] = backlog[:], []
             if not msgs and not core.has_work():
@@ -111,15 +121,15 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
             while conn.poll(0):
                 msgs.append(pickle.loads(conn.recv_bytes()))
             for msg in msgs:
-                if msg[0] == "shutdown":
+                if isinstance(msg, Shutdown):
                     return
                 if trace.enabled:
-                    trace.mark(msg[1], f"proc.in_{msg[0]}")
+                    _mark(msg, "proc.in_")
                 try:
                     core.handle(msg)
                 except Exception as exc:
-                    logger.exception("engine failed on %s", msg[0])
-                    send([("error", msg[1], "INTERNAL", f"{type(exc).__name__}: {exc}")])
+                    logger.exception("engine failed on %s", type(msg).__name__)
+                    send([Error(msg.request_id, "INTERNAL", f"{type(exc).__name__}: {exc}")])
             if core.has_work():
                 if os.getppid() != parent:
                     return
@@ -128,6 +138,12 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
                     send_traced(out)
     except (EOFError, OSError):
         return  # the server closed its end: it is gone
+
+
+def _mark(msg: ToEngine | FromEngine, stage: str) -> None:
+    rid = getattr(msg, "request_id", None)
+    if rid is not None:
+        trace.mark(rid, stage + type(msg).__name__)
 
 
 _LEN = struct.Struct("!i")  # multiprocessing.Connection's frame header (messages under 2 GiB)
@@ -144,7 +160,8 @@ class EngineProcess:
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
-        self.handlers: dict[str, Callable[[tuple], None]] = {}  # by message kind, run on the server's loop
+        # messages for the whole worker, not one request, by type (prefill: KVEvents); run on the server's loop
+        self.handlers: dict[type, Callable[[Any], None]] = {}
         self.alive = False
         self.died = False  # it stopped without being asked to
         self._read_task: asyncio.Task | None = None
@@ -161,24 +178,25 @@ class EngineProcess:
             first = await asyncio.wait_for(self._recv(), timeout)
         except (asyncio.IncompleteReadError, ConnectionError):
             self.proc.join(5)
-            first = [("failed", "", f"engine process exited with code {self.proc.exitcode}")]
+            first = [StartFailed(f"engine process exited with code {self.proc.exitcode}")]
         except TimeoutError:
-            first = [("failed", "", f"engine did not start within {timeout:.0f} s")]
-        kind, _, payload = first[0]
-        if kind != "ready":
-            raise RuntimeError(f"the engine failed to start: {payload}")
-        self.info, self.alive = payload, True
+            first = [StartFailed(f"engine did not start within {timeout:.0f} s")]
+        ready = first[0]
+        if not isinstance(ready, Ready):
+            error = ready.error if isinstance(ready, StartFailed) else repr(ready)
+            raise RuntimeError(f"the engine failed to start: {error}")
+        self.info, self.alive = ready.info, True
         self._dispatch(first[1:])
         self._read_task = asyncio.create_task(self._read())
         self._watch_task = asyncio.create_task(self._watch())
         return self.info
 
-    async def _recv(self) -> list[tuple]:
+    async def _recv(self) -> list[FromEngine]:
         assert self._reader is not None
         (n,) = _LEN.unpack(await self._reader.readexactly(_LEN.size))
         return pickle.loads(await self._reader.readexactly(n))
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: ToEngine) -> None:
         """Queue `msg` for the engine; never blocks (the stream buffers what the socket cannot take yet)."""
         if self._writer is None or self._writer.is_closing():
             return  # not started, or the engine is gone: its streams were told (UNAVAILABLE)
@@ -212,17 +230,13 @@ class EngineProcess:
             if not self.proc.is_alive():
                 self._died()
 
-    def _dispatch(self, batch: list[tuple]) -> None:
+    def _dispatch(self, batch: list[FromEngine]) -> None:
         for msg in batch:
-            if msg[0] == "load":
-                self.load = msg[2]
-                continue
-            handler = self.handlers.get(msg[0])
-            if handler is not None:  # messages for the whole worker, not one request
+            if isinstance(msg, Load):
+                self.load = msg.load
+            elif (handler := self.handlers.get(type(msg))) is not None:
                 handler(msg)
-                continue
-            q = self.streams.get(msg[1])
-            if q is not None:
+            elif isinstance(msg, ForRequest) and (q := self.streams.get(msg.request_id)) is not None:
                 q.put_nowait(msg)
 
     def _died(self) -> None:
@@ -231,15 +245,15 @@ class EngineProcess:
         self.alive, self.died = False, True
         logger.error("engine process died (exit code %s)", self.proc.exitcode)
         for rid, q in list(self.streams.items()):
-            q.put_nowait(("error", rid, "UNAVAILABLE", "the worker's engine process died"))
+            q.put_nowait(Error(rid, "UNAVAILABLE", "the worker's engine process died"))
 
     def abort_all(self, code: str, details: str) -> int:
         """End every request the engine holds: the engine aborts it (its blocks are freed) and its stream
-        reads ("error", rid, code, details). Returns how many there were."""
+        reads Error(rid, code, details). Returns how many there were."""
         streams = list(self.streams.items())
         for rid, q in streams:
-            self.send(("abort", rid))
-            q.put_nowait(("error", rid, code, details))
+            self.send(Abort(rid))
+            q.put_nowait(Error(rid, code, details))
         return len(streams)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
@@ -250,7 +264,7 @@ class EngineProcess:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.proc.is_alive():
-            self.send(("shutdown", ""))
+            self.send(Shutdown())
             if self._writer is not None:
                 with contextlib.suppress(OSError, RuntimeError, ConnectionError):
                     await self._writer.drain()

@@ -16,6 +16,8 @@ from engine.sampling_params import SamplingParams
 from kvtransfer import connect
 from kvtransfer.registry import State
 from kvtransfer.wire import _FRAME, MAGIC, VERSION, Channel, Kind
+from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
+from serving.messages.to_engine import Abort, Admit, KVArrived
 from tests.hf_reference import tiny_worker_config
 
 
@@ -26,8 +28,17 @@ def core(tmp_path: Path):
     core.receiver.close()
 
 
-def kinds(out: list[tuple]) -> list[tuple[str, str]]:
-    return [(m[0], m[1]) for m in out]
+def kinds(out: list[FromEngine]) -> list[tuple[str, str]]:
+    return [(type(m).__name__, getattr(m, "request_id", "")) for m in out]
+
+
+def admit(rid: str, prompt, params: SamplingParams) -> Admit:
+    return Admit(rid, np.asarray(prompt, dtype=np.int64), params, prefill_remotely=True)
+
+
+def reserved(out: list[FromEngine]) -> list[int]:
+    assert isinstance(out[0], BlocksReserved)
+    return list(out[0].block_ids)
 
 
 def prefill_elsewhere(core: DecodeCore, rid: str, dst: list[int], first_token: int) -> None:
@@ -35,27 +46,39 @@ def prefill_elsewhere(core: DecodeCore, rid: str, dst: list[int], first_token: i
     pool = torch.zeros_like(core.engine.runner.kv_cache)
     with connect(core.receiver.descriptor(), pool) as sender:
         sender.send(rid, list(range(len(dst))), dst)
-    core.handle(("kv_done", rid, first_token, None, 0))
+    core.handle(KVArrived(rid, first_token, None, 0))
 
 
 def test_first_token_and_prefill_requests_leave_before_a_forward_pass(core: DecodeCore) -> None:
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.handle(("add", "r1", list(range(10, 30)), params, 0, None, True))
+    core.handle(admit("r1", range(10, 30), params))
     out = core.step()
-    assert kinds(out) == [("prefill", "r1")]  # the blocks are reserved and announced, no forward pass
-    prefill_elsewhere(core, "r1", out[0][2], first_token=42)
+    assert kinds(out) == [("BlocksReserved", "r1")]  # the blocks are reserved and announced, no forward pass
+    prefill_elsewhere(core, "r1", reserved(out), first_token=42)
 
-    out = core.step()  # the first token goes out at once, not after the next decode step
-    assert [(m[0], m[1], m[2]) for m in out] == [("tokens", "r1", 42)]
+    out = core.step()  # the first token joins at once, not after the next decode step; it did not end r1
+    assert out == [Landed("r1", None, None)]
     assert core.scheduler.seqs["r1"].output_token_ids == [42]
 
-    core.handle(("add", "r2", list(range(40, 60)), params, 0, None, True))
+    core.handle(admit("r2", range(40, 60), params))
     out = core.step()  # just flushed: this step runs the batch; r2's announcement rides along
-    assert kinds(out) == [("prefill", "r2"), ("tokens", "r1")]
+    assert kinds(out) == [("BlocksReserved", "r2"), ("Tokens", "r1")]
     assert len(core.scheduler.seqs["r1"].output_token_ids) == 2
+    assert isinstance(out[1], Tokens) and out[1].token_ids == (core.scheduler.seqs["r1"].output_token_ids[1],)
 
     out = core.step()  # nothing waiting to go out: a plain decode step
-    assert kinds(out) == [("tokens", "r1")]
+    assert kinds(out) == [("Tokens", "r1")]
+
+
+def test_a_first_token_that_ends_the_request_lands_finished(core: DecodeCore) -> None:
+    """max_tokens=1: the prefill worker's token is the whole completion. Landed carries the finish (the
+    server has streamed the token itself), and the blocks are freed at once."""
+    free = core.blocks.num_free_blocks
+    core.handle(admit("r3", range(10, 30), SamplingParams(temperature=0, max_tokens=1)))
+    prefill_elsewhere(core, "r3", reserved(core.step()), first_token=42)
+    assert core.step() == [Landed("r3", "length", None)]
+    assert "r3" not in core.scheduler.seqs and core.blocks.num_free_blocks == free
+    assert not core.has_work()
 
 
 @pytest.mark.parametrize("bad", [-1, 10**9])
@@ -64,10 +87,11 @@ def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(core: DecodeC
     nothing is reserved."""
     free = core.blocks.num_free_blocks
     prompt = np.array([10, 11, bad, 12], dtype=np.int64)
-    core.handle(("add", "r9", prompt, SamplingParams(max_tokens=4), 0, None, True))
+    core.handle(Admit("r9", prompt, SamplingParams(max_tokens=4), prefill_remotely=True))
     out = core.step()
-    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r9", "INVALID_ARGUMENT")]
-    assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
+    assert kinds(out) == [("Error", "r9")]
+    assert isinstance(out[0], Error) and out[0].code == "INVALID_ARGUMENT"
+    assert "vocabulary" in out[0].details and str(bad) in out[0].details
     assert core.blocks.num_free_blocks == free and not core.pending
 
 
@@ -77,10 +101,10 @@ def test_abort_while_its_kv_is_written_holds_the_blocks_until_the_write_stopped(
     nothing writes them, and the next step frees them."""
     free = core.blocks.num_free_blocks
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.handle(("add", "r5", list(range(10, 30)), params, 0, None, True))
+    core.handle(admit("r5", range(10, 30), params))
     out = core.step()
-    assert kinds(out) == [("prefill", "r5")]
-    dst = out[0][2]
+    assert kinds(out) == [("BlocksReserved", "r5")]
+    dst = reserved(out)
     # a prefill worker announces the payload and stalls in the middle of it (a real tcp connection)
     ch = Channel.greet(
         "127.0.0.1", core.receiver.descriptor()["port"], 5, 5, {"layout": core.receiver.layout.to_dict()}
@@ -94,7 +118,7 @@ def test_abort_while_its_kv_is_written_holds_the_blocks_until_the_write_stopped(
         time.sleep(0.005)
 
     t0 = time.monotonic()
-    core.handle(("abort", "r5"))
+    core.handle(Abort("r5"))
     assert time.monotonic() - t0 < 0.5
     assert "r5" in core.draining and core.blocks.num_free_blocks == free - len(dst)
     deadline = time.monotonic() + 5
@@ -111,8 +135,8 @@ def test_kv_done_before_every_byte_landed_never_blocks_the_loop(core: DecodeCore
     (a copy still landing): the loop goes on, and the request joins the batch in the step after the
     bytes are in."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    core.handle(("add", "r6", list(range(10, 30)), params, 0, None, True))
-    dst = core.step()[0][2]
+    core.handle(admit("r6", range(10, 30), params))
+    dst = reserved(core.step())
     hello = {"layout": core.receiver.layout.to_dict()}
     ch = Channel.greet("127.0.0.1", core.receiver.descriptor()["port"], 5, 5, hello)
     nbytes = len(dst) * core.receiver.layout.block_nbytes
@@ -120,15 +144,16 @@ def test_kv_done_before_every_byte_landed_never_blocks_the_loop(core: DecodeCore
     ch.sock.sendall(_FRAME.pack(MAGIC, VERSION, Kind.BEGIN, len(meta), nbytes) + meta + b"\0" * 64)
 
     t0 = time.monotonic()
-    core.handle(("kv_done", "r6", 42, None, 0))
+    core.handle(KVArrived("r6", 42, None, 0))
     assert time.monotonic() - t0 < 0.5 and "r6" in core.landing and core.has_work()
     assert kinds(core.step()) == []  # still landing: nothing for r6 yet, and the step did not wait
     ch.sock.sendall(b"\0" * (nbytes - 64))
     deadline = time.monotonic() + 5
-    out: list[tuple] = []
+    out: list[FromEngine] = []
     while not out:
         assert time.monotonic() < deadline, "the request never joined the batch"
         out = core.step()
-    assert [(m[0], m[1], m[2]) for m in out] == [("tokens", "r6", 42)]
+    assert out == [Landed("r6", None, None)]
+    assert core.scheduler.seqs["r6"].output_token_ids == [42]
     assert "r6" not in core.landing
     ch.close()

@@ -15,6 +15,8 @@ import torch
 from engine.sampling_params import SamplingParams
 from kvtransfer import create_receiver
 from prefill_worker.core import PrefillCore
+from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent
+from serving.messages.to_engine import Abort, Grant, PrefillPrompt, ToEngine
 from tests.hf_reference import tiny_worker_config
 
 PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
@@ -23,7 +25,7 @@ PROMPT = list(range(10, 50))  # 40 tokens: 3 blocks of 16
 @pytest.fixture
 def setup(tmp_path: Path):
     core = PrefillCore(tiny_worker_config(tmp_path, "prefill-test", kv_timeout_s=30.0))
-    sent_now: list[tuple] = []
+    sent_now: list[FromEngine] = []
     core.bind(sent_now.extend)
     decode_pool = torch.zeros_like(core.engine.runner.kv_cache)
     receiver = create_receiver("tcp", decode_pool)
@@ -33,19 +35,33 @@ def setup(tmp_path: Path):
         sender.close()
 
 
-def run_until_idle(core: PrefillCore) -> list[tuple]:
-    out: list[tuple] = []
+def run_until_idle(core: PrefillCore) -> list[FromEngine]:
+    out: list[FromEngine] = []
     for _ in range(10):
         out += core.step()
         if not core.has_work():
             break
-    return [m for m in out if m[0] != "kv_events"]
+    return [m for m in out if not isinstance(m, KVEvents)]
+
+
+def kinds(out: list[FromEngine]) -> list[tuple[str, str]]:
+    return [(type(m).__name__, getattr(m, "request_id", "")) for m in out]
+
+
+def error(out: list[FromEngine], rid: str, code: str) -> str:
+    """The details of `out`, which must be exactly one Error of `rid` with `code`."""
+    assert kinds(out) == [("Error", rid)]
+    assert isinstance(out[0], Error) and out[0].code == code
+    return out[0].details
+
+
+def prefill(rid: str, prompt, params: SamplingParams, descriptor: str, dst=()) -> PrefillPrompt:
+    return PrefillPrompt(rid, np.asarray(prompt, dtype=np.int64), params, None, descriptor, tuple(dst))
 
 
 def start(core: PrefillCore, receiver, rid: str, dst: list[int]) -> None:
     params = SamplingParams(temperature=0, max_tokens=8)
-    descriptor = json.dumps(receiver.descriptor())
-    core.handle(("prefill", rid, PROMPT, params, None, descriptor, dst))
+    core.handle(prefill(rid, PROMPT, params, json.dumps(receiver.descriptor()), dst))
 
 
 def test_grant_after_the_forward_pass_sends_the_held_blocks(setup) -> None:
@@ -54,16 +70,17 @@ def test_grant_after_the_forward_pass_sends_the_held_blocks(setup) -> None:
     start(core, receiver, "r1", [])  # no reservation yet: the prefill starts anyway
     out = run_until_idle(core)
     assert out == []  # nothing to report until the blocks are sent
-    assert [(m[0], m[1]) for m in sent_now] == [("first", "r1")]  # the first token left mid-step
+    assert kinds(sent_now) == [("FirstToken", "r1")]  # the first token left mid-step
+    assert isinstance(sent_now[0], FirstToken) and sent_now[0].num_cached_tokens == 0
     held = core.jobs["r1"].parked
     assert held is not None and len(held) == 3
     assert all(core.blocks.blocks[b].ref_count == 1 for b in held)  # the finished sequence let go, we hold
 
     dst = [7, 3, 11]
     receiver.expect("r1", dst)
-    core.handle(("grant", "r1", dst))
+    core.handle(Grant("r1", tuple(dst)))
     out = run_until_idle(core)
-    assert [(m[0], m[1], m[2]) for m in out] == [("prefilled", "r1", sent_now[0][2])]
+    assert out == [KVSent("r1")] and len(sent_now) == 1  # the first token went out once
     receiver.wait("r1", timeout=10)  # every byte arrived
     source = core.engine.runner.kv_cache
     assert torch.equal(decode_pool[:, :, dst], source[:, :, held])
@@ -75,9 +92,9 @@ def test_grant_before_the_forward_pass_sends_at_once(setup) -> None:
     core, sent_now, receiver, decode_pool = setup
     start(core, receiver, "r2", [])
     receiver.expect("r2", [5, 6, 9])
-    core.handle(("grant", "r2", [5, 6, 9]))
+    core.handle(Grant("r2", (5, 6, 9)))
     out = run_until_idle(core)
-    assert [(m[0], m[1]) for m in out] == [("prefilled", "r2")]
+    assert out == [KVSent("r2")]
     receiver.wait("r2", timeout=10)
     assert not any(b.ref_count for b in core.blocks.blocks)
 
@@ -86,10 +103,9 @@ def test_bad_grant_fails_the_request_and_frees_its_blocks(setup) -> None:
     core, _, receiver, _ = setup
     start(core, receiver, "r3", [])
     run_until_idle(core)
-    core.handle(("grant", "r3", [1, 2]))  # the prompt needs 3 blocks
+    core.handle(Grant("r3", (1, 2)))  # the prompt needs 3 blocks
     out = run_until_idle(core)
-    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r3", "UNAVAILABLE")]
-    assert "needs 3" in out[0][3]
+    assert "needs 3" in error(out, "r3", "UNAVAILABLE")
     assert not any(b.ref_count for b in core.blocks.blocks)
 
 
@@ -98,10 +114,10 @@ def test_abort_while_waiting_for_the_grant_releases_the_blocks(setup) -> None:
     start(core, receiver, "r4", [])
     run_until_idle(core)
     assert core.jobs["r4"].parked
-    core.handle(("abort", "r4"))
+    core.handle(Abort("r4"))
     assert "r4" not in core.jobs
     assert not any(b.ref_count for b in core.blocks.blocks)
-    core.handle(("grant", "r4", [1, 2, 3]))  # a late grant for a forgotten request is ignored
+    core.handle(Grant("r4", (1, 2, 3)))  # a late grant for a forgotten request is ignored
     assert run_until_idle(core) == []
 
 
@@ -111,8 +127,7 @@ def test_a_grant_that_never_comes_times_out(setup) -> None:
     start(core, receiver, "r5", [])
     out = run_until_idle(core)
     out += run_until_idle(core)
-    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r5", "UNAVAILABLE")]
-    assert "reserved no blocks" in out[0][3]
+    assert "reserved no blocks" in error(out, "r5", "UNAVAILABLE")
     assert not any(b.ref_count for b in core.blocks.blocks)
 
 
@@ -122,10 +137,9 @@ def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(setup, bad) -
     core, _, receiver, _ = setup
     prompt = np.array([*PROMPT[:-1], bad], dtype=np.int64)
     params = SamplingParams(temperature=0, max_tokens=8)
-    core.handle(("prefill", "r6", prompt, params, None, json.dumps(receiver.descriptor()), []))
-    out = core.step()
-    assert [(m[0], m[1], m[2]) for m in out] == [("error", "r6", "INVALID_ARGUMENT")]
-    assert "vocabulary" in out[0][3] and str(bad) in out[0][3]
+    core.handle(prefill("r6", prompt, params, json.dumps(receiver.descriptor())))
+    details = error(core.step(), "r6", "INVALID_ARGUMENT")
+    assert "vocabulary" in details and str(bad) in details
     assert "r6" not in core.jobs and not core.scheduler.has_unfinished()
 
 
@@ -133,9 +147,8 @@ def test_token_ids_outside_the_vocabulary_as_the_server_sends_them(setup, bad) -
 def test_a_kv_descriptor_that_is_not_a_json_object_is_invalid_argument(setup, bad) -> None:
     core, _, _, _ = setup
     free_before = core.blocks.num_free_blocks
-    core.handle(("prefill", "bad-desc", PROMPT, SamplingParams(temperature=0), None, bad, []))
-    out = run_until_idle(core)
-    assert [(m[0], m[1], m[2]) for m in out] == [("error", "bad-desc", "INVALID_ARGUMENT")]
+    core.handle(prefill("bad-desc", PROMPT, SamplingParams(temperature=0), bad))
+    error(run_until_idle(core), "bad-desc", "INVALID_ARGUMENT")
     assert "bad-desc" not in core.jobs and core.blocks.num_free_blocks == free_before
 
 
@@ -157,8 +170,8 @@ def test_a_grant_that_comes_while_the_forward_pass_runs_is_taken_then(setup) -> 
     whose pass is running is handled before the pass ends, so its blocks go out from that step (not
     parked until the next); a grant for a request this core does not know yet stays in the loop's backlog."""
     core, sent_now, receiver, decode_pool = setup
-    arrived = [("grant", "unknown", [1, 2, 3]), ("grant", "r7", [4, 8, 2])]
-    left: list[tuple] = []
+    arrived: list[ToEngine] = [Grant("unknown", (1, 2, 3)), Grant("r7", (4, 8, 2))]
+    left: list[ToEngine] = []
     calls: list[int] = []
 
     def take_inbound(wanted):
@@ -186,9 +199,9 @@ def test_a_grant_that_comes_while_the_forward_pass_runs_is_taken_then(setup) -> 
     receiver.expect("r7", [4, 8, 2])
     out = core.step()  # the grant "arrives" during this step's forward pass
     assert calls == [2]
-    assert left == [("grant", "unknown", [1, 2, 3])]
+    assert left == [Grant("unknown", (1, 2, 3))]
     assert len(shipped) == 1 and shipped[0][1] == [4, 8, 2]  # known when the pass ended
-    assert [(m[0], m[1]) for m in out if m[0] != "kv_events"] == [("prefilled", "r7")]
+    assert [m for m in out if not isinstance(m, KVEvents)] == [KVSent("r7")]
     assert "r7" not in core.jobs  # sent from the step itself: never parked
     receiver.wait("r7", timeout=10)
     assert torch.equal(decode_pool[:, :, [4, 8, 2]], core.engine.runner.kv_cache[:, :, shipped[0][0]])
@@ -226,8 +239,26 @@ def test_a_sender_that_queues_its_copy_ships_before_the_tokens_are_read(
     start(core, receiver, "q", dst)
     out = run_until_idle(core)
     assert order == (["send", "read"] if queues_copy else ["read", "send"])
-    assert [(m[0], m[1]) for m in sent_now] == [("first", "q")]
-    assert [(m[0], m[1], m[2]) for m in out] == [("prefilled", "q", sent_now[0][2])]
+    assert kinds(sent_now) == [("FirstToken", "q")]
+    assert out == [KVSent("q")]
     receiver.wait("q", timeout=10)
     assert torch.equal(decode_pool[:, :, dst], core.engine.runner.kv_cache[:, :, sources[0]])
     assert torch.count_nonzero(decode_pool[:, :, dst]) > 0 and not core.jobs
+
+
+def test_without_a_mid_step_sender_the_first_token_leaves_with_the_step(tmp_path: Path) -> None:
+    """A core that no engine process bound: its FirstToken goes out with the step's messages, still before
+    KVSent, and once."""
+    core = PrefillCore(tiny_worker_config(tmp_path, "prefill-unbound"))
+    receiver = create_receiver("tcp", torch.zeros_like(core.engine.runner.kv_cache))
+    try:
+        dst = [2, 5, 8]
+        receiver.expect("u", dst)
+        start(core, receiver, "u", dst)
+        out = run_until_idle(core)
+        assert kinds(out) == [("FirstToken", "u"), ("KVSent", "u")]
+        receiver.wait("u", timeout=10)
+    finally:
+        receiver.close()
+        for sender in core.senders.values():
+            sender.close()

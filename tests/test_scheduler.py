@@ -149,3 +149,51 @@ def test_finish_frees_a_waiting_or_running_request():
     sched.finish(a, SequenceStatus.FINISHED_ABORTED)
     sched.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def prefilled(bm, s, first_token=7):
+    """`s` as a worker has it when its prompt's KV came from another worker: blocks held, prompt computed,
+    first token appended."""
+    assert bm.allocate(s, s.num_prompt_tokens)
+    s.num_computed_tokens = s.num_prompt_tokens
+    s.append_token(first_token)
+    return s
+
+
+def test_a_prefilled_request_joins_the_running_batch_in_priority_order():
+    """admit_prefilled keeps the policy's order: under memory pressure the preempted request is still the
+    lowest-priority one, whichever way it joined."""
+    sched, bm = make(num_blocks=7, max_num_batched_tokens=64, scheduling_policy="priority")
+    sched.add(seq("low", 8, max_tokens=20, priority=5))
+    sched.add(seq("mid", 8, max_tokens=20, priority=1, start=100))
+    step(sched)
+    urgent = prefilled(bm, seq("urgent", 8, max_tokens=20, priority=-1, start=200))
+    sched.admit_prefilled(urgent)
+    assert [s.request_id for s in sched.running] == ["urgent", "mid", "low"]
+    assert urgent.status == SequenceStatus.RUNNING and sched.seqs["urgent"] is urgent
+    preempted = []
+    for _ in range(10):
+        preempted += step(sched).preempted
+        if preempted:
+            break
+    assert preempted[0] == "low" and "urgent" in [s.request_id for s in sched.running]
+
+
+def test_a_prefilled_request_whose_first_token_ends_it_is_finished_at_once():
+    sched, bm = make()
+    s = prefilled(bm, seq("one", 8, max_tokens=1))
+    sched.admit_prefilled(s)
+    assert s.status == SequenceStatus.FINISHED_LENGTH
+    assert not sched.has_unfinished() and "one" not in sched.seqs and bm.num_free_blocks == bm.num_blocks
+    eos = prefilled(bm, seq("eos", 8, max_tokens=5), first_token=EOS)
+    assert sched.stop_status(eos) == SequenceStatus.FINISHED_STOPPED
+    sched.admit_prefilled(eos)
+    assert eos.status == SequenceStatus.FINISHED_STOPPED and bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_ends_a_held_request_and_ignores_an_unknown_one():
+    sched, bm = make()
+    sched.add(seq("a", 4))
+    step(sched)
+    assert sched.abort("a") and not sched.abort("a") and not sched.abort("nobody")
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
