@@ -115,6 +115,28 @@ async def _collect(call) -> list[int]:
     return [r.first_token_id async for r in call]
 
 
+async def _until(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll `cond` until it holds; fail after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def _pinging(channel: grpc.aio.Channel, keep_warm_s: float = 0.002, linger_s: float = 0.0) -> ManyStream:
+    return ManyStream(
+        pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", keep_warm_s, linger_s=linger_s
+    )
+
+
+async def _pongs_while(control: ManyStream, n: int, streams: list[ManyStream]) -> list[int]:
+    """The pongs each of `streams` gets while `control`, a stream pinging with a call open, gets `n` more:
+    a window in which a stream that pinged as often would have got about as many."""
+    start, before = control.pongs, [s.pongs for s in streams]
+    await _until(lambda: control.pongs >= start + n, f"{n} pongs on the control stream")
+    return [s.pongs - b for s, b in zip(streams, before)]
+
+
 def test_concurrent_calls_share_one_stream_and_each_gets_its_own_replies(server):
     address, _ = server
 
@@ -164,16 +186,16 @@ def test_a_closing_server_ends_the_stream_once_its_last_call_has_ended(server):
             call = many.open(request_id="wait")
             it = aiter(call)
             assert (await anext(it)).first_token_id == -1
+            stream = many._call
             assert await _collect(many.open(request_id="close")) == []
-            await asyncio.sleep(0.2)
-            assert many._call is not None  # "wait" is still open: so is the stream
+            # "wait" is still open: so is the stream, the server closing or not (it still answers pings)
+            pongs = many.pongs
+            await _until(lambda: many.pongs >= pongs + 5 or many._call is not stream, "pongs while closing")
+            assert many._call is stream
             await call.write(request_id="wait", dst_block_ids=[1, 2])
             assert [r.first_token_id async for r in call] == [3]  # finished, not failed
-            for _ in range(100):
-                if many._call is None:  # the server ended the stream: the next call opens a new one
-                    break
-                await asyncio.sleep(0.05)
-            assert many._call is None
+            # the server ends the stream: the next call opens a new one
+            await _until(lambda: many._call is None, "the closing server to end the stream", 5)
             assert await _collect(many.open(request_id="echo-2")) == [0, 1]
             many.close()
 
@@ -220,12 +242,17 @@ def test_cancel_and_deadline_cancel_the_servers_handler(server):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await anext(aiter(timed))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(100):  # the cancel frames travel on the stream: wait until both arrived
-                log = await _server_log(channel)
-                if log.count("cancelled hang") == 2:
-                    break
-                await asyncio.sleep(0.05)
-            assert log.count("start hang") == 2 and log.count("cancelled hang") == 2
+            log: list[str] = []
+
+            async def both_cancelled() -> bool:  # the cancel frames travel on the stream
+                log[:] = await _server_log(channel)
+                return log.count("cancelled hang") == 2
+
+            deadline = asyncio.get_running_loop().time() + 5
+            while not await both_cancelled():
+                assert asyncio.get_running_loop().time() < deadline, log
+                await asyncio.sleep(0.02)
+            assert log.count("start hang") == 2
             many.close()
 
     asyncio.run(main())
@@ -256,33 +283,31 @@ def test_a_dead_server_fails_every_open_call_and_the_next_call_reconnects(server
 
 def test_pings_flow_only_while_calls_are_open(server):
     """A stream with calls open pings when quiet (the server answers each): both sides stay warm for the
-    reply to come. With no call open (and no linger) it sends nothing."""
+    reply to come. With no call open (and no linger) it sends nothing, nor does a stream with pings off;
+    "nothing" is counted while a control stream, pinging with a call open, gets 50 pongs."""
     address, _ = server
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
-            many = ManyStream(
-                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.0
-            )
+            control = _pinging(channel)
+            held = control.open(request_id="hang")
+            assert (await anext(aiter(held))).first_token_id == 7
+            many = _pinging(channel)
             call = many.open(request_id="hang")
             assert (await anext(aiter(call))).first_token_id == 7
-            await asyncio.sleep(0.3)
-            assert many.pongs >= 10  # ~one per 2 ms of quiet, fewer on a loaded machine
+            await _until(lambda: many.pongs >= 10, "pongs on a stream with a call open")
             assert not call.done()  # pings are not replies
             call.cancel()
-            await asyncio.sleep(0.05)
-            idle = many.pongs
-            await asyncio.sleep(0.3)
-            assert many.pongs == idle
+            assert (await _pongs_while(control, 50, [many]))[0] <= 1  # one may have been in flight
             assert await _collect(many.open(request_id="echo-2")) == [0, 1]
-            off = ManyStream(pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.0, 1.0)
-            call = off.open(request_id="hang")
-            assert (await anext(aiter(call))).first_token_id == 7
-            await asyncio.sleep(0.1)
-            assert off.pongs == 0
-            call.cancel()
-            many.close()
-            off.close()
+            off = _pinging(channel, keep_warm_s=0.0, linger_s=1.0)
+            quiet = off.open(request_id="hang")
+            assert (await anext(aiter(quiet))).first_token_id == 7
+            assert await _pongs_while(control, 50, [off]) == [0]
+            quiet.cancel()
+            held.cancel()
+            for stream in (many, off, control):
+                stream.close()
 
     asyncio.run(main())
 
@@ -294,26 +319,26 @@ def test_pings_linger_after_the_last_call_then_stop(server):
 
     async def main() -> None:
         async with grpc.aio.insecure_channel(address) as channel:
-            many = ManyStream(
-                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.4
-            )
+            control = _pinging(channel)
+            held = control.open(request_id="hang")
+            assert (await anext(aiter(held))).first_token_id == 7
+            many = _pinging(channel, linger_s=0.4)
             for _ in range(2):  # the second round: a new call re-arms the linger
                 assert await _collect(many.open(request_id="echo-2")) == [0, 1]
                 start = many.pongs
-                await asyncio.sleep(0.2)  # within the linger
-                assert many.pongs >= start + 5  # ~one per 2 ms of quiet, fewer on a loaded machine
-                await asyncio.sleep(0.5)  # past it
-                settled = many.pongs
-                await asyncio.sleep(0.3)
-                assert many.pongs <= settled + 1  # one ping may have been in flight at the edge
+                await _until(lambda start=start: many.pongs >= start + 5, "pongs within the linger")
+                await _until(lambda: not many._warm_wanted(), "the linger to pass", 5)
+                # past it: one ping may have been in flight at the edge
+                assert (await _pongs_while(control, 50, [many]))[0] <= 1
             many.close()
-            fresh = ManyStream(
-                pb_grpc.PrefillStub(channel).PrefillMany, pb.PrefillFrame, "response", 0.002, linger_s=0.4
-            )
+            fresh = _pinging(channel, linger_s=0.4)
+            assert await _pongs_while(control, 20, [fresh]) == [0]  # no call yet: not even a stream
             call = fresh.open(request_id="hang")  # opens the stream
             assert (await anext(aiter(call))).first_token_id == 7
             call.cancel()
             fresh.close()
+            held.cancel()
+            control.close()
 
     asyncio.run(main())
 
