@@ -249,13 +249,18 @@ class DecodeGraphs:
         i = next((i for i, p in enumerate(self.plans[b]) if longest <= p.max_seq_len), None)
         return None if i is None or (b, i) not in self._graphs else (b, i)
 
-    def replay(self, items: Sequence[ScheduledSeq]) -> torch.Tensor | None:
+    def replay(
+        self, items: Sequence[ScheduledSeq], patch: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
         """The forward pass of a decode batch (every item one token) from its graph: (len(items), hidden),
-        a view of the graph's output, valid until the next replay. None: no graph for it, run it eagerly."""
+        a view of the graph's output, valid until the next replay. None: no graph for it, run it eagerly.
+        `patch(ids)` may rewrite the uploaded token ids on the device before the replay reads them."""
         key = self._key(items)
         if key is None or not self.inputs.fill(items, key[0]):
             return None
         self.inputs.upload(key[0])
+        if patch is not None:
+            patch(self.inputs.device_views(key[0])[0])
         replay, out = self._graphs[key]
         replay()
         self.replay_counts[key] += 1

@@ -17,7 +17,7 @@ from engine import trace
 from engine.block_hash import extra_keys
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -47,6 +47,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own
     served_model_name: str | None = None  # None: the model directory's name
     enforce_eager: bool = False  # True: never capture CUDA graphs (the CPU never does)
+    # plan and queue each step while the device runs the one before (offline engine: LLMEngine.step)
+    async_scheduling: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -100,6 +102,7 @@ class EngineCore:
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids())
+        self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
 
     def _load(self, model_path: str):
         from engine.model_config import ModelConfig
@@ -231,10 +234,63 @@ class EngineCore:
         if after_run is not None:
             after_run(sched, sampled)
         updated = self.scheduler.postprocess(sched, {rid: tok for rid, (tok, _) in sampled.items()})
-        logprobs = {rid: lp for rid, (_, lp) in sampled.items()}
-        for seq in updated:
-            lp = logprobs.get(seq.request_id)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp[seq.output_token_ids[-1]]
-        return updated, logprobs
+        return updated, _add_logprobs(updated, sampled)
+
+    def step_overlapped(self) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
+        """One step of overlapped scheduling: plan and queue a step while the device still runs the one
+        queued before it, then take that one's tokens. Returns, as `step_core` does, the sequences that got
+        a token (from the step queued before) and their logprobs.
+
+        A request's newest token is then still on the device when its next step is planned: the scheduler
+        counts it as pending, the runner reads it there (engine/model_runner.py: launch), and a request
+        that stops on it (EOS, a stop token or string) has one step computed for nothing, dropped. Where a
+        row needs its whole history on the host (penalties) or n > 1 children wait for their parent's
+        prompt blocks, the step in flight is finished first and the next one queued after it."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and not self._can_overlap():
+            return self._resolve(prev)
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            inputs_from = None
+            if prev is not None:
+                rows = {rid: j for j, rid in enumerate(prev.step.request_ids)}
+                seqs = self.scheduler.seqs
+                inputs_from = [
+                    rows[it.request_id] if seqs[it.request_id].num_pending else -1 for it in sched.scheduled
+                ]
+            step = self.runner.launch(sched, inputs_from, prev.step if prev is not None else None)
+            self._in_flight = _InFlight(sched, self.scheduler.launched(sched), step)
+        return self._resolve(prev) if prev is not None else ([], {})
+
+    def _can_overlap(self) -> bool:
+        return not self.scheduler.deferred and not any(s.params.has_penalties for s in self.scheduler.running)
+
+    def _resolve(self, done: _InFlight) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
+        sampled = self.runner.collect(done.step)
+        updated = self.scheduler.resolve(
+            done.sched, done.seqs, {rid: tok for rid, (tok, _) in sampled.items()}
+        )
+        return updated, _add_logprobs(updated, sampled)
+
+
+@dataclass
+class _InFlight:
+    """A step queued on the device whose tokens the host has not read: its plan, its sequences item by
+    item, and the runner's handle."""
+
+    sched: SchedulerOutput
+    seqs: list[Sequence]
+    step: LaunchedStep
+
+
+def _add_logprobs(
+    updated: list[Sequence], sampled: dict[str, tuple[int, dict[int, float] | None]]
+) -> dict[str, dict[int, float] | None]:
+    """Each updated sequence's newest logprobs onto it; returns them by request id."""
+    logprobs = {rid: lp for rid, (_, lp) in sampled.items()}
+    for seq in updated:
+        lp = logprobs.get(seq.request_id)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp[seq.output_token_ids[-1]]
+    return logprobs

@@ -61,7 +61,7 @@ class LLMEngine(EngineCore):
     # ---- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        updated, _ = self.step_core()
+        updated, _ = self.step_overlapped() if self.config.async_scheduling else self.step_core()
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self.requests[seq.request_id.rsplit("#", 1)[0]]

@@ -11,7 +11,8 @@ import itertools
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +22,7 @@ from engine.config import CacheConfig
 from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, capture_sizes
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
-from engine.sampler import Sampler, SamplerOutput
+from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.uploads import upload
 
@@ -209,47 +210,65 @@ class ModelRunner:
         `during()` runs while the GPU computes: once the forward pass and the sampling (with the copies of
         its results to the host) are queued, before the host waits for them. Work it queues on the current
         stream runs after the step's and does not delay its tokens."""
+        step = self.launch(out)
+        if during is not None:
+            with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
+                during()
+        return self.collect(step)
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, inputs_from: Sequence[int] | None = None, prev: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queue the step's forward pass, sampling and the copy of its results to the host; wait for nothing.
+
+        `inputs_from[i] >= 0`: item i's last token is not known on the host yet (its token_ids hold a
+        placeholder there); it is row inputs_from[i] of `prev`'s sampled tokens, read on the device."""
         items = out.scheduled
         sampling = [i for i, it in enumerate(items) if it.sample]
+        patch = None
+        if inputs_from is not None and any(src >= 0 for src in inputs_from):
+            assert prev is not None and prev.sample is not None
+            pending = [i for i, src in enumerate(inputs_from) if src >= 0]
+            patch = _Patch(pending, [inputs_from[i] for i in pending], prev.sample.tokens)
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
-        # step and reaches during() while the forward pass computes
-        hidden = self._replay(items)
+        # step and returns while the forward pass computes
+        hidden = self._replay(items, patch)
         if hidden is not None:  # row i is item i
             rows = None if len(sampling) == len(items) else sampling
         else:
-            hidden = self._forward_eager(items)
+            hidden = self._forward_eager(items, patch)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 for i in sampling]
-
-        def hook() -> None:
-            if during is not None:
-                with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
-                    during()
-
         if not sampling:
-            hook()
-            return {}
+            return LaunchedStep([], None)
         if rows is not None:
             hidden = hidden[upload(torch.tensor(rows, dtype=torch.long), self.device)]
         logits = self.model.compute_logits(hidden)  # (num_sampling, vocab) float32
-        result: SamplerOutput = self.sampler(
+        sample = self.sampler.queue(
             logits,
             [items[i].params for i in sampling],
             [items[i].generator for i in sampling],
             [items[i].history for i in sampling],
-            before_read=hook,
+            positions=[items[i].seq_len for i in sampling],
         )
-        return {
-            items[i].request_id: (tok, lp) for i, tok, lp in zip(sampling, result.token_ids, result.logprobs)
-        }
+        return LaunchedStep([items[i].request_id for i in sampling], sample)
 
-    def _replay(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+    @staticmethod
+    def collect(step: LaunchedStep) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """A launched step's {request_id: (sampled token, its logprobs or None)}, once the device has them."""
+        if step.sample is None:
+            return {}
+        result: SamplerOutput = step.sample.result()
+        return {rid: (tok, lp) for rid, tok, lp in zip(step.request_ids, result.token_ids, result.logprobs)}
+
+    def _replay(self, items: list[ScheduledSeq], patch: _Patch | None = None) -> torch.Tensor | None:
         """The forward pass from a decode graph, or None when the step has none (not decode-only, too big)."""
         if self.graphs is None or any(len(it.token_ids) != 1 for it in items):
             return None
-        return self.graphs.replay(items)
+        return self.graphs.replay(items, patch.apply_rows if patch is not None else None)
 
-    def _forward_eager(self, items: list[ScheduledSeq]) -> torch.Tensor:
+    def _forward_eager(self, items: list[ScheduledSeq], patch: _Patch | None = None) -> torch.Tensor:
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
         positions = torch.tensor(
             [p for it in items for p in range(it.start_pos, it.seq_len)], dtype=torch.long
@@ -261,4 +280,32 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        return self.model(upload(input_ids, self.device), upload(positions, self.device), meta, self.kv_cache)
+        ids = upload(input_ids, self.device)
+        if patch is not None:  # an item's last token sits at its chunk's end
+            ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+            patch.apply(ids, [ends[i] - 1 for i in patch.rows])
+        return self.model(ids, upload(positions, self.device), meta, self.kv_cache)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: the requests that sample, in row order, and their pending sampling."""
+
+    request_ids: list[str]
+    sample: PendingSample | None
+
+
+class _Patch:
+    """Input tokens that an earlier step sampled and the host does not know yet: item `rows[j]` takes row
+    `src[j]` of that step's device-side tokens, copied on the device before the forward pass reads them."""
+
+    def __init__(self, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
+        self.rows, self.src, self.tokens = rows, src, tokens
+
+    def apply(self, ids: torch.Tensor, dst: list[int]) -> None:
+        index = upload(torch.tensor([dst, self.src], dtype=torch.long), ids.device)
+        ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]).to(ids.dtype))
+
+    def apply_rows(self, ids: torch.Tensor) -> None:
+        """The same into a decode batch's ids, where item i is row i."""
+        self.apply(ids, self.rows)

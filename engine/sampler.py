@@ -41,6 +41,25 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: the sampled token's logprob plus the top-k asked for
 
 
+@dataclass
+class PendingSample:
+    """A step's sampling, queued on the device: its tokens there (a later step's inputs can read them
+    before the host knows them) and their copy to the host, read by `result()`."""
+
+    tokens: torch.Tensor  # (rows,) int64 on the logits' device
+    packed: torch.Tensor  # on the host once `ready` has passed: tokens, then logprobs where asked for
+    ready: torch.cuda.Event | None
+    params: list[SamplingParams]
+    top: int  # the most top logprobs a row asked for; < 0: no row asked for logprobs
+
+    def result(self) -> SamplerOutput:
+        """The tokens and logprobs on the host (waits for the device)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        token_ids = self.packed[: len(self.params)].long().tolist()
+        return SamplerOutput(token_ids, Sampler._logprobs(self.params, token_ids, self.top, self.packed))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # seeds of the requests that bring none
@@ -52,18 +71,33 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[History | None] | None = None,
         before_read: Callable[[], None] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> SamplerOutput:
         """`before_read()` runs once every result is queued on the device (tokens, logprobs, and their
         copies to the host), before the host waits for them: work it queues on this stream runs after
-        them and does not delay them (the prefill worker queues its KV copy there).
+        them and does not delay them (the prefill worker queues its KV copy there)."""
+        pending = self.queue(logits, params, generators, histories, positions)
+        if before_read is not None:
+            before_read()
+        return pending.result()
 
-        The position a row samples is len(prompt) + len(output) of its history (0 without one); its seed
-        is `params.seed`, else its generator's initial seed, else one drawn from this sampler."""
+    def queue(
+        self,
+        logits: torch.Tensor,  # (num_seqs, vocab) float32
+        params: list[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        histories: Sequence[History | None] | None = None,
+        positions: Sequence[int] | None = None,
+    ) -> PendingSample:
+        """Queue the sampling of every row and the copy of its results to the host; nothing waits.
+
+        The position a row samples is `positions[i]`, else len(prompt) + len(output) of its history (0
+        without one); its seed is `params.seed`, else its generator's initial seed, else one drawn from
+        this sampler."""
         raw = logits
         seeds = self._seeds(params, generators)
-        t = sampling_tensors(
-            params, seeds, _positions(histories, len(params)), logits.shape[1], logits.device
-        )
+        where = list(positions) if positions is not None else _positions(histories, len(params))
+        t = sampling_tensors(params, seeds, where, logits.shape[1], logits.device)
         if histories is not None and any(p.has_penalties for p in params):
             logits = apply_penalties_with(logits, t, params, histories)
         tokens = sample_tokens(logits, t, stages_of(params, logits.shape[1]))  # (num_seqs,)
@@ -74,12 +108,7 @@ class Sampler:
             packed = packed.to("cpu", non_blocking=True)  # into pinned memory
             ready = torch.cuda.Event()
             ready.record()
-        if before_read is not None:
-            before_read()
-        if ready is not None:
-            ready.synchronize()
-        token_ids = packed[: len(params)].long().tolist()
-        return SamplerOutput(token_ids, self._logprobs(params, token_ids, top, packed))
+        return PendingSample(tokens, packed, ready, params, top)
 
     def _seeds(self, params: list[SamplingParams], generators: Sequence[torch.Generator | None]) -> list[int]:
         seeds: list[int | None] = [

@@ -20,6 +20,10 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 
+# where a scheduled token is not known on the host yet (a step in flight samples it), its place in the
+# host's inputs; the runner writes the real token on the device before the forward pass reads it
+PENDING_TOKEN = 0
+
 
 @dataclass
 class ScheduledSeq:
@@ -140,7 +144,9 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or seq.status != SequenceStatus.RUNNING:
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_pending and self._ends_by_length(seq):
+                continue  # its token in flight is its last: it finishes once that is known
+            num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, preempted):
                 continue
             scheduled.append(self._plan(seq, num_new))
@@ -161,6 +167,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.peek()
+            if seq.num_pending:  # preempted while its last token was in flight: readmitted once it is known
+                break
             hits = self.block_manager.match_prefix(seq)
             num_computed = len(hits) * self.block_manager.block_size
             num_new = seq.num_tokens - num_computed
@@ -193,12 +201,15 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        token_ids = seq.all_token_ids[start : start + num_new]
+        if len(token_ids) < num_new:  # the last one is the token a step in flight samples
+            token_ids.append(PENDING_TOKEN)
         return ScheduledSeq(
             request_id=seq.request_id,
-            token_ids=seq.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             start_pos=start,
             block_table=list(seq.block_table),
-            sample=start + num_new == seq.num_tokens,
+            sample=start + num_new == seq.num_tokens + seq.num_pending,
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
@@ -251,6 +262,48 @@ class Scheduler:
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
+
+    # ---- overlapped scheduling (engine/engine_core.py: EngineCore.step_overlapped) ----------------------
+
+    def launched(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step is queued on the device: advance every request past its chunk now, its sampled token
+        counted as pending, so that the next step can be planned before this one's tokens are known.
+        Returns the step's sequences, item by item, for `resolve`."""
+        seqs = []
+        for item in out.scheduled:
+            seq = self.seqs[item.request_id]
+            seq.num_computed_tokens += len(item.token_ids)
+            seq.num_pending += item.sample
+            seqs.append(seq)
+        return seqs
+
+    def resolve(self, out: SchedulerOutput, seqs: list[Sequence], sampled: dict[str, int]) -> list[Sequence]:
+        """A launched step's tokens are known: append them and stop what should stop, as `postprocess`
+        does. A request that finished or was aborted meanwhile takes nothing; one preempted meanwhile
+        takes its token (computed before its blocks went). Returns the requests that got a token."""
+        updated = []
+        for item, seq in zip(out.scheduled, seqs):
+            seq.num_pending -= item.sample
+            if seq.is_finished:
+                continue
+            if item.sample:
+                seq.append_token(sampled[item.request_id])
+            # every computed position's token is known now (one step is in flight at most): hash them
+            self.block_manager.cache_computed_blocks(seq)
+            if not item.sample:
+                continue
+            status = self.stop_status(seq)
+            if status is not None:
+                self.finish(seq, status)
+            updated.append(seq)
+        return updated
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the request reaches max_tokens or max_model_len with its pending tokens."""
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens:
+            return True
+        return seq.num_tokens + seq.num_pending >= self.max_model_len
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a request wherever it is and free its blocks."""

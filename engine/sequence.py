@@ -44,6 +44,9 @@ class Sequence:
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens that a step still running on the device is sampling for this request (overlapped scheduling,
+    # engine/engine_core.py): the scheduler plans with them, nothing else sees them until they are known
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not yet
     block_table: list[int] = field(default_factory=list)
     # block_hashes (below): one per full block of all_token_ids, computed when first asked for
