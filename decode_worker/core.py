@@ -211,7 +211,7 @@ class DecodeCore:
         if self.scheduler.has_unfinished():
             updated, logprobs = self.engine.step_core()
             for seq in updated:
-                self._emit(seq, logprobs.get(seq.request_id))
+                self._emit(seq, logprobs.get(seq.request_id) or [])
         out, self.outbox = self.outbox, []
         return out
 
@@ -227,12 +227,12 @@ class DecodeCore:
             self.outbox.append(BlocksReserved(seq.request_id, tuple(seq.block_table)))
             trace.mark(seq.request_id, "dcore.reserved")
 
-    def _emit(self, seq: Sequence, logprobs: dict[int, float] | None) -> None:
+    def _emit(self, seq: Sequence, logprobs: list[dict[int, float]]) -> None:
         self.outbox.append(
             Tokens(
                 seq.request_id,
-                (seq.output_token_ids[-1],),
-                () if logprobs is None else (logprobs,),
+                tuple(seq.output_token_ids[seq.num_output_tokens - seq.new_tokens :]),
+                tuple(logprobs),
                 seq.status.finish_reason,
                 _stop_text(seq),
                 max(seq.num_cached_tokens, 0),

@@ -17,10 +17,11 @@ from engine import trace
 from engine.block_hash import extra_keys
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.model_runner import LaunchedStep, ModelRunner
+from engine.model_runner import LaunchedStep, ModelRunner, Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_decode import Proposer, SpeculativeConfig
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never capture CUDA graphs (the CPU never does)
     # plan and queue each step while the device runs the one before (offline engine: LLMEngine.step)
     async_scheduling: bool = True
+    # vLLM's speculative_config, as a dict or a SpeculativeConfig; None: one token a step (engine/spec_decode.py)
+    speculative_config: SpeculativeConfig | dict | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -58,6 +61,10 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
+            )
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(
+                self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config)
             )
 
 
@@ -101,7 +108,9 @@ class EngineCore:
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids())
+        spec = config.speculative_config
+        proposer = Proposer(spec) if isinstance(spec, SpeculativeConfig) else None
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer)
         self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
 
     def _load(self, model_path: str):
@@ -214,8 +223,9 @@ class EngineCore:
         self,
         after_run: Callable[[SchedulerOutput, dict], None] | None = None,
         during: Callable[[SchedulerOutput], None] | None = None,
-    ) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
-        """One step: schedule -> run -> postprocess. Returns the sequences that got a token and their logprobs.
+    ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
+        """One step: schedule -> run -> postprocess. Returns the sequences that got tokens (`seq.new_tokens`
+        of them: several where a draft was verified) and the logprobs of those tokens.
 
         `during(schedule)` runs while the GPU computes the step (its forward pass and sampling queued, not
         yet waited for; on the CPU, after them): the prefill worker takes grants and queues finished
@@ -233,10 +243,10 @@ class EngineCore:
                 trace.mark(rid, "core.sampled")
         if after_run is not None:
             after_run(sched, sampled)
-        updated = self.scheduler.postprocess(sched, {rid: tok for rid, (tok, _) in sampled.items()})
+        updated = self.scheduler.postprocess(sched, {rid: toks for rid, (toks, _) in sampled.items()})
         return updated, _add_logprobs(updated, sampled)
 
-    def step_overlapped(self) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
+    def step_overlapped(self) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         """One step of overlapped scheduling: plan and queue a step while the device still runs the one
         queued before it, then take that one's tokens. Returns, as `step_core` does, the sequences that got
         a token (from the step queued before) and their logprobs.
@@ -265,10 +275,10 @@ class EngineCore:
     def _can_overlap(self) -> bool:
         return not self.scheduler.deferred and not any(s.params.has_penalties for s in self.scheduler.running)
 
-    def _resolve(self, done: _InFlight) -> tuple[list[Sequence], dict[str, dict[int, float] | None]]:
+    def _resolve(self, done: _InFlight) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         sampled = self.runner.collect(done.step)
         updated = self.scheduler.resolve(
-            done.sched, done.seqs, {rid: tok for rid, (tok, _) in sampled.items()}
+            done.sched, done.seqs, {rid: toks for rid, (toks, _) in sampled.items()}
         )
         return updated, _add_logprobs(updated, sampled)
 
@@ -283,14 +293,15 @@ class _InFlight:
     step: LaunchedStep
 
 
-def _add_logprobs(
-    updated: list[Sequence], sampled: dict[str, tuple[int, dict[int, float] | None]]
-) -> dict[str, dict[int, float] | None]:
-    """Each updated sequence's newest logprobs onto it; returns them by request id."""
-    logprobs = {rid: lp for rid, (_, lp) in sampled.items()}
+def _add_logprobs(updated: list[Sequence], sampled: Sampled) -> dict[str, list[dict[int, float]]]:
+    """The logprobs of each updated sequence's new tokens (those it kept: a stop drops the rest) onto it;
+    returns them by request id ([] where not asked for)."""
+    out: dict[str, list[dict[int, float]]] = {}
     for seq in updated:
-        lp = logprobs.get(seq.request_id)
-        if lp is not None:
+        lps = [lp for lp in sampled[seq.request_id][1][: seq.new_tokens] if lp is not None]
+        new = seq.output_token_ids[seq.num_output_tokens - seq.new_tokens :]
+        for lp, token in zip(lps, new):
             seq.logprobs.append(lp)
-            seq.cumulative_logprob += lp[seq.output_token_ids[-1]]
-    return logprobs
+            seq.cumulative_logprob += lp[token]
+        out[seq.request_id] = lps
+    return out

@@ -61,7 +61,9 @@ class LLMEngine(EngineCore):
     # ---- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        updated, _ = self.step_overlapped() if self.config.async_scheduling else self.step_core()
+        # drafts are made from the known tokens, so a speculating engine steps in order
+        overlap = self.config.async_scheduling and self.config.speculative_config is None
+        updated, _ = self.step_overlapped() if overlap else self.step_core()
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self.requests[seq.request_id.rsplit("#", 1)[0]]

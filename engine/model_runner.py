@@ -203,10 +203,9 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def run(
-        self, out: SchedulerOutput, during: Callable[[], None] | None = None
-    ) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run the step; return {request_id: (sampled token, its logprobs or None)} for requests that sample.
+    def run(self, out: SchedulerOutput, during: Callable[[], None] | None = None) -> Sampled:
+        """Run the step; return {request_id: (new tokens, their logprobs or None each)} for requests that
+        sample: one token, or a verified draft's accepted tokens and the target's token after them.
         `during()` runs while the GPU computes: once the forward pass and the sampling (with the copies of
         its results to the host) are queued, before the host waits for them. Work it queues on the current
         stream runs after the step's and does not delay its tokens."""
@@ -234,33 +233,47 @@ class ModelRunner:
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
         hidden = self._replay(items, patch)
-        if hidden is not None:  # row i is item i
+        # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
+        owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
+        offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
+        if hidden is not None:  # row i is item i (no drafts: a graph's step is decode-only)
             rows = None if len(sampling) == len(items) else sampling
         else:
             hidden = self._forward_eager(items, patch)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
-            rows = [ends[i] - 1 for i in sampling]
+            rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
         if not sampling:
-            return LaunchedStep([], None)
+            return LaunchedStep([], [], None)
         if rows is not None:
             hidden = hidden[upload(torch.tensor(rows, dtype=torch.long), self.device)]
-        logits = self.model.compute_logits(hidden)  # (num_sampling, vocab) float32
+        logits = self.model.compute_logits(hidden)  # (num_rows, vocab) float32
         sample = self.sampler.queue(
             logits,
-            [items[i].params for i in sampling],
-            [items[i].generator for i in sampling],
-            [items[i].history for i in sampling],
-            positions=[items[i].seq_len for i in sampling],
+            [items[i].params for i in owners],
+            [items[i].generator for i in owners],
+            [items[i].history for i in owners],
+            positions=[items[i].seq_len + j for i, j in zip(owners, offsets)],
         )
-        return LaunchedStep([items[i].request_id for i in sampling], sample)
+        drafts = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft :] for i in sampling]
+        return LaunchedStep([items[i].request_id for i in sampling], drafts, sample)
 
     @staticmethod
-    def collect(step: LaunchedStep) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """A launched step's {request_id: (sampled token, its logprobs or None)}, once the device has them."""
+    def collect(step: LaunchedStep) -> Sampled:
+        """A launched step's {request_id: (new tokens, their logprobs)}, once the device has them. An item
+        with a draft keeps the target's tokens up to and including the first that differs from it."""
         if step.sample is None:
             return {}
         result: SamplerOutput = step.sample.result()
-        return {rid: (tok, lp) for rid, tok, lp in zip(step.request_ids, result.token_ids, result.logprobs)}
+        out: Sampled = {}
+        at = 0
+        for rid, draft in zip(step.request_ids, step.drafts):
+            targets = result.token_ids[at : at + len(draft) + 1]
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                accepted += 1
+            out[rid] = (targets[: accepted + 1], result.logprobs[at : at + accepted + 1])
+            at += len(draft) + 1
+        return out
 
     def _replay(self, items: list[ScheduledSeq], patch: _Patch | None = None) -> torch.Tensor | None:
         """The forward pass from a decode graph, or None when the step has none (not decode-only, too big)."""
@@ -287,11 +300,16 @@ class ModelRunner:
         return self.model(ids, upload(positions, self.device), meta, self.kv_cache)
 
 
+Sampled = dict[str, tuple[list[int], list[dict[int, float] | None]]]
+
+
 @dataclass
 class LaunchedStep:
-    """A step queued on the device: the requests that sample, in row order, and their pending sampling."""
+    """A step queued on the device: the requests that sample, in row order, each one's draft to verify
+    ([] for none), and their pending sampling."""
 
     request_ids: list[str]
+    drafts: list[list[int]]
     sample: PendingSample | None
 
 

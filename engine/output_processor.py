@@ -72,12 +72,19 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
     def update(self, seq: Sequence) -> bool:
-        """Detokenize the sequence's newest token; True if a stop string now ends it."""
+        """Detokenize the sequence's new tokens (`seq.new_tokens`: several after a verified draft); True if
+        a stop string now ends it, the tokens after the one that completed it dropped."""
         text = self.texts[self.seqs.index(seq)]
-        if text is None or not text.add(seq.output_token_ids[-1], last=seq.is_finished):
+        if text is None:
             return False
-        seq.stop_reason = text.stop
-        return True
+        first = seq.num_output_tokens - seq.new_tokens
+        new = seq.output_token_ids[first:]
+        for j, token in enumerate(new):
+            if text.add(token, last=seq.is_finished and j == len(new) - 1):
+                seq.stop_reason = text.stop
+                seq.truncate_output(first + j + 1)
+                return True
+        return False
 
     def output(self) -> RequestOutput:
         outs = [self._completion(i, s, t) for i, (s, t) in enumerate(zip(self.seqs, self.texts))]

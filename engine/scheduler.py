@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
+from engine.spec_decode import Proposer, SpecDecodeStats
 
 # where a scheduled token is not known on the host yet (a step in flight samples it), its place in the
 # host's inputs; the runner writes the real token on the device before the forward pass reads it
@@ -38,6 +39,9 @@ class ScheduledSeq:
     generator: torch.Generator | None
     # (prompt ids, output ids) for the sampler's penalties; the sequence's own lists, read before postprocess
     history: tuple[list[int], list[int]] | None = None
+    num_draft: int = (
+        0  # the last num_draft of token_ids are a speculative draft to verify (engine/spec_decode.py)
+    )
 
     @property
     def seq_len(self) -> int:
@@ -93,7 +97,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: set[int],
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.proposer = proposer  # speculative drafts for decoding requests; None: one token a step
+        self.spec_stats = SpecDecodeStats()
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -149,8 +161,9 @@ class Scheduler:
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, preempted):
                 continue
-            scheduled.append(self._plan(seq, num_new))
-            budget -= num_new
+            draft = self._draft(seq, num_new, budget)
+            scheduled.append(self._plan(seq, num_new, draft))
+            budget -= num_new + len(draft)
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
@@ -199,20 +212,39 @@ class Scheduler:
         else:
             self.running.append(seq)
 
-    def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """A speculative draft to verify with the request's newest token, its blocks allocated; [] for none.
+        Only a greedy request without penalties whose newest token is its one token to run gets one, and
+        never longer than its max_tokens, max_model_len or the step's budget allow (the target's own token
+        comes on top of the accepted ones)."""
+        p = seq.params
+        if self.proposer is None or num_new != 1 or seq.num_pending or not p.greedy or p.has_penalties:
+            return []
+        if seq.num_computed_tokens + 1 != seq.num_tokens:
+            return []
+        room = min(budget - 1, self.max_model_len - seq.num_tokens - 1)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        draft = self.proposer.propose(seq.all_token_ids, room) if room > 0 else []
+        if draft and not self.block_manager.allocate(seq, seq.num_tokens + len(draft)):
+            return []  # no room for the draft's KV: a plain decode step, and nothing preempted for it
+        return draft
+
+    def _plan(self, seq: Sequence, num_new: int, draft: list[int] | None = None) -> ScheduledSeq:
         start = seq.num_computed_tokens
         token_ids = seq.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # the last one is the token a step in flight samples
             token_ids.append(PENDING_TOKEN)
         return ScheduledSeq(
             request_id=seq.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + draft if draft else token_ids,
             start_pos=start,
             block_table=list(seq.block_table),
             sample=start + num_new == seq.num_tokens + seq.num_pending,
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
+            num_draft=len(draft) if draft else 0,
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -230,21 +262,35 @@ class Scheduler:
                 self.deferred.remove(seq)
                 self.waiting.push(seq)
 
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance each scheduled request by its chunk, append its sampled token, stop what should stop.
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Sequence]:
+        """Advance each scheduled request by its chunk, append its sampled tokens, stop what should stop.
 
-        Returns the requests that got a new token (finished ones included)."""
+        A request that verified a draft brings its accepted draft tokens and the target's token after
+        them; the KV of its rejected draft positions is rolled back first, so that only accepted tokens
+        are ever hashed for the prefix cache. Tokens are appended one at a time, and one that ends the
+        request drops those after it. Returns the requests that got new tokens (finished ones included),
+        `seq.new_tokens` saying how many."""
         updated = []
         for item in out.scheduled:
             seq = self.seqs[item.request_id]
-            seq.num_computed_tokens += len(item.token_ids)
+            tokens = sampled[item.request_id] if item.sample else []
+            rejected = item.num_draft - (len(tokens) - 1) if item.num_draft else 0
+            seq.num_computed_tokens += len(item.token_ids) - rejected
+            if rejected:
+                self.block_manager.free_tail(seq, seq.num_computed_tokens)
+            if item.num_draft:
+                self.spec_stats.observe(item.num_draft, item.num_draft - rejected)
             self.block_manager.cache_computed_blocks(seq)
             if not item.sample:
                 continue
-            seq.append_token(sampled[item.request_id])
-            status = self.stop_status(seq)
-            if status is not None:
-                self.finish(seq, status)
+            seq.new_tokens = 0
+            for token in tokens:
+                seq.append_token(token)
+                seq.new_tokens += 1
+                status = self.stop_status(seq)
+                if status is not None:
+                    self.finish(seq, status)
+                    break
             updated.append(seq)
         return updated
 
@@ -277,7 +323,9 @@ class Scheduler:
             seqs.append(seq)
         return seqs
 
-    def resolve(self, out: SchedulerOutput, seqs: list[Sequence], sampled: dict[str, int]) -> list[Sequence]:
+    def resolve(
+        self, out: SchedulerOutput, seqs: list[Sequence], sampled: dict[str, list[int]]
+    ) -> list[Sequence]:
         """A launched step's tokens are known: append them and stop what should stop, as `postprocess`
         does. A request that finished or was aborted meanwhile takes nothing; one preempted meanwhile
         takes its token (computed before its blocks went). Returns the requests that got a token."""
@@ -287,7 +335,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             if item.sample:
-                seq.append_token(sampled[item.request_id])
+                seq.append_token(sampled[item.request_id][0])  # no drafts here: one token each
+                seq.new_tokens = 1
             # every computed position's token is known now (one step is in flight at most): hash them
             self.block_manager.cache_computed_blocks(seq)
             if not item.sample:

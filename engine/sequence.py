@@ -47,6 +47,7 @@ class Sequence:
     # tokens that a step still running on the device is sampling for this request (overlapped scheduling,
     # engine/engine_core.py): the scheduler plans with them, nothing else sees them until they are known
     num_pending: int = 0
+    new_tokens: int = 0  # how many tokens the last step that sampled for it appended (more with a draft)
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not yet
     block_table: list[int] = field(default_factory=list)
     # block_hashes (below): one per full block of all_token_ids, computed when first asked for
@@ -80,6 +81,19 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output: int) -> None:
+        """Keep only the first `num_output` output tokens (a stop string ended the text inside a step's
+        tokens), with their logprobs; the request is finished, or about to be."""
+        cut = self.num_output_tokens - num_output
+        if cut <= 0:
+            return
+        for lp, token in zip(self.logprobs[num_output:], self.output_token_ids[num_output:]):
+            self.cumulative_logprob -= lp[token]
+        del self.output_token_ids[num_output:], self.logprobs[num_output:]
+        del self.all_token_ids[len(self.all_token_ids) - cut :]
+        del self._hashes[len(self.all_token_ids) // self.block_size :]
+        self.new_tokens = max(0, self.new_tokens - cut)
 
     @property
     def block_hashes(self) -> list[BlockHash]:

@@ -145,7 +145,7 @@ class PrefillCore:
                     first = FirstToken(
                         seq.request_id,
                         seq.output_token_ids[-1],
-                        logprobs.get(seq.request_id),
+                        next(iter(logprobs.get(seq.request_id) or []), None),
                         max(seq.num_cached_tokens, 0),
                     )
                     self.outbox.append(first)
@@ -202,8 +202,9 @@ class PrefillCore:
                 continue
             seq = self.scheduler.seqs.get(item.request_id)
             if self._send_now is not None and seq is not None and item.request_id in sampled:
-                token, logprobs = sampled[item.request_id]  # the decode worker streams it on now
-                self._send_now([FirstToken(item.request_id, token, logprobs, max(seq.num_cached_tokens, 0))])
+                tokens, logprobs = sampled[item.request_id]  # one: the decode worker streams it on now
+                first = FirstToken(item.request_id, tokens[0], logprobs[0], max(seq.num_cached_tokens, 0))
+                self._send_now([first])
                 job.first_sent = True
             if job.error is not None or job.shipped:
                 continue  # a bad grant or a failed copy: fails when this step ends; or queued already

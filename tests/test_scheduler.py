@@ -32,7 +32,7 @@ def seq(rid, n_prompt, max_tokens=4, priority=0, arrival=0.0, start=0):
 
 def step(sched, token=7):
     out = sched.schedule()
-    sampled = {it.request_id: token for it in out.scheduled if it.sample}
+    sampled = {it.request_id: [token] for it in out.scheduled if it.sample}
     sched.postprocess(out, sampled)
     return out
 

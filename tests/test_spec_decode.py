@@ -1,0 +1,196 @@
+"""Speculative decoding (engine/spec_decode.py): the n-gram proposer, the config's checks, and verification
+that keeps the target's greedy output token for token — against transformers on the bundled SmolLM2, and
+against the plain engine with drafts that are partly wrong on purpose (rejections at every position,
+stops inside a draft, preemption, prefix-cache hits), with no block left held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.spec_decode import SpeculativeConfig, ngram_propose
+from tests.hf_reference import hf_greedy, tiny_random_model_dir
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 2, 1, 3) == [3, 4]
+    # the longest suffix wins over a later shorter one: [5, 1, 2] matched at 0, not [1, 2] at 5
+    assert ngram_propose([5, 1, 2, 9, 8, 1, 2, 7, 5, 1, 2], 3, 1, 3) == [9, 8, 1]
+    assert ngram_propose([1, 2, 7, 1, 2, 8, 1, 2], 1, 2, 2) == [8]  # the most recent match
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []  # nothing recurs
+    assert ngram_propose([4, 4, 4], 5, 1, 2) == [4]  # only what exists after the match
+    assert ngram_propose([3, 9, 3], 4, 2, 4) == []  # below prompt_lookup_min
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be in [1, 16]"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be in [1, 16]"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "speculative method 'eagle' is not available"),
+        ({"method": "ngram"}, "speculative_config needs num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}, "unknown speculative_config keys"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "1 <= min <= max",
+        ),
+    ],
+)
+def test_bad_configs_are_refused_with_a_clear_message(bad, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        SpeculativeConfig.from_dict(bad)
+
+
+# ---- exact on the bundled model ---------------------------------------------------------------------
+
+TEXTS = [
+    "Repeat after me: the red fox jumps over the lazy dog. The red fox jumps over the lazy dog. The red",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Copy this list: apples, pears, plums, figs. Again: apples, pears,",
+    "The capital of France is",
+    "Hello",
+    "Once upon a time, in a land far away,",
+    "A B C D E F G A B C D",
+    "To be, or not to be, that is the question. To be, or not",
+    "Translate to French: I like apples.",
+    "Water boils at",
+]
+MAX_TOKENS = [24, 20, 16, 18, 9, 5, 14, 12, 16, 10, 7]
+
+
+@pytest.fixture(scope="module")
+def prompts(bundled_model_dir):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(bundled_model_dir)
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def expected(bundled_model_dir, prompts):
+    return hf_greedy(bundled_model_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.slow  # the bundled model on CPU, three engines
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram_greedy_equals_transformers_batched(bundled_model_dir, prompts, expected, k):
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+    llm = LLM(
+        dtype="float32", device="cpu", cpu_kv_cache_space=0.25, max_model_len=1024, speculative_config=spec
+    )
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    # the prefix cache holds accepted tokens only: the same prompts again hit it and give the same tokens
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert any(o.num_cached_tokens > 0 for o in again)
+
+
+# ---- drafts that are partly wrong, against the plain engine -------------------------------------------
+
+
+class OracleProposer:
+    """Drafts the plain engine's own continuation, with every `wrong`-th drafted token changed, so drafts
+    are accepted up to a known point and rejected there."""
+
+    def __init__(self, references: list[list[int]], k: int, wrong: int) -> None:
+        self.references, self.k, self.wrong = references, k, wrong
+        self.calls = 0
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        for ref in self.references:
+            if ref[: len(tokens)] == tokens and len(ref) > len(tokens):
+                draft = ref[len(tokens) : len(tokens) + min(k, self.k)]
+                self.calls += 1
+                return [
+                    (t + 1) % 256 if (self.calls + i) % self.wrong == 0 else t for i, t in enumerate(draft)
+                ]
+        return []
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_random_model_dir(tmp_path_factory.mktemp("spec"), "llama3_scaled")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (1, 7, 16, 33, 50, 90, 4)]
+
+
+def engine(tiny, **kw) -> LLM:
+    return LLM(str(tiny), device="cpu", dtype="float32", max_model_len=160, **kw)
+
+
+def outputs(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def with_oracle(llm: LLM, prompts, reference, k: int, wrong: int) -> OracleProposer:
+    oracle = OracleProposer([p + r[0] for p, r in zip(prompts, reference)], k, wrong)
+    llm.engine.scheduler.proposer = oracle  # type: ignore[assignment]
+    return oracle
+
+
+@pytest.mark.parametrize("wrong", [2, 3, 100])
+def test_partly_wrong_drafts_keep_the_plain_output(tiny, batch, wrong):
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    plain = outputs(engine(tiny), batch, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = engine(tiny, speculative_config=spec)
+    oracle = with_oracle(llm, batch, plain, 4, wrong)
+    assert outputs(llm, batch, params) == plain
+    stats = llm.engine.scheduler.spec_stats
+    assert oracle.calls > 10 and stats.num_accepted_tokens > 0
+    if wrong == 100:  # nearly every draft right: most steps gain several tokens
+        assert stats.mean_accepted_length > 3
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+        assert len(stats.accepted_per_pos) == 4 and stats.accepted_per_pos[0] >= stats.accepted_per_pos[3]
+
+
+def test_stops_inside_a_draft_end_the_request_there(tiny, batch):
+    """A stop token, a stop string or max_tokens that falls inside an accepted draft ends the request on
+    the same token as without speculation; nothing after it is returned."""
+    free = outputs(engine(tiny), batch, [SamplingParams(temperature=0, max_tokens=40)] * len(batch))
+    tok = engine(tiny).tokenizer
+    params = [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[free[i][0][5]]) for i in range(3)]
+    params += [
+        SamplingParams(temperature=0, max_tokens=40, stop=[tok.decode(free[i][0][8:10])]) for i in (3, 4)
+    ]
+    params += [SamplingParams(temperature=0, max_tokens=m) for m in (3, 6)]
+    plain = outputs(engine(tiny), batch, params)
+    assert all(len(p[0]) < 40 for p in plain[:5])
+    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    with_oracle(llm, batch, free, 6, 1000)  # drafts run past every stop
+    assert outputs(llm, batch, params) == plain
+
+
+def test_preemption_prefix_hits_and_mixed_batches(tiny, batch):
+    """A small pool preempts speculating requests; shared prefixes hit the cache; seeded sampling and
+    penalties (which never draft) share the batch; all as the plain engine, nothing held after."""
+    shared = batch[5][:48]
+    prompts = [shared + p for p in batch[:4]] + batch[4:]
+    params = [SamplingParams(temperature=0, max_tokens=30)] * 5
+    params += [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=5)]
+    params += [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2)]
+    kw = {"num_gpu_blocks_override": 26, "enable_prefix_caching": True}
+    ref = engine(tiny, **kw)
+    plain = outputs(ref, prompts, params)
+    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    with_oracle(llm, prompts, plain, 3, 3)
+    assert outputs(llm, prompts, params) == plain
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_manager.prefix_hits > 0
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
