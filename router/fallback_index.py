@@ -1,8 +1,9 @@
 """The prefix index as an optimisation, never a dependency: `FallbackIndex` wraps one and answers every call
 that fails (Redis down, a timeout, a bug) with what "no index" means: no matches, nothing applied.
 
-After a failure the wrapped index is left alone for `retry_s` (a circuit breaker): one call per interval
-probes it, so requests do not each pay a timeout while it is down. The first call that works again closes
+After a failure the wrapped index is left alone for `retry_s` (a circuit breaker): one write per interval
+(the poller's heartbeat) probes it, so requests do not each pay a timeout while it is down; queries get
+"no index" until a probe works. The first call that works again closes
 the circuit. Whatever the index lost meanwhile the router repairs from its workers: each heartbeat carries
 the last event seq it applied, and an index that no longer has it asks for a snapshot.
 Thread-safe: the router applies events and snapshots from a thread, routes from its event loop.
@@ -42,6 +43,11 @@ class FallbackIndex(PrefixIndex):
         self._lock = threading.Lock()
         self._retry_at = 0.0  # while down: no call before this
         self.up = True
+
+    def _read(self, fallback: T, fn: Callable[..., T], *args: Any) -> T:
+        """A query: answered while the index is up; it never probes one that is down (a mirror could
+        answer from memory while Redis is gone, and must not close the circuit)."""
+        return self._call(fallback, fn, *args) if self.up else fallback
 
     def _call(self, fallback: T, fn: Callable[..., T], *args: Any) -> T:
         if not self.up and self._clock() < self._retry_at:
@@ -83,16 +89,16 @@ class FallbackIndex(PrefixIndex):
         return self._call(ApplyResult.RESYNC_NEEDED, self.index.heartbeat, worker_id, epoch, load, seq)
 
     def speculate(self, worker_id: str, hashes: Sequence[BlockHash], ttl: float) -> None:
-        self._call(None, self.index.speculate, worker_id, hashes, ttl)
+        self._read(None, self.index.speculate, worker_id, hashes, ttl)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        return self._call({}, self.index.match, block_hashes)
+        return self._read({}, self.index.match, block_hashes)
 
     def workers(self) -> dict[str, WorkerLoad]:
-        return self._call({}, self.index.workers)
+        return self._read({}, self.index.workers)
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> Lookup:
-        return self._call(_EMPTY, self.index.lookup, block_hashes)
+        return self._read(_EMPTY, self.index.lookup, block_hashes)
 
     def remove_worker(self, worker_id: str) -> None:
         self._call(None, self.index.remove_worker, worker_id)
@@ -101,4 +107,7 @@ class FallbackIndex(PrefixIndex):
         return self._call([], self.index.reap)
 
     def num_entries(self) -> int:
-        return self._call(0, self.index.num_entries)
+        return self._read(0, self.index.num_entries)
+
+    def close(self) -> None:
+        self.index.close()

@@ -89,6 +89,9 @@ class PrefixIndex(ABC):
     def num_entries(self) -> int:
         """(worker, block) pairs held, speculative ones not counted."""
 
+    def close(self) -> None:  # noqa: B027 (most indexes run nothing in the background)
+        """Stop what the index runs in the background, if anything."""
+
 
 class _Worker:
     __slots__ = ("worker_id", "bit", "epoch", "last_seq", "retired", "blocks", "spec", "pending", "log")
@@ -359,6 +362,10 @@ class InMemoryPrefixIndex(PrefixIndex):
     def _reap(self, now: float) -> list[str]:
         dead = [self._workers[wid] for wid, t in self._deadline.items() if t < now]
         for w in dead:
-            self._drop(w)
+            self._silent(w)
         self._next_reap = min(self._deadline.values(), default=float("inf"))
         return [w.worker_id for w in dead]
+
+    def _silent(self, w: _Worker) -> None:
+        """A worker's TTL passed: it goes, with its entries."""
+        self._drop(w)

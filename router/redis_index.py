@@ -20,7 +20,7 @@ Time comes from Redis (TIME, PEXPIRE), so routers on different hosts agree on TT
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -32,9 +32,22 @@ from router.index import ApplyResult, Lookup, PrefixIndex
 from serving.kv_events import EventBatch, WorkerLoad, encode_events
 
 _LIB = r"""
-local P, W = ARGV[1], ARGV[2]
+local P, W, SMAX = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local function wkey(w, part) return P .. 'w:' .. w .. ':' .. part end
 local function now_ms() local t = redis.call('TIME'); return t[1] * 1000 + math.floor(t[2] / 1000) end
+
+-- With a stream (SMAX > 0), every change to a worker's entries is also appended to P..'stream', numbered
+-- by P..'stream:n' (1, 2, 3, ...), so that routers can mirror the index: see router/redis_mirror.py.
+-- P..'stream:origin' is the id of entry 1: a stream that started over (Redis restarted empty) has another.
+local LAST_N, LAST_ID, ORIGIN = 0, '', ''
+local function publish(op, w, epoch, seq, data)
+  if SMAX == 0 then return end
+  LAST_N = redis.call('INCR', P .. 'stream:n')
+  LAST_ID = redis.call('XADD', P .. 'stream', 'MAXLEN', '~', SMAX, '*',
+    'n', LAST_N, 'op', op, 'w', w, 'e', epoch, 's', seq, 'd', data)
+  if LAST_N == 1 then redis.call('SET', P .. 'stream:origin', LAST_ID) end
+  ORIGIN = redis.call('GET', P .. 'stream:origin') or ''
+end
 
 local function unset(h, w) redis.call('SREM', P .. 'h:' .. h, w) end
 
@@ -48,6 +61,7 @@ end
 
 local function drop(w)
   clear(w)
+  publish('d', w, '', 0, '')
   redis.call('DEL', wkey(w, 'meta'), wkey(w, 'retired'), wkey(w, 'log'), wkey(w, 'hb'))
   redis.call('SREM', P .. 'workers', w)
 end
@@ -68,6 +82,7 @@ local function current(w, epoch)
     clear(w)
     redis.call('DEL', wkey(w, 'log'))
     redis.call('HSET', meta, 'epoch', epoch, 'seq', 0, 'pending', 0)
+    publish('e', w, epoch, 0, '')
     return {0, 0}
   end
   local v = redis.call('HMGET', meta, 'seq', 'pending')
@@ -124,31 +139,32 @@ local function sweep(now)
 end
 """
 
-# ARGV: prefix, worker, epoch, seq, events, ttl_ms, max_log
+# ARGV: prefix, worker, stream maxlen, epoch, seq, events, ttl_ms, max_log
 _APPLY = r"""
-local st = current(W, ARGV[3])
+local st = current(W, ARGV[4])
 if not st then return 'stale' end
-touch(W, ARGV[6])
-local seq, pending = tonumber(ARGV[4]), st[2]
+touch(W, ARGV[7])
+local seq, pending = tonumber(ARGV[5]), st[2]
 if seq <= st[1] then return 'stale' end
 if seq ~= st[1] + 1 and pending == 0 then pending = 1; redis.call('DEL', wkey(W, 'log')) end
-apply_events(W, ARGV[5])
+apply_events(W, ARGV[6])
 redis.call('HSET', wkey(W, 'meta'), 'seq', seq, 'pending', pending)
+publish('b', W, ARGV[4], seq, ARGV[6])
 if pending == 1 then
-  redis.call('RPUSH', wkey(W, 'log'), ARGV[4] .. ':' .. ARGV[5])
-  redis.call('LTRIM', wkey(W, 'log'), -tonumber(ARGV[7]), -1)
+  redis.call('RPUSH', wkey(W, 'log'), ARGV[5] .. ':' .. ARGV[6])
+  redis.call('LTRIM', wkey(W, 'log'), -tonumber(ARGV[8]), -1)
   return 'resync'
 end
 return 'applied'
 """
 
-# ARGV: prefix, worker, epoch, seq, concatenated hashes, ttl_ms
+# ARGV: prefix, worker, stream maxlen, epoch, seq, concatenated hashes, ttl_ms
 _RESYNC = r"""
-local st = current(W, ARGV[3])
-local seq = tonumber(ARGV[4])
+local st = current(W, ARGV[4])
+local seq = tonumber(ARGV[5])
 if not st or (seq < st[1] and st[2] == 0) then return 'stale' end
-touch(W, ARGV[6])
-local blocks, spec, blob, new = wkey(W, 'blocks'), wkey(W, 'spec'), ARGV[5], {}
+touch(W, ARGV[7])
+local blocks, spec, blob, new = wkey(W, 'blocks'), wkey(W, 'spec'), ARGV[6], {}
 for pos = 1, #blob, 32 do new[string.sub(blob, pos, pos + 31)] = true end
 for _, h in ipairs(redis.call('SMEMBERS', blocks)) do
   if not new[h] then
@@ -169,17 +185,18 @@ end
 local last = math.max(st[1], seq)
 local pending = (expected < last) and 1 or 0
 redis.call('HSET', wkey(W, 'meta'), 'seq', last, 'pending', pending)
+if SMAX > 0 then publish('s', W, ARGV[4], last, table.concat(redis.call('SMEMBERS', blocks))) end
 if pending == 0 then redis.call('DEL', wkey(W, 'log')); return 'applied' end
 return 'resync'
 """
 
-# ARGV: prefix, worker, epoch, load, ttl_ms, seq or ''
+# ARGV: prefix, worker, stream maxlen, epoch, load, ttl_ms, seq or ''
 _HEARTBEAT = r"""
-local st = current(W, ARGV[3])
+local st = current(W, ARGV[4])
 if not st then return 'stale' end
-redis.call('SET', wkey(W, 'hb'), ARGV[4], 'PX', ARGV[5])
+redis.call('SET', wkey(W, 'hb'), ARGV[5], 'PX', ARGV[6])
 redis.call('SADD', P .. 'workers', W)
-if st[2] == 0 and ARGV[6] ~= '' and tonumber(ARGV[6]) > st[1] then
+if st[2] == 0 and ARGV[7] ~= '' and tonumber(ARGV[7]) > st[1] then
   redis.call('HSET', wkey(W, 'meta'), 'pending', 1)
   redis.call('DEL', wkey(W, 'log'))
   return 'resync'
@@ -187,12 +204,12 @@ end
 return st[2] == 1 and 'resync' or 'applied'
 """
 
-# ARGV: prefix, worker, ttl_ms, concatenated hashes
+# ARGV: prefix, worker, stream maxlen, ttl_ms, concatenated hashes
 _SPECULATE = r"""
 local now = now_ms()
 sweep(now)
 if redis.call('EXISTS', wkey(W, 'hb')) == 0 then return 0 end
-local expiry, blob, hashes = now + tonumber(ARGV[3]), ARGV[4], {}
+local expiry, blob, hashes = now + tonumber(ARGV[4]), ARGV[5], {}
 for pos = 1, #blob, 32 do hashes[#hashes + 1] = string.sub(blob, pos, pos + 31) end
 local mine, all = {}, {}
 for start = 1, #hashes, 1000 do  -- unpack() takes a few thousand values at most
@@ -213,7 +230,7 @@ end
 return 1
 """
 
-# ARGV: prefix, '', concatenated hashes -> {{worker, depth, ...}, "worker\tload\n..." for the live workers}
+# ARGV: prefix, '', stream maxlen, concatenated hashes -> {{worker, depth, ...}, "worker\tload\n..." for the live workers}
 _LOOKUP = r"""
 sweep(now_ms())
 local ids, keys = redis.call('SMEMBERS', P .. 'workers'), {}
@@ -226,7 +243,7 @@ if #ids > 0 then
 end
 -- Holders of the first block are the candidates; then one SMISMEMBER over each candidate's blocks and one
 -- ZMSCORE over its speculative ones cover the rest of the chain: a few calls, not one per block.
-local chain, res = ARGV[3], {}
+local chain, res = ARGV[4], {}
 local n = #chain / 32
 if n == 0 then return {res, table.concat(loads, '\n')} end
 local rest = {}
@@ -248,6 +265,14 @@ for _, w in ipairs(redis.call('SMEMBERS', P .. 'h:' .. string.sub(chain, 1, 32))
   end
 end
 return {res, table.concat(loads, '\n')}
+"""
+
+# Every script's body runs as main(); the reply also names the last stream entry it appended, if any.
+_MAIN = """
+local function main()
+{body}
+end
+return {{main(), LAST_N, LAST_ID, ORIGIN}}
 """
 
 _REAP = r"""
@@ -290,6 +315,7 @@ class RedisPrefixIndex(PrefixIndex):
         max_log: int = 4096,
         timeout_s: float | None = None,
         bulk_timeout_s: float | None = None,
+        stream_maxlen: int = 0,
     ) -> None:
         self.redis = _client(client, timeout_s)
         self._bulk = _client(client, bulk_timeout_s) if isinstance(client, str) else self.redis
@@ -297,10 +323,13 @@ class RedisPrefixIndex(PrefixIndex):
         self.heartbeat_ttl = heartbeat_ttl
         self.reap_interval_s = reap_interval_s
         self.max_log = max_log
+        self.stream_maxlen = stream_maxlen
+        # called with (n, id, origin) of the last entry a call appended to the stream, before it returns
+        self.on_published: Callable[[int, bytes, bytes], None] | None = None
         self._next_reap = 0.0
         self._loads_cache: dict[bytes, tuple[str, WorkerLoad]] = {}
         self._scripts = {
-            name: self.redis.register_script(_LIB + body)
+            name: self.redis.register_script(_LIB + _MAIN.format(body=body))
             for name, body in (
                 ("apply", _APPLY),
                 ("resync", _RESYNC),
@@ -318,10 +347,17 @@ class RedisPrefixIndex(PrefixIndex):
         return max(1, round(self.heartbeat_ttl * 1000))
 
     def _run(self, name: str, worker_id: str, *args: Any) -> Any:
-        return self._scripts[name](args=[self.prefix, worker_id, *args])
+        return self._done(self._scripts[name](args=[self.prefix, worker_id, self.stream_maxlen, *args]))
 
     def _run_bulk(self, name: str, worker_id: str, *args: Any) -> Any:
-        return self._scripts[name](args=[self.prefix, worker_id, *args], client=self._bulk)
+        script = self._scripts[name]
+        return self._done(script(args=[self.prefix, worker_id, self.stream_maxlen, *args], client=self._bulk))
+
+    def _done(self, reply: list[Any]) -> Any:
+        out, n, stream_id, origin = reply
+        if n and self.on_published is not None:
+            self.on_published(int(n), stream_id, origin)
+        return out
 
     def apply(self, batch: EventBatch) -> ApplyResult:
         out = self._run_bulk(

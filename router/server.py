@@ -312,6 +312,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             stream.close()
         self._decode_streams.clear()
         await asyncio.gather(*(ch.close() for ch in self.channels.values()), return_exceptions=True)
+        self.index.close()
         if self.prompts is not None:
             self.prompts.close()
 
@@ -521,9 +522,9 @@ def _detokenize(text: TextStream | None, chunk: pb.DecodeChunk) -> tuple[bool, i
 
 def _make_index(config: RouterConfig) -> PrefixIndex:
     if config.redis_url:
-        from router.redis_index import RedisPrefixIndex
+        from router.redis_mirror import RedisMirrorIndex
 
-        return RedisPrefixIndex(
+        return RedisMirrorIndex(
             config.redis_url,
             heartbeat_ttl=config.heartbeat_ttl_s,
             timeout_s=config.redis_timeout_s,

@@ -7,7 +7,8 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -15,8 +16,10 @@ import redis
 from router.index import InMemoryPrefixIndex
 from router.policy import PrefixRouter, make_policy
 from router.redis_index import RedisPrefixIndex
+from router.redis_mirror import RedisMirrorIndex
 from serving.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from tests.test_router_index import APPLIED, H, IndexContract, stored
+from tests.chaos.tools import RedisServer
+from tests.test_router_index import APPLIED, STALE, H, IndexContract, removed, stored
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,26 @@ class TestRedisIndex(IndexContract):
     @pytest.fixture(autouse=True)
     def _redis(self, client: redis.Redis) -> None:
         self.make = lambda ttl: RedisPrefixIndex(client, heartbeat_ttl=ttl, reap_interval_s=3600)
+
+    def advance(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+class TestRedisMirrorIndex(IndexContract):
+    TTL = 0.6
+
+    @pytest.fixture(autouse=True)
+    def _redis(self, client: redis.Redis) -> Iterator[None]:
+        made: list[RedisMirrorIndex] = []
+
+        def make(ttl: float) -> RedisMirrorIndex:
+            made.append(RedisMirrorIndex(client, heartbeat_ttl=ttl, reap_interval_s=3600))
+            return made[-1]
+
+        self.make = make
+        yield
+        for index in made:
+            index.close()
 
     def advance(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -136,3 +159,119 @@ def test_redis_and_in_memory_answer_alike_under_random_events(client: redis.Redi
         mem, red = (index.match(query) for index in indexes)
         assert mem == red, (step, mem, red)
     assert indexes[0].num_entries() == indexes[1].num_entries()
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def mirrors(client: redis.Redis) -> Iterator[Callable[..., RedisMirrorIndex]]:
+    made: list[RedisMirrorIndex] = []
+
+    def make(**kwargs: Any) -> RedisMirrorIndex:
+        made.append(RedisMirrorIndex(client, **{"heartbeat_ttl": 60.0, **kwargs}))
+        return made[-1]
+
+    yield make
+    for index in made:
+        index.close()
+
+
+def test_mirrors_follow_each_others_writes_within_milliseconds(mirrors) -> None:
+    a, b = mirrors(), mirrors()
+    for index in (a, b):  # each router heartbeats the workers it polls
+        index.heartbeat("p", 1, WorkerLoad())
+        index.heartbeat("q", 2, WorkerLoad())
+    assert a.apply(stored("p", 1, 1, *H[:5])) is APPLIED
+    assert a.match(H) == {"p": 5}  # the writer's own mirror has it when apply returns
+    wait_for("b to follow a's batch", lambda: b.match(H) == {"p": 5}, timeout=0.5)
+    assert b.apply(stored("p", 1, 1, *H[:5])) is STALE  # b pulled the same batch: applied once
+    a.speculate("q", H[:3], ttl=60.0)  # a's routing decision reaches b before any event could
+    wait_for("b to see a's speculation", lambda: b.match(H) == {"p": 5, "q": 3}, timeout=0.5)
+    assert b.apply(EventBatch("p", 7, 1, (BlockStored((H[0],)),), 0.0)) is APPLIED  # p restarted
+    wait_for("a to follow p's new epoch", lambda: a.match(H) == {"p": 1, "q": 3}, timeout=0.5)
+    b.remove_worker("q")
+    wait_for("a to drop q", lambda: a.match(H) == {"p": 1}, timeout=0.5)
+    assert a.num_entries() == b.num_entries() == 1
+
+
+def test_a_new_mirror_loads_the_sets_and_follows_from_there(mirrors, client: redis.Redis) -> None:
+    a = mirrors()
+    a.heartbeat("p", 1, WorkerLoad(queued_tokens=9))
+    assert a.apply(stored("p", 1, 1, *H[:4])) is APPLIED
+    assert a.resync("p", 1, 3, H[:6]) is APPLIED
+    b = mirrors()  # a router that starts now: its view is whole before its first call
+    assert b.match(H) == {"p": 6}
+    assert b.workers() == {"p": WorkerLoad(queued_tokens=9)}
+    assert a.apply(removed("p", 1, 4, H[1])) is APPLIED
+    wait_for("b to follow", lambda: b.match(H) == {"p": 1})
+
+
+def test_mirrors_reload_when_redis_restarts_empty() -> None:
+    server = RedisServer()
+    server.start()
+    a = b = None
+    try:
+        a, b = RedisMirrorIndex(server.url), RedisMirrorIndex(server.url)
+        a.heartbeat("p", 1, WorkerLoad())
+        assert a.apply(stored("p", 1, 1, *H[:2])) is APPLIED
+        wait_for("b to follow", lambda: b.match(H) == {"p": 2})
+        server.kill()
+        server.start()  # empty: the sets, the stream and its numbering start over
+        # the worker's next batch: unknown to the empty index, so applied as far as it goes and resynced
+        wait_for("Redis to answer a", lambda: _answers(lambda: a.apply(stored("p", 1, 2, H[2]))), 5.0)
+        assert a.match(H) == {}  # only H[2] is in Redis now: a reloaded rather than adding it to H[:2]
+        wait_for("b to reload", lambda: b.match(H[2:]) == {"p": 1} and b.match(H) == {}, 5.0)
+        assert a.resync("p", 1, 2, H[:3]) is APPLIED
+        wait_for("b to follow the resync", lambda: b.match(H) == {"p": 3})
+    finally:
+        for index in (a, b):
+            if index is not None:
+                index.close()
+        server.stop()
+
+
+def _answers(call: Callable[[], object]) -> bool:
+    try:
+        call()
+    except redis.RedisError:
+        return False
+    return True
+
+
+def test_equal_to_in_memory_under_random_events_and_a_second_router(mirrors) -> None:
+    rng = random.Random(11)
+    pool = [bytes([i]) * 32 for i in range(40)]
+    chains = [pool[i : i + 12] for i in range(0, 28, 4)]
+    memory, first, second = InMemoryPrefixIndex(heartbeat_ttl=60.0), mirrors(), mirrors()
+    seqs = {w: 0 for w in "abcd"}
+    for w in seqs:
+        for index in (memory, first, second):
+            index.heartbeat(w, 1, WorkerLoad())
+    for step in range(200):
+        w = rng.choice("abcd")
+        chain = rng.choice(chains)[: rng.randint(1, 12)]
+        seqs[w] += 1
+        op = rng.random()
+        event: BlockStored | BlockRemoved | AllBlocksCleared = (
+            BlockStored(tuple(chain))
+            if op < 0.6
+            else BlockRemoved(tuple(rng.sample(chain, rng.randint(1, len(chain)))))
+            if op < 0.97
+            else AllBlocksCleared()
+        )
+        batch = EventBatch(w, 1, seqs[w], (event,), 0.0)
+        assert memory.apply(batch) is APPLIED
+        writer, other = (first, second) if rng.random() < 0.5 else (second, first)
+        assert writer.apply(batch) is APPLIED
+        if rng.random() < 0.3:
+            assert other.apply(batch) is STALE  # both routers pulled it
+        query = rng.choice(chains)[: rng.randint(1, 12)]
+        assert writer.match(query) == memory.match(query), step
+    wait_for("both mirrors to agree", lambda: first.match(pool) == second.match(pool) == memory.match(pool))
+    for chain in chains:
+        assert first.match(chain) == second.match(chain) == memory.match(chain)

@@ -2,7 +2,7 @@
 
 Each simulated worker is a FIFO server (prefill time = overhead + uncached tokens / tokens_per_s) with a
 finite LRU block cache; it publishes real `EventBatch`es through a `KVEventPublisher`, serialised and
-delivered to the real `InMemoryPrefixIndex` after `event_delay_s`, and heartbeats its queue. The real
+delivered to the real index (`InMemoryPrefixIndex`, or any `make_index` builds) after `event_delay_s`, and heartbeats its queue. The real
 `PrefixRouter` picks the worker for every request. Simulated time drives the index's clock, so TTLs and
 speculation behave as they would in a fleet. A cache hit is what the worker's own LRU holds when the
 request starts, not what the index believed.
@@ -15,13 +15,13 @@ import itertools
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.block_hash import BlockHash
-from router.index import ApplyResult, InMemoryPrefixIndex
+from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 from router.policy import PrefixRouter, RoutingDecision, make_policy
 from router.sim.workload import Request
 from serving.kv_events import EventBatch, KVEventPublisher, WorkerLoad
@@ -116,12 +116,17 @@ class SimWorker:
 _ARRIVE, _DONE, _DELIVER, _HEARTBEAT = range(4)
 
 
+IndexFactory = Callable[[float, Callable[[], float]], PrefixIndex]  # (heartbeat_ttl, clock) -> index
+
+
 class FleetSim:
-    def __init__(self, cfg: FleetConfig, policy: str, **policy_kwargs: float) -> None:
+    def __init__(
+        self, cfg: FleetConfig, policy: str, make_index: IndexFactory | None = None, **policy_kwargs: float
+    ) -> None:
         self.cfg = cfg
         self.policy_name = policy
         self._now = [0.0]
-        self.index = InMemoryPrefixIndex(cfg.heartbeat_ttl_s, clock=lambda: self._now[0])
+        self.index = (make_index or _in_memory)(cfg.heartbeat_ttl_s, lambda: self._now[0])
         self.router = PrefixRouter(
             self.index,
             make_policy(policy, **policy_kwargs),
@@ -250,5 +255,16 @@ def _leading(chain: list[BlockHash], held: Container[BlockHash]) -> int:
     return len(list(itertools.takewhile(held.__contains__, chain)))
 
 
-def simulate(requests: list[Request], cfg: FleetConfig, policy: str, **policy_kwargs: float) -> SimResult:
-    return FleetSim(cfg, policy, **policy_kwargs).run(requests)
+def _in_memory(heartbeat_ttl: float, clock: Callable[[], float]) -> PrefixIndex:
+    return InMemoryPrefixIndex(heartbeat_ttl, clock=clock)
+
+
+def simulate(
+    requests: list[Request],
+    cfg: FleetConfig,
+    policy: str,
+    make_index: IndexFactory | None = None,
+    **policy_kwargs: float,
+) -> SimResult:
+    """Run the fleet; `make_index` builds the router's index (default: in memory) on the simulated clock."""
+    return FleetSim(cfg, policy, make_index, **policy_kwargs).run(requests)
