@@ -2,6 +2,8 @@
 
     python -m bench.routing              # 8 and 64 workers + overhead; ~15 min on 2 busy CPU cores
     python -m bench.routing --quick      # a small smoke run into a temporary directory
+    python -m bench.routing --only overhead   # the decision overhead: in memory, Redis mirror, Redis Lua
+    python -m bench.routing --only redis-sim  # prefix_aware with the Redis-backed router in the simulator
 
 Writes one JSON record per figure into bench/results/ (bench/record.py) and the `## Routing` section of
 BENCHMARKS.md (other sections are kept as they are).
@@ -175,7 +177,10 @@ def redis_server() -> tuple[subprocess.Popen[bytes], str]:
 
 
 def run_overhead(quick: bool, out_dir: Path | None) -> dict[str, dict[str, Any]]:
+    """The decision overhead with the in-memory index, the Redis index as the router runs it (a mirror
+    fed by the stream) and the Lua lookup per decision, the two Redis ones on one server and one index."""
     from router.redis_index import RedisPrefixIndex
+    from router.redis_mirror import RedisMirrorIndex
 
     workers, per_worker = 64, (2_048 if quick else 16_384)
     n, rounds = (1_000, 2) if quick else (4_000, 5)
@@ -186,11 +191,14 @@ def run_overhead(quick: bool, out_dir: Path | None) -> dict[str, dict[str, Any]]
     del memory
     proc, url = redis_server()
     try:
-        rindex = RedisPrefixIndex(url, heartbeat_ttl=3600)
-        figures["redis"] = measure_decisions(
-            rindex, populated_index(rindex, workers, per_worker), n // 4, rounds
-        )
-        figures["redis"]["entries"] = rindex.num_entries()
+        mirror = RedisMirrorIndex(url, heartbeat_ttl=3600)
+        pool = populated_index(mirror, workers, per_worker)
+        figures["redis"] = measure_decisions(mirror, pool, n, rounds)
+        figures["redis"]["entries"] = mirror.num_entries()
+        lua = RedisPrefixIndex(url, heartbeat_ttl=3600)
+        figures["redis-lua"] = measure_decisions(lua, pool, n // 4, rounds)
+        figures["redis-lua"]["entries"] = lua.num_entries()
+        mirror.close()
     finally:
         proc.terminate()
         proc.wait()
@@ -199,34 +207,142 @@ def run_overhead(quick: bool, out_dir: Path | None) -> dict[str, dict[str, Any]]
     for _ in range(20):
         hash_prompt_blocks(tokens, 16)
     figures["hash"] = {"us": (time.perf_counter() - t) / 20 * 1e6}
-    for backend in ("in-memory", "redis"):
-        f, key = figures[backend], backend.replace("-", "")
-        extra = {
-            "workers": workers,
-            "indexed_blocks": f["entries"],
-            "prompt_blocks": "1..256",
-            "load_average_1min": f["load_avg"],
-            "cpu_cores": os.cpu_count(),
-            "rounds_p99_us": f["rounds_p99_us"],
-            "decisions_per_round": f["decisions_per_round"],
-        }
-        rec = functools.partial(record, out_dir=out_dir, command=COMMAND, extra=extra)
-        rec(
-            f"routing_overhead_{key}_p99_us",
-            f["p99_us"],
-            "us",
-            goal="< 1000" if key == "inmemory" else None,
-        )
-        rec(f"routing_overhead_{key}_p50_us", f["p50_us"], "us")
-        rec(f"routing_overhead_{key}_p99_cpu_us", f["p99_cpu_us"], "us of CPU time")
-        rec(
-            f"routing_overhead_{key}_decisions_per_s",
-            f["per_s"],
-            "1/s",
-            goal=">= 2000" if key == "inmemory" else None,
-        )
+    for backend in ("in-memory", "redis", "redis-lua"):
+        record_overhead(backend, figures, workers, out_dir)
     record("routing_hash_4k_prompt_us", figures["hash"]["us"], "us", out_dir=out_dir, command=COMMAND)
     return figures
+
+
+OVERHEAD_NAMES = {
+    "in-memory": ("inmemory", "the in-memory index"),
+    "redis": ("redis", "the Redis index: a local mirror fed by the Redis stream"),
+    "redis-lua": ("redis_lua", "the Redis index's Lua lookup, one script per decision"),
+}
+
+
+def record_overhead(
+    backend: str, figures: dict[str, dict[str, Any]], workers: int, out_dir: Path | None
+) -> None:
+    f, (key, what) = figures[backend], OVERHEAD_NAMES[backend]
+    lua = figures["redis-lua"] if backend == "redis" else None
+    extra = {
+        "index": what,
+        "workers": workers,
+        "indexed_blocks": f["entries"],
+        "prompt_blocks": "1..256",
+        "load_average_1min": f["load_avg"],
+        "cpu_cores": os.cpu_count(),
+        "rounds_p99_us": f["rounds_p99_us"],
+        "decisions_per_round": f["decisions_per_round"],
+    }
+    rec = functools.partial(record, out_dir=out_dir, command=COMMAND, extra=extra)
+    vs_lua = "the Lua lookup, same run, same Redis" if lua else None
+    rec(
+        f"routing_overhead_{key}_p99_us",
+        f["p99_us"],
+        "us",
+        baseline=lua["p99_us"] if lua else None,
+        goal="< 1000" if key != "redis_lua" else None,
+        baseline_name=vs_lua,
+    )
+    rec(
+        f"routing_overhead_{key}_p50_us",
+        f["p50_us"],
+        "us",
+        baseline=lua["p50_us"] if lua else None,
+        baseline_name=vs_lua,
+    )
+    rec(f"routing_overhead_{key}_p99_cpu_us", f["p99_cpu_us"], "us of CPU time")
+    rec(
+        f"routing_overhead_{key}_decisions_per_s",
+        f["per_s"],
+        "1/s",
+        baseline=lua["per_s"] if lua else None,
+        goal=">= 2000" if key != "redis_lua" else None,
+        baseline_name=vs_lua,
+    )
+
+
+def run_redis_fleets(setups: dict[int, tuple[float, int]], out_dir: Path | None) -> list[dict[str, Any]]:
+    """prefix_aware with the Redis-backed router in the loop (`RedisMirrorIndex` on a local redis-server,
+    on the simulated clock), beside the in-memory run and round-robin on the same workload."""
+    from router.redis_mirror import RedisMirrorIndex
+
+    global _requests
+    proc, url = redis_server()
+    rows = []
+    try:
+        for workers, (rate, num) in setups.items():
+            wl = WorkloadConfig(num_requests=num, arrival_rate=rate)
+            _requests = generate(wl)
+            cfg = FleetConfig(num_workers=workers, cache_blocks=CACHE_BLOCKS)
+            made: list[RedisMirrorIndex] = []
+
+            def make(ttl: float, clock: Any, workers: int = workers, made: list = made) -> RedisMirrorIndex:
+                index = RedisMirrorIndex(
+                    url, prefix=f"sim{workers}:", heartbeat_ttl=ttl, redis_heartbeat_ttl=3600, clock=clock
+                )
+                made.append(index)
+                return index
+
+            with multiprocessing.get_context("fork").Pool(2) as pool:  # forked before any index thread
+                others = pool.map_async(_simulate, [(cfg, "prefix_aware"), (cfg, "round_robin")], chunksize=1)
+                red = simulate(_requests, cfg, "prefix_aware", make)
+                memory, rr = others.get()
+            for index in made:
+                index.close()
+            rows.append(record_redis_fleet(wl, red, memory, rr, out_dir))
+            print(f"{workers:3d}w prefix_aware with Redis: {rows[-1]}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait()
+        _requests = []
+    return rows
+
+
+def record_redis_fleet(
+    wl: WorkloadConfig, red: SimResult, memory: SimResult, rr: SimResult, out_dir: Path | None
+) -> dict[str, Any]:
+    same = dataclasses.replace(red, decision_us=0, wall_s=0) == dataclasses.replace(
+        memory, decision_us=0, wall_s=0
+    )
+    tag = f"routing_{red.num_workers}w_prefix_aware_redis"
+    extra = {
+        "index": "RedisMirrorIndex on a local redis-server (the Redis-backed router's index)",
+        "equal_to_in_memory_run": same,
+        "in_memory_hit_rate": memory.hit_rate,
+        "in_memory_p90_ttft_s": memory.p90_ttft_s,
+        "decision_us_mean": red.decision_us,
+        "sim_wall_s": red.wall_s,
+        "resyncs": red.resyncs,
+        "load_average_1min": os.getloadavg()[0],
+        "workload": dataclasses.asdict(wl),
+        "fleet_cache_blocks": CACHE_BLOCKS,
+    }
+    rec = functools.partial(record, out_dir=out_dir, command=COMMAND + " --only redis-sim", extra=extra)
+    rec(
+        f"{tag}_hit_rate",
+        red.hit_rate,
+        "fraction",
+        ceiling=red.oracle_hit_rate,
+        ceiling_name="oracle: one infinite cache",
+        goal=">= 0.9 x oracle",
+    )
+    rec(
+        f"{tag}_p90_ttft",
+        red.p90_ttft_s,
+        "s",
+        baseline=rr.p90_ttft_s,
+        baseline_name="round_robin",
+        goal="<= 1/3 of round_robin",
+    )
+    rec(f"{tag}_max_share", red.max_busy_share, "busiest worker / mean", goal="< 1.5")
+    return {
+        "of_oracle": red.hit_rate / red.oracle_hit_rate,
+        "p90_vs_rr": rr.p90_ttft_s / red.p90_ttft_s,
+        "max_share": red.max_busy_share,
+        "equal_to_in_memory": same,
+    }
 
 
 def main() -> None:
@@ -235,12 +351,24 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small smoke run; results go to a temp dir")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="simulations at once")
+    parser.add_argument(
+        "--only",
+        choices=("overhead", "redis-sim"),
+        help="one part: its records only, BENCHMARKS.md left alone (redis-sim: prefix_aware with the "
+        "Redis-backed router in the simulator, ~10 min)",
+    )
     args = parser.parse_args()
     out_dir = Path(tempfile.mkdtemp(prefix="routing-bench-")) if args.quick else None
+    setups = QUICK_SETUPS if args.quick else SETUPS
+    if args.only == "redis-sim":
+        run_redis_fleets(setups, out_dir)
+        return
     overhead = run_overhead(args.quick, out_dir)  # first, before the simulations load the machine
     print(overhead, flush=True)
+    if args.only == "overhead":
+        return
     fleets = []
-    for workers, (rate, num) in (QUICK_SETUPS if args.quick else SETUPS).items():
+    for workers, (rate, num) in setups.items():
         wl, results = run_fleet(workers, rate, num, args.jobs)
         record_fleet(wl, results, out_dir)
         fleets.append((workers, wl, results))
@@ -290,7 +418,7 @@ def markdown(
         "",
         f"Command: `{COMMAND}` (~15 min on 2 busy cores; it rewrites this section). Records:",
         "`routing_<workers>w_<policy>_{hit_rate,mean_ttft,p90_ttft,max_share}.json` for every policy,",
-        "`routing_overhead_{inmemory,redis}_*.json`, `routing_hash_4k_prompt_us.json`. "
+        "`routing_overhead_{inmemory,redis,redis_lua}_*.json`, `routing_hash_4k_prompt_us.json`. "
         f"The other policies at {fleets[0][0]} workers",
         f"(hit rate, p90 TTFT): {others}.",
         "",
@@ -318,13 +446,16 @@ def _fleet_rows(n: int, results: list[SimResult]) -> list[str]:
 
 
 def _overhead_rows(overhead: dict[str, dict[str, Any]]) -> list[str]:
-    mem, red = overhead["in-memory"], overhead["redis"]
+    mem, red, lua = overhead["in-memory"], overhead["redis"], overhead["redis-lua"]
     return [
         f"| route decision p99, in-memory index | {mem['p99_us']:.0f} us (CPU {mem['p99_cpu_us']:.0f} us) | - | - "
         f"| < 1 ms | {_met(mem['p99_us'] < 1000)} |",
         f"| route decisions/s, in-memory index | {mem['per_s']:,.0f} | - | - | >= 2,000 | {_met(mem['per_s'] >= 2000)} |",
-        f"| route decision p99, Redis index (local server) | {red['p99_us']:.0f} us (CPU {red['p99_cpu_us']:.0f} us), "
-        f"{red['per_s']:,.0f}/s | - | - | - | - |",
+        f"| route decision p99, Redis index (stream-fed mirror, local server) | {red['p99_us']:.0f} us "
+        f"(CPU {red['p99_cpu_us']:.0f} us) | Lua lookup {lua['p99_us']:,.0f} us | "
+        f"{lua['p99_us'] / red['p99_us']:.0f}x lower | < 1 ms | {_met(red['p99_us'] < 1000)} |",
+        f"| route decisions/s, Redis index | {red['per_s']:,.0f} | Lua lookup {lua['per_s']:,.0f} | "
+        f"{red['per_s'] / lua['per_s']:.1f}x | >= 2,000 | {_met(red['per_s'] >= 2000)} |",
         f"| block-hash chain of a 4096-token prompt | {overhead['hash']['us']:.0f} us | - | - | - | - |",
     ]
 
