@@ -21,15 +21,17 @@ Lifecycle of one request (decode worker D, prefill worker P):
 from __future__ import annotations
 
 import abc
+import importlib
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
 
+from kvtransfer import TRANSPORTS
+
 Descriptor = dict[str, Any]  # JSON-able: str / int / float / bool / list / dict only
 DoneCallback = Callable[[str, "KVTransferError | None"], None]
-
-TRANSPORTS = ("tcp", "nccl", "cuda_ipc")
 
 
 class KVTransferError(RuntimeError):
@@ -162,20 +164,11 @@ def create_receiver(
     on_done: DoneCallback | None = None,
 ) -> KVReceiver:
     """Start a receiver of `transport` serving `pool` on host:port (port 0: any free port)."""
-    kwargs: dict[str, Any] = dict(host=host, port=port, advertise_host=advertise_host, on_done=on_done)
-    if transport == "tcp":
-        from kvtransfer.tcp import TcpKVReceiver
-
-        return TcpKVReceiver(pool, **kwargs)
-    if transport == "nccl":
-        from kvtransfer.nccl import NcclKVReceiver
-
-        return NcclKVReceiver(pool, **kwargs)
-    if transport == "cuda_ipc":
-        from kvtransfer.cuda_ipc import CudaIpcKVReceiver
-
-        return CudaIpcKVReceiver(pool, **kwargs)
-    raise KVTransferError(f"unknown kv transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
+    module = _transport(transport, f"unknown kv transport {transport!r}")
+    receiver: KVReceiver = module.RECEIVER(
+        pool, host=host, port=port, advertise_host=advertise_host, on_done=on_done
+    )
+    return receiver
 
 
 def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> KVSender:
@@ -186,24 +179,15 @@ def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float 
     """
     if not isinstance(descriptor, dict):
         raise KVTransferError(f"kv descriptor must be a dict, got {type(descriptor).__name__}")
-    with torch.inference_mode(False):  # a sender's own tensors are updated in place on every send
-        return _connect(descriptor, local_pool, timeout)
-
-
-def _connect(descriptor: Descriptor, local_pool: torch.Tensor, timeout: float) -> KVSender:
     transport = descriptor.get("transport")
-    if transport == "tcp":
-        from kvtransfer.tcp import TcpKVSender
+    module = _transport(transport, f"kv descriptor names unknown transport {transport!r}")
+    with torch.inference_mode(False):  # a sender's own tensors are updated in place on every send
+        sender: KVSender = module.SENDER(descriptor, local_pool, timeout=timeout)
+    return sender
 
-        return TcpKVSender(descriptor, local_pool, timeout=timeout)
-    if transport == "nccl":
-        from kvtransfer.nccl import NcclKVSender
 
-        return NcclKVSender(descriptor, local_pool, timeout=timeout)
-    if transport == "cuda_ipc":
-        from kvtransfer.cuda_ipc import CudaIpcKVSender
-
-        return CudaIpcKVSender(descriptor, local_pool, timeout=timeout)
-    raise KVTransferError(
-        f"kv descriptor names unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
-    )
+def _transport(name: object, unknown: str) -> ModuleType:
+    """The transport's module (imported on first use: nccl and cuda_ipc pull in what tcp needs not)."""
+    if name not in TRANSPORTS:
+        raise KVTransferError(f"{unknown}; expected one of {', '.join(TRANSPORTS)}")
+    return importlib.import_module(f"kvtransfer.{name}")

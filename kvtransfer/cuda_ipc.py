@@ -31,7 +31,7 @@ import torch
 
 from engine import trace
 from kernels.kv_block_copy import GraphedBlockCopy
-from kvtransfer.base import Descriptor, DoneCallback, KVTransferError
+from kvtransfer.base import Descriptor, KVTransferError
 from kvtransfer.grants import Completion, GrantReceiver, GrantSender
 from kvtransfer.landings import MAX_SENDERS, NBYTES, LandingCounters
 from kvtransfer.layout import PoolLayout, copy_blocks, field, gather, scatter, uses_kernel
@@ -146,15 +146,10 @@ class _Landing(Completion):
 
 
 class CudaIpcKVReceiver(GrantReceiver):
-    def __init__(
-        self,
-        pool: torch.Tensor,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        on_done: DoneCallback | None = None,
-    ) -> None:
+    transport = "cuda_ipc"
+
+    def _open(self, host: str) -> None:
+        pool = self.pool
         if not pool.is_cuda:
             raise KVTransferError(f"cuda_ipc needs the decode pool on a CUDA device, got {pool.device}")
         from torch.multiprocessing.reductions import reduce_tensor
@@ -162,22 +157,12 @@ class CudaIpcKVReceiver(GrantReceiver):
         self._ipc = encode_ipc_args(reduce_tensor(pool)[1])  # pool must outlive the receiver
         index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
         self._uuid = _device_uuid(index)
-        self._host = advertise_host or host
         self._landings = LandingCounters.create()
         self._slots = list(range(MAX_SENDERS - 1, -1, -1))
         self._slots_lock = threading.Lock()
-        super().__init__(pool, on_done, host, port, "kv-cuda-ipc")
 
-    def descriptor(self) -> Descriptor:
-        return {
-            "transport": "cuda_ipc",
-            "host": self._host,
-            "port": self._server.port,
-            "layout": self.layout.to_dict(),
-            "device_uuid": self._uuid,
-            "ipc": self._ipc,
-            "landings": self._landings.path,
-        }
+    def _fields(self) -> Descriptor:
+        return {"device_uuid": self._uuid, "ipc": self._ipc, "landings": self._landings.path}
 
     def _open_completion(self, hello: dict[str, Any]) -> Completion:
         with self._slots_lock:
@@ -299,3 +284,6 @@ class CudaIpcKVSender(GrantSender):
         super().close()
         self._remote = self._landing = None  # type: ignore[assignment]
         self._unmap()
+
+
+RECEIVER, SENDER = CudaIpcKVReceiver, CudaIpcKVSender  # what create_receiver and connect build

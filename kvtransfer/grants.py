@@ -42,10 +42,10 @@ import numpy as np
 import torch
 
 from engine import trace
-from kvtransfer.base import DoneCallback, KVSender, KVTransferError
+from kvtransfer.base import KVSender, KVTransferError
 from kvtransfer.layout import PoolLayout
 from kvtransfer.registry import TableReceiver
-from kvtransfer.wire import Channel, ControlServer, Kind, pack_ids, unpack_ids
+from kvtransfer.wire import Channel, Kind, pack_ids, unpack_ids
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +68,11 @@ class Completion(abc.ABC):
 
 
 class GrantReceiver(TableReceiver):
-    """The receiver's side: a transport adds `descriptor` and `_open_completion`."""
-
-    def __init__(
-        self, pool: torch.Tensor, on_done: DoneCallback | None, host: str, port: int, name: str
-    ) -> None:
-        super().__init__(pool, on_done)
-        self._server = ControlServer(host, port, self._serve, name)
+    """The receiver's side: a transport adds `_open_completion` (and what TableReceiver asks for)."""
 
     @abc.abstractmethod
     def _open_completion(self, hello: dict[str, Any]) -> Completion:
         """From a sender's HELLO: its Completion; KVTransferError refuses the connection."""
-
-    def _shutdown(self) -> None:
-        self._server.close()
 
     def _serve(self, ch: Channel) -> None:
         opened: list[Completion] = []

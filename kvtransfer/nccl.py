@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
+from kvtransfer.base import Descriptor, KVSender, KVTransferError
 from kvtransfer.layout import PoolLayout, check_pair, field, gather, scatter
 from kvtransfer.registry import TableReceiver
-from kvtransfer.wire import Channel, ControlServer, Kind
+from kvtransfer.wire import Channel, Kind
 
 TIMEOUT_S = 60.0  # group setup and one transfer's data
 
@@ -154,34 +154,15 @@ def _check_pair_id(hello: dict[str, Any]) -> None:
 
 
 class NcclKVReceiver(TableReceiver):
-    def __init__(
-        self,
-        pool: torch.Tensor,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        on_done: DoneCallback | None = None,
-    ) -> None:
-        super().__init__(pool, on_done)
-        self._backend = _backend_for(pool)
-        self._host = advertise_host or host
+    transport = "nccl"
+
+    def _open(self, host: str) -> None:
+        self._backend = _backend_for(self.pool)
         td = datetime.timedelta(seconds=TIMEOUT_S)
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=td)
-        self._server = ControlServer(host, port, self._serve, "kv-nccl")
 
-    def descriptor(self) -> Descriptor:
-        return {
-            "transport": "nccl",
-            "backend": self._backend,
-            "host": self._host,
-            "port": self._server.port,
-            "store_port": self._store.port,
-            "layout": self.layout.to_dict(),
-        }
-
-    def _shutdown(self) -> None:
-        self._server.close()
+    def _fields(self) -> Descriptor:
+        return {"backend": self._backend, "store_port": self._store.port}
 
     def _serve(self, ch: Channel) -> None:
         hello = self._welcome(ch, _check_pair_id)
@@ -332,3 +313,6 @@ class NcclKVSender(KVSender):
     def close(self) -> None:
         self._ch.close()
         self._pg = None  # dropping the group closes its connections (gloo's abort() does not)
+
+
+RECEIVER, SENDER = NcclKVReceiver, NcclKVSender  # what create_receiver and connect build

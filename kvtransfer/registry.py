@@ -14,6 +14,7 @@ stray sender can never write into blocks that were freed and handed to another r
 
 from __future__ import annotations
 
+import abc
 import collections
 import enum
 import threading
@@ -24,9 +25,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import DoneCallback, KVReceiver, KVTransferError
+from kvtransfer.base import Descriptor, DoneCallback, KVReceiver, KVTransferError
 from kvtransfer.layout import PoolLayout
-from kvtransfer.wire import Channel, Kind
+from kvtransfer.wire import Channel, ControlServer, Kind
 
 CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
 CANCELLED_KEPT = 4096  # cancelled request ids remembered, for wait()'s error
@@ -50,9 +51,21 @@ class _Entry:
 
 
 class TableReceiver(KVReceiver):
-    """KVReceiver's request bookkeeping; a transport adds `descriptor`, its threads and `_shutdown`."""
+    """KVReceiver's request bookkeeping and its control server, the one construction path of every
+    receiver; a transport names itself (`transport`) and adds `_serve`, and may add `_open`, `_fields`
+    and `_shutdown`."""
 
-    def __init__(self, pool: torch.Tensor, on_done: DoneCallback | None) -> None:
+    transport: str  # the descriptor's "transport" and its threads' name
+
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        on_done: DoneCallback | None = None,
+    ) -> None:
         self.pool = pool
         self.layout = PoolLayout.of(pool)
         self._on_done = on_done
@@ -62,6 +75,26 @@ class TableReceiver(KVReceiver):
         self._drained: list[str] = []  # detached cancels whose write has ended, for drained()
         # the latest cancelled request ids (bounded), so a wait() on one says so, not "never expected"
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._host = advertise_host or host
+        self._open(host)
+        # last: from here on senders connect, each served by `_serve` on a thread of its own
+        self._server = ControlServer(host, port, self._serve, f"kv-{self.transport}")
+
+    def _open(self, host: str) -> None:
+        """The transport's own resources, made before the first sender can connect (KVTransferError: this
+        pool cannot be served)."""
+
+    @abc.abstractmethod
+    def _serve(self, ch: Channel) -> None:
+        """One sender's connection, from its HELLO until it closes (on a thread of its own)."""
+
+    def descriptor(self) -> Descriptor:
+        common = {"transport": self.transport, "host": self._host, "port": self._server.port}
+        return {**common, "layout": self.layout.to_dict(), **self._fields()}
+
+    def _fields(self) -> Descriptor:
+        """What the transport's senders need beyond the address and the layout."""
+        return {}
 
     def _welcome(
         self, ch: Channel, check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
@@ -178,7 +211,8 @@ class TableReceiver(KVReceiver):
             self.finish(rid, "kv receiver closed")
 
     def _shutdown(self) -> None:
-        """Stop the transport's threads and sockets."""
+        """Stop the transport's threads and sockets (a transport with more to release extends it)."""
+        self._server.close()
 
     # -- transport threads --------------------------------------------------------------------------
     def begin(

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.base import Descriptor, DoneCallback, KVSender, KVTransferError
+from kvtransfer.base import Descriptor, KVSender, KVTransferError
 from kvtransfer.layout import PoolLayout, byte_view, check_pair, field, gather, runs, scatter
 from kvtransfer.registry import TableReceiver
-from kvtransfer.wire import Channel, ControlServer, Kind, Message
+from kvtransfer.wire import Channel, Kind, Message
 
 IO_TIMEOUT_S = 60.0  # a transfer whose bytes stop flowing this long fails
 _DRAIN_CHUNK = 1 << 20
@@ -35,29 +35,7 @@ def _pinned(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
 
 
 class TcpKVReceiver(TableReceiver):
-    def __init__(
-        self,
-        pool: torch.Tensor,
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        on_done: DoneCallback | None = None,
-    ) -> None:
-        super().__init__(pool, on_done)
-        self._host = advertise_host or host
-        self._server = ControlServer(host, port, self._serve, "kv-tcp")
-
-    def descriptor(self) -> Descriptor:
-        return {
-            "transport": "tcp",
-            "host": self._host,
-            "port": self._server.port,
-            "layout": self.layout.to_dict(),
-        }
-
-    def _shutdown(self) -> None:
-        self._server.close()
+    transport = "tcp"
 
     def _serve(self, ch: Channel) -> None:
         if self._welcome(ch) is None:
@@ -168,3 +146,6 @@ class TcpKVSender(KVSender):
 
     def close(self) -> None:
         self._ch.close()
+
+
+RECEIVER, SENDER = TcpKVReceiver, TcpKVSender  # what create_receiver and connect build

@@ -9,6 +9,7 @@ import sys
 
 from engine.args import add_engine_args, engine_kwargs
 from engine.sampling_params import SamplingParams
+from kvtransfer import TRANSPORTS
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051)
     up.add_argument("--model", default=None)
     up.add_argument("--served-model-name", default=None)
-    up.add_argument("--kv-transport", default="tcp", choices=["tcp", "nccl", "cuda_ipc"])
+    up.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
     up.add_argument("--policy", default="prefix_aware")
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)

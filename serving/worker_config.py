@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.engine_core import EngineConfig
-
-KV_TRANSPORTS = ("tcp", "nccl", "cuda_ipc")
+from kvtransfer import TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -20,7 +19,7 @@ class WorkerConfig:
     kv_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.kv_transport not in KV_TRANSPORTS:
-            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {TRANSPORTS}, got {self.kv_transport!r}")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be non-negative")

@@ -50,8 +50,10 @@ class Landings(Completion):
 class SharedReceiver(GrantReceiver):
     """The receiver's side with the pool shared in-process; `landed` counts completion checks."""
 
+    transport = "test"
+
     def __init__(self, pool: torch.Tensor, on_done: Any = None) -> None:
-        super().__init__(pool, on_done, "127.0.0.1", 0, "kv-test")
+        super().__init__(pool, on_done=on_done)
         self.landed = self.copied = self.connections_closed = 0
 
     def descriptor(self) -> Descriptor:
