@@ -1,8 +1,20 @@
-"""The engine's command-line flags and the `LLM`/`EngineConfig` keyword arguments they become."""
+"""The engine's command-line flags, the flat keyword arguments they become (`LLM(...)`'s), and the one
+`EngineConfig` those arguments build."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+from engine.config import CacheConfig, SchedulerConfig
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineConfig
+
+# the engine's max_model_len sets the scheduler's, so that one name is the engine's
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)} - {"max_model_len"}
+_CACHE_FIELDS = {f.name for f in fields(CacheConfig)}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -16,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV cache on the CPU")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -32,21 +46,33 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "model": args.model,
-        "tokenizer": args.tokenizer,
-        "dtype": args.dtype,
-        "device": args.device,
-        "load_format": args.load_format,
-        "max_model_len": args.max_model_len,
-        "block_size": args.block_size,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "scheduling_policy": args.scheduling_policy,
-        "seed": args.seed,
-        "enforce_eager": args.enforce_eager,
-    }
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of `add_engine_args` as `engine_config` / `LLM(...)` keyword arguments."""
+    names = (
+        "model", "tokenizer", "dtype", "device", "load_format", "max_model_len", "block_size",
+        "gpu_memory_utilization", "cpu_kv_cache_space", "num_gpu_blocks_override", "max_num_seqs",
+        "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy",
+        "seed", "enforce_eager", "served_model_name",
+    )  # fmt: skip
+    return {name: getattr(args, name) for name in names}
+
+
+def engine_config(**kwargs: Any) -> EngineConfig:
+    """The EngineConfig of flat keyword arguments under vLLM's names: each names a field of EngineConfig,
+    SchedulerConfig or CacheConfig (engine/config.py), and a field left out keeps its default; an unknown
+    name is a TypeError. max_num_batched_tokens None (or left out) is the default budget, or max_model_len
+    when that is longer and prompts are not chunked (each must fit in one step)."""
+    from engine.engine_core import EngineConfig  # torch: not when the CLI only parses flags
+
+    scheduler = {k: kwargs.pop(k) for k in _SCHEDULER_FIELDS & kwargs.keys()}
+    cache = {k: kwargs.pop(k) for k in _CACHE_FIELDS & kwargs.keys()}
+    max_model_len = kwargs.get("max_model_len")
+    budget = scheduler.get("max_num_batched_tokens")
+    if budget is None:
+        budget = SchedulerConfig.max_num_batched_tokens
+        if not scheduler.get("enable_chunked_prefill", SchedulerConfig.enable_chunked_prefill):
+            budget = max(budget, max_model_len or 0)
+    scheduler["max_num_batched_tokens"] = budget
+    # max_model_len None: the model's own, known once it loads (EngineCore sets the scheduler's then)
+    sched = SchedulerConfig(**scheduler, max_model_len=max_model_len or budget)
+    return EngineConfig(**kwargs, scheduler=sched, cache=CacheConfig(**cache))

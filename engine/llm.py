@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.args import engine_config
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -13,54 +14,12 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        device: str | None = None,
-        load_format: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        cpu_kv_cache_space: float = 1.0,
-        num_gpu_blocks_override: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        enforce_eager: bool = False,
-    ) -> None:
-        budget = max_num_batched_tokens or (8192 if enable_chunked_prefill else max(8192, max_model_len or 0))
-        sched_len = max_model_len or budget  # placeholder until the model's own length is known
-        config = EngineConfig(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            load_format=load_format,
-            seed=seed,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=budget,
-                max_model_len=sched_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                scheduling_policy=scheduling_policy,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                gpu_memory_utilization=gpu_memory_utilization,
-                cpu_kv_cache_space=cpu_kv_cache_space,
-                num_gpu_blocks_override=num_gpu_blocks_override,
-            ),
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: an HF model directory, a GGUF file or a dummy shape name (None: the bundled SmolLM2).
+        `engine_args`: the engine's settings under vLLM's names, any field of EngineConfig
+        (engine/engine_core.py), SchedulerConfig or CacheConfig (engine/config.py), e.g. dtype, device,
+        max_model_len, max_num_seqs, block_size, gpu_memory_utilization (engine/args.py: engine_config)."""
+        self.engine = LLMEngine(engine_config(model=model, **engine_args))
 
     @property
     def tokenizer(self):

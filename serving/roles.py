@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvtransfer import TRANSPORTS
 from serving.supervisor import Child, StopSignals, Supervisor
 
 
@@ -18,7 +19,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "nccl", "cuda_ipc"])
+    p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
     p.add_argument(
         "--local-prefill-threshold",
@@ -26,8 +27,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="decode: prompts up to this many tokens are prefilled locally, not transferred",
     )
-    p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV cache on the CPU")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -37,40 +36,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def worker_config(args: argparse.Namespace, role: str):
-    from engine.args import engine_kwargs
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.engine_core import EngineConfig
+    from engine.args import engine_config, engine_kwargs
     from serving.worker_config import WorkerConfig
 
-    kw = engine_kwargs(args)
-    budget = kw["max_num_batched_tokens"] or 8192
-    engine = EngineConfig(
-        model=kw["model"],
-        tokenizer=kw["tokenizer"],
-        dtype=kw["dtype"],
-        device=kw["device"],
-        load_format=kw["load_format"],
-        seed=kw["seed"],
-        max_model_len=kw["max_model_len"],
-        served_model_name=args.served_model_name,
-        enforce_eager=kw["enforce_eager"],
-        scheduler=SchedulerConfig(
-            max_num_seqs=kw["max_num_seqs"],
-            max_num_batched_tokens=budget,
-            max_model_len=max(2, kw["max_model_len"] or budget),
-            enable_chunked_prefill=kw["enable_chunked_prefill"],
-            scheduling_policy=kw["scheduling_policy"],
-        ),
-        cache=CacheConfig(
-            block_size=kw["block_size"],
-            enable_prefix_caching=kw["enable_prefix_caching"],
-            gpu_memory_utilization=kw["gpu_memory_utilization"],
-            cpu_kv_cache_space=args.cpu_kv_cache_space,
-            num_gpu_blocks_override=args.num_gpu_blocks_override,
-        ),
-    )
     return WorkerConfig(
-        engine=engine,
+        engine=engine_config(**engine_kwargs(args)),
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
