@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from engine.engine_core import EngineConfig, EngineCore
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, completion_params
 from engine.sequence import Sequence, SequenceStatus
 
 __all__ = ["EngineConfig", "LLMEngine"]
@@ -37,7 +36,7 @@ class LLMEngine(EngineCore):
             raise ValueError(f"request id {request_id!r} is already in use")
         seqs: list[Sequence] = []
         for i in range(params.n):
-            child = params if params.seed is None or i == 0 else _reseeded(params, params.seed + i)
+            child = completion_params(params, i)
             parent = seqs[0] if seqs else None
             seqs.append(
                 self.make_sequence(f"{request_id}#{i}", prompt_ids, child, priority, cache_salt, parent)
@@ -75,7 +74,3 @@ class LLMEngine(EngineCore):
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
-
-
-def _reseeded(params: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -67,3 +68,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def completion_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The params of completion `index` of a request's `n`: a seeded request's completions draw from
+    seeds seed, seed + 1, ... so that they differ and each is reproducible alone."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index, stop=params.stop_strings or None)

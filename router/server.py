@@ -24,7 +24,7 @@ import numpy as np
 from engine import trace
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.output_processor import TextStream
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, completion_params
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -409,7 +409,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         params: SamplingParams,
     ) -> _Started:
         """Route completion `index` and queue its decode call's frame (raises _Stop: nothing is held then)."""
-        child = params if params.seed is None else _replace_seed(params, params.seed + index)
+        child = completion_params(params, index)
         sub_id = f"{rid}.{index}" if params.n > 1 else rid
         decision = self._route(prompt_ids, request.cache_salt or None)
         assert decision.decode_worker is not None
@@ -531,10 +531,6 @@ def _make_index(config: RouterConfig) -> PrefixIndex:
             bulk_timeout_s=config.redis_bulk_timeout_s,
         )
     return InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None)
 
 
 def add_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
