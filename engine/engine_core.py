@@ -110,6 +110,10 @@ class EngineCore:
         )
         spec = config.speculative_config
         proposer = Proposer(spec) if isinstance(spec, SpeculativeConfig) else None
+        if isinstance(spec, SpeculativeConfig):
+            spec.check_model(self.model_config.num_hidden_layers)
+            if spec.method == "self_draft":
+                self.runner.draft_layers = spec.num_draft_layers
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer)
         self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
 

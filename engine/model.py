@@ -131,11 +131,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # (num_tokens,) int64
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        num_layers: int | None = None,  # only the first num_layers, then the final norm (an early exit)
     ) -> torch.Tensor:  # (num_tokens, hidden)
         hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin_cache = self.rotary_emb.cos_sin_cache(hidden.dtype, hidden.device)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache[i], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -156,8 +157,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # (num_tokens,) int64
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        num_layers: int | None = None,  # only the first num_layers, then the final norm (an early exit)
     ) -> torch.Tensor:  # (num_tokens, hidden)
-        return self.model(input_ids, positions, meta, kv_cache)
+        return self.model(input_ids, positions, meta, kv_cache, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, hidden) -> (n, vocab) fp32
         return self.lm_head(hidden).float()

@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.spec_decode import accepted_length
 from engine.uploads import upload
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class ModelRunner:
         self.num_layers = model_config.num_hidden_layers
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.sampler = Sampler(seed)
+        self.draft_layers: int | None = None  # self_draft speculation: the target's first layers draft
         use_graphs = not enforce_eager and graph_capturable(device)
         if not enforce_eager and device.type == "cuda" and not use_graphs:
             logger.info("CUDA graphs off: the attention backend is forced to the torch reference")
@@ -230,6 +232,20 @@ class ModelRunner:
             assert prev is not None and prev.sample is not None
             pending = [i for i, src in enumerate(inputs_from) if src >= 0]
             patch = _Patch(pending, [inputs_from[i] for i in pending], prev.sample.tokens)
+        patches = [patch] if patch is not None else []
+        model_drafts: list[tuple[int, int, int]] = []  # (sampling index, row of `drafted`, draft length)
+        drafted_host = None
+        if self.draft_layers is not None and any(it.num_draft for it in items):
+            drafting = [i for i in sampling if items[i].num_draft]
+            drafted = self._self_draft(items, drafting, self.draft_layers)
+            ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+            k_max = drafted.shape[1]
+            dst = [ends[i] - items[i].num_draft + j for i in drafting for j in range(items[i].num_draft)]
+            src = [s * k_max + j for s, i in enumerate(drafting) for j in range(items[i].num_draft)]
+            patches.append(_Patch(dst, src, drafted.view(-1), flat=True))
+            where = {i: s for s, i in enumerate(drafting)}
+            model_drafts = [(n, where[i], items[i].num_draft) for n, i in enumerate(sampling) if i in where]
+            drafted_host = drafted.to("cpu", non_blocking=True) if drafted.is_cuda else drafted
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
         hidden = self._replay(items, patch)
@@ -239,7 +255,7 @@ class ModelRunner:
         if hidden is not None:  # row i is item i (no drafts: a graph's step is decode-only)
             rows = None if len(sampling) == len(items) else sampling
         else:
-            hidden = self._forward_eager(items, patch)
+            hidden = self._forward_eager(items, patches)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
         if not sampling:
@@ -255,7 +271,9 @@ class ModelRunner:
             positions=[items[i].seq_len + j for i, j in zip(owners, offsets)],
         )
         drafts = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft :] for i in sampling]
-        return LaunchedStep([items[i].request_id for i in sampling], drafts, sample)
+        return LaunchedStep(
+            [items[i].request_id for i in sampling], drafts, sample, model_drafts, drafted_host
+        )
 
     @staticmethod
     def collect(step: LaunchedStep) -> Sampled:
@@ -263,14 +281,15 @@ class ModelRunner:
         with a draft keeps the target's tokens up to and including the first that differs from it."""
         if step.sample is None:
             return {}
-        result: SamplerOutput = step.sample.result()
+        result: SamplerOutput = step.sample.result()  # the drafts' copy was queued before: it is here too
+        for n, row, k in step.model_drafts:
+            assert step.drafted is not None
+            step.drafts[n] = step.drafted[row, :k].tolist()
         out: Sampled = {}
         at = 0
         for rid, draft in zip(step.request_ids, step.drafts):
             targets = result.token_ids[at : at + len(draft) + 1]
-            accepted = 0
-            while accepted < len(draft) and draft[accepted] == targets[accepted]:
-                accepted += 1
+            accepted = accepted_length(draft, targets)
             out[rid] = (targets[: accepted + 1], result.logprobs[at : at + accepted + 1])
             at += len(draft) + 1
         return out
@@ -281,7 +300,35 @@ class ModelRunner:
             return None
         return self.graphs.replay(items, patch.apply_rows if patch is not None else None)
 
-    def _forward_eager(self, items: list[ScheduledSeq], patch: _Patch | None = None) -> torch.Tensor:
+    @torch.inference_mode()
+    def _self_draft(self, items: list[ScheduledSeq], drafting: list[int], num_layers: int) -> torch.Tensor:
+        """(len(drafting), k_max) int64 on the device: each drafting item's draft, greedy from the first
+        `num_layers` layers, the final norm and the LM head, one batched pass per draft position (an item
+        with a shorter draft leaves the later passes). Each pass writes those layers' KV at its position,
+        which the verification then rewrites."""
+        k_max = max(items[i].num_draft for i in drafting)
+        drafted = torch.zeros(len(drafting), k_max, dtype=torch.long, device=self.device)
+        last = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft - 1] for i in drafting]
+        ids = upload(torch.tensor(last, dtype=torch.long), self.device)
+        for j in range(k_max):
+            rows = [s for s, i in enumerate(drafting) if items[i].num_draft > j]
+            its = [items[drafting[s]] for s in rows]
+            positions = [it.start_pos + j for it in its]  # start_pos: the newest known token's position
+            meta = AttentionMetadata.build(
+                [1] * len(its), [p + 1 for p in positions], [it.block_table for it in its], self.block_size,
+                self.device,
+            )  # fmt: skip
+            pos = upload(torch.tensor(positions, dtype=torch.long), self.device)
+            hidden = self.model(ids, pos, meta, self.kv_cache, num_layers)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            index = upload(torch.tensor(rows, dtype=torch.long), self.device)
+            drafted[index, j] = tokens
+            if j + 1 < k_max:  # the next pass's rows: those with a longer draft, in order
+                keep = [n for n, s in enumerate(rows) if items[drafting[s]].num_draft > j + 1]
+                ids = tokens[upload(torch.tensor(keep, dtype=torch.long), self.device)]
+        return drafted
+
+    def _forward_eager(self, items: list[ScheduledSeq], patches: list[_Patch] | None = None) -> torch.Tensor:
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long)
         positions = torch.tensor(
             [p for it in items for p in range(it.start_pos, it.seq_len)], dtype=torch.long
@@ -294,9 +341,10 @@ class ModelRunner:
             self.device,
         )
         ids = upload(input_ids, self.device)
-        if patch is not None:  # an item's last token sits at its chunk's end
-            ends = list(itertools.accumulate(len(it.token_ids) for it in items))
-            patch.apply(ids, [ends[i] - 1 for i in patch.rows])
+        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+        for patch in patches or []:
+            # rows: an item's last token, at its chunk's end; flat: positions in the step's ids already
+            patch.apply(ids, patch.rows if patch.flat else [ends[i] - 1 for i in patch.rows])
         return self.model(ids, upload(positions, self.device), meta, self.kv_cache)
 
 
@@ -311,14 +359,18 @@ class LaunchedStep:
     request_ids: list[str]
     drafts: list[list[int]]
     sample: PendingSample | None
+    # self-drafted items: (index among the sampling items, row of `drafted`, draft length); their drafts
+    # are on the device at launch and read with the sampled tokens
+    model_drafts: list[tuple[int, int, int]] = field(default_factory=list)
+    drafted: torch.Tensor | None = None
 
 
 class _Patch:
     """Input tokens that an earlier step sampled and the host does not know yet: item `rows[j]` takes row
     `src[j]` of that step's device-side tokens, copied on the device before the forward pass reads them."""
 
-    def __init__(self, rows: list[int], src: list[int], tokens: torch.Tensor) -> None:
-        self.rows, self.src, self.tokens = rows, src, tokens
+    def __init__(self, rows: list[int], src: list[int], tokens: torch.Tensor, flat: bool = False) -> None:
+        self.rows, self.src, self.tokens, self.flat = rows, src, tokens, flat
 
     def apply(self, ids: torch.Tensor, dst: list[int]) -> None:
         index = upload(torch.tensor([dst, self.src], dtype=torch.long), ids.device)

@@ -214,11 +214,11 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
         """A speculative draft to verify with the request's newest token, its blocks allocated; [] for none.
-        Only a greedy request without penalties whose newest token is its one token to run gets one, and
-        never longer than its max_tokens, max_model_len or the step's budget allow (the target's own token
-        comes on top of the accepted ones)."""
+        Only a request without penalties whose newest token is its one token to run gets one, and never
+        longer than its max_tokens, max_model_len or the step's budget allow (the target's own token comes
+        on top of the accepted ones)."""
         p = seq.params
-        if self.proposer is None or num_new != 1 or seq.num_pending or not p.greedy or p.has_penalties:
+        if self.proposer is None or num_new != 1 or seq.num_pending or p.has_penalties:
             return []
         if seq.num_computed_tokens + 1 != seq.num_tokens:
             return []

@@ -5,13 +5,22 @@ Configured vLLM's way, `LLM(..., speculative_config={"method": "ngram", "num_spe
 "prompt_lookup_max": 4})`. What exists:
 - `ngram` (prompt lookup): the continuation of the most recent earlier occurrence of the request's
   longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens.
+- `self_draft` (LayerSkip-style early exit): the target's own first `num_draft_layers` layers, its final
+  norm and its LM head draft k tokens greedily, one batched pass per token (engine/model_runner.py:
+  `_self_draft`). Their KV is the target's own for those layers, written at the draft's positions and
+  rewritten with the same values by the verification, so it costs no extra KV cache and no transfer.
 - Verification (engine/scheduler.py, engine/model_runner.py): a request with a draft of k tokens runs as a
   chunk of k + 1 queries (its newest token and the draft) in the same batch as plain decodes and prefill
   chunks; the target's greedy token at each of the k + 1 positions is read, the draft is accepted up to the
   first disagreement, and the target's token there is appended too. So the output is the target's greedy
   output, token for token. The KV of rejected positions is rolled back (`BlockManager.free_tail`) and a
   block is hashed for the prefix cache only once every token in it is accepted.
-- Drafts are made for greedy requests without penalties; the others decode one token a step.
+- Sampling stays exact too. Every draft is one proposal (q one-hot), and each of the k + 1 positions is
+  sampled as plain decoding samples it (the same seeded noise at the same position); the draft is kept
+  while it equals those samples. That is Leviathan et al.'s rejection sampling for a one-hot q: token d
+  is accepted with probability p(d), and on rejection the sample is drawn from p without d, renormalized
+  (the residual). A seeded request gives the same tokens with and without speculation.
+- Requests with penalties decode one token a step (their penalties would need the draft in their history).
 """
 
 from __future__ import annotations
@@ -21,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "self_draft")
 MAX_SPECULATIVE_TOKENS = 16
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    num_draft_layers: int | None = None  # self_draft: how many of the target's layers draft
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -45,6 +55,16 @@ class SpeculativeConfig:
             raise ValueError(
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.method == "self_draft" and (self.num_draft_layers is None or self.num_draft_layers < 1):
+            raise ValueError(f"self_draft needs num_draft_layers >= 1, got {self.num_draft_layers}")
+
+    def check_model(self, num_hidden_layers: int) -> None:
+        """ValueError unless the target can host this config's draft."""
+        layers = self.num_draft_layers
+        if self.method == "self_draft" and layers is not None and layers >= num_hidden_layers:
+            raise ValueError(
+                f"num_draft_layers must be fewer than the model's {num_hidden_layers} layers, got {layers}"
             )
 
     @classmethod
@@ -72,6 +92,16 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
             start = int(hits[-1]) + n
             return a[start : start + k].tolist()
     return []
+
+
+def accepted_length(draft: list[int], targets: list[int]) -> int:
+    """How many of the draft's tokens to keep: the leading run that equals the target's tokens sampled
+    (or taken greedily) at the same positions. `targets` has one more token than the draft: the target's
+    own at the first disagreement, or after the whole draft, is kept as well."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return n
 
 
 @dataclass
@@ -103,14 +133,22 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+# where the scheduler reserves a draft that the model itself writes (self_draft), its place in the host's
+# inputs; the runner drafts on the device and writes each token there before the verification reads it
+MODEL_DRAFT_TOKEN = 0
+
+
 class Proposer:
-    """Drafts for the scheduler: `propose(tokens, k)` gives at most k tokens."""
+    """Drafts for the scheduler: `propose(tokens, k)` gives at most k tokens. A model-drafted method
+    (`on_device`) gives k reserved slots instead, which the runner fills before the verification."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.on_device = config.method == "self_draft"
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         c = self.config
-        return ngram_propose(
-            tokens, min(k, c.num_speculative_tokens), c.prompt_lookup_min, c.prompt_lookup_max
-        )
+        k = min(k, c.num_speculative_tokens)
+        if self.on_device:
+            return [MODEL_DRAFT_TOKEN] * k
+        return ngram_propose(tokens, k, c.prompt_lookup_min, c.prompt_lookup_max)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.spec_decode import SpeculativeConfig, ngram_propose
+from engine.sampler import Sampler
+from engine.spec_decode import SpeculativeConfig, accepted_length, ngram_propose
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 
 
@@ -74,9 +75,16 @@ def expected(bundled_model_dir, prompts):
 
 
 @pytest.mark.slow  # the bundled model on CPU, three engines
-@pytest.mark.parametrize("k", [2, 5])
-def test_ngram_greedy_equals_transformers_batched(bundled_model_dir, prompts, expected, k):
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3},
+        {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20},
+    ],
+    ids=["ngram-2", "ngram-5", "self_draft-3"],
+)
+def test_greedy_equals_transformers_batched(bundled_model_dir, prompts, expected, spec):
     llm = LLM(
         dtype="float32", device="cpu", cpu_kv_cache_space=0.25, max_model_len=1024, speculative_config=spec
     )
@@ -194,3 +202,59 @@ def test_preemption_prefix_hits_and_mixed_batches(tiny, batch):
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.block_manager.prefix_hits > 0
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(tiny, batch):
+    """Each position is sampled with the noise plain decoding uses there, so a seeded request draws the
+    same tokens with a draft (right or wrong) as without one."""
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=24, seed=100 + i) for i in range(7)
+    ]
+    plain = outputs(engine(tiny), batch, params)
+    ngram = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    with_oracle(ngram, batch, plain, 4, 3)
+    assert outputs(ngram, batch, params) == plain
+    assert ngram.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    spec = {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1}
+    self_draft = engine(tiny, speculative_config=spec)
+    assert outputs(self_draft, batch, params) == plain
+    assert self_draft.engine.scheduler.spec_stats.num_drafts > 20
+
+
+def test_self_draft_greedy_under_preemption_keeps_the_plain_output(tiny, batch):
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    kw = {"num_gpu_blocks_override": 14, "enable_prefix_caching": True}
+    ref = engine(tiny, **kw)
+    plain = outputs(ref, batch, params)
+    spec = {"method": "self_draft", "num_speculative_tokens": 4, "num_draft_layers": 1}
+    llm = engine(tiny, speculative_config=spec, **kw)
+    assert outputs(llm, batch, params) == plain
+    assert ref.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_preemptions > 0
+    with pytest.raises(ValueError, match="num_draft_layers must be fewer than the model's 2 layers"):
+        engine(tiny, speculative_config={**spec, "num_draft_layers": 2})
+
+
+def test_the_acceptance_rule_draws_from_the_target_distribution():
+    """Many draws on a small vocabulary, as vLLM's rejection-sampler test does: a one-hot draft d at one
+    position is accepted with probability p(d), and a rejected position gives a token from the residual
+    p without d, renormalized; the token after an accepted draft follows the next position's p."""
+    n, vocab = 40_000, 6
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, vocab, generator=g) * 1.5
+    p = torch.softmax(logits / 0.9, dim=-1)
+    d = int(p[0].argmax())  # a likely draft: both outcomes get many draws
+    assert 0.2 < p[0, d] < 0.8
+    rows = logits.repeat(n, 1)  # (2n, vocab): positions 10 and 11 of n requests
+    params = [SamplingParams(temperature=0.9, seed=s) for s in range(n) for _ in range(2)]
+    out = Sampler(0)(rows, params, [None] * (2 * n), positions=[10, 11] * n).token_ids
+    kept = [out[2 * i : 2 * i + 2][: accepted_length([d], out[2 * i : 2 * i + 2]) + 1] for i in range(n)]
+    accepted = [k for k in kept if len(k) == 2]
+    assert abs(len(accepted) / n - p[0, d].item()) < 0.01
+    residual = p[0].clone()
+    residual[d] = 0
+    residual /= residual.sum()
+    rejected = torch.bincount(torch.tensor([k[0] for k in kept if len(k) == 1]), minlength=vocab).float()
+    assert rejected[d] == 0
+    assert (rejected / rejected.sum() - residual).abs().sum() < 0.03  # total variation x 2
+    after = torch.bincount(torch.tensor([k[1] for k in accepted]), minlength=vocab).float()
+    assert (after / after.sum() - p[1]).abs().sum() < 0.05
