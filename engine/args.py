@@ -44,6 +44,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="the model's name in the API and in block hashes"
     )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="offline engine: plan each step while the device runs the one before (default on)",
+    )
+    p.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=["ngram", "self_draft"],
+        help="speculative decoding on decode workers and the offline engine (default: none)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="tokens drafted per step (speculation)"
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' or \'{"method": "self_draft", "num_speculative_tokens": 3, '
+        '"num_draft_layers": 8}\'; --speculative-method and --num-speculative-tokens override its keys',
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,7 +76,29 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy",
         "seed", "enforce_eager", "served_model_name",
     )  # fmt: skip
-    return {name: getattr(args, name) for name in names}
+    kwargs = {name: getattr(args, name) for name in names}
+    kwargs["async_scheduling"] = args.async_scheduling
+    kwargs["speculative_config"] = speculative_config(args)
+    return kwargs
+
+
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The speculative flags as one speculative_config dict (None: no speculation); ValueError for JSON
+    that is not an object."""
+    import json
+
+    spec: dict[str, Any] = {}
+    if args.speculative_config:
+        spec = json.loads(args.speculative_config)
+        if not isinstance(spec, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {args.speculative_config!r}")
+    if args.speculative_method:
+        spec["method"] = args.speculative_method
+    if args.num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = args.num_speculative_tokens
+    if spec and "method" not in spec:
+        spec["method"] = "ngram"
+    return spec or None
 
 
 def engine_config(**kwargs: Any) -> EngineConfig:

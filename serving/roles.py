@@ -39,8 +39,11 @@ def worker_config(args: argparse.Namespace, role: str):
     from engine.args import engine_config, engine_kwargs
     from serving.worker_config import WorkerConfig
 
+    kwargs = engine_kwargs(args)
+    if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
+        kwargs["speculative_config"] = None
     return WorkerConfig(
-        engine=engine_config(**engine_kwargs(args)),
+        engine=engine_config(**kwargs),
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,

@@ -258,3 +258,53 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
     assert (rejected / rejected.sum() - residual).abs().sum() < 0.03  # total variation x 2
     after = torch.bincount(torch.tensor([k[1] for k in accepted]), minlength=vocab).float()
     assert (after / after.sum() - p[1]).abs().sum() < 0.05
+
+
+# ---- in the served stack ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # pdserve up with the bundled model, twice
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--speculative-method", "ngram", "--num-speculative-tokens", "4"],
+        [
+            "--speculative-config",
+            '{"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20}',
+        ],
+    ],
+    ids=["ngram", "self_draft"],
+)
+def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, flags):
+    """1 prefill + 1 decode worker: the decode worker verifies drafts and streams several tokens at a
+    time; the router's output is transformers' greedy output, usage counts every token, and a stop string
+    inside a draft ends the text where the plain engine ends it."""
+    import concurrent.futures
+
+    from tests.cluster import collect, greedy_request, start_cluster
+
+    cluster = start_cluster(1, 1, "tcp", *flags)
+    try:
+        stub = cluster.stub()
+
+        def one(i: int):
+            responses = list(stub.Generate(greedy_request(prompts[i], MAX_TOKENS[i]), timeout=120))
+            return collect(iter(responses)), max(len(r.token_ids) for r in responses)
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(one, range(len(prompts))))
+        assert [r[0][0][0] for r in results] == expected
+        assert [r[0][2].completion_tokens for r in results] == [len(e) for e in expected]
+        assert max(r[1] for r in results) > 1  # accepted drafts: several tokens in one response
+        # the repeated phrase is drafted, and accepted past the stop: the text ends before it all the same
+        from engine.tokenizer import Tokenizer
+
+        full = Tokenizer.from_dir(bundled_model_dir).decode(expected[0])
+        stop = " ".join(full.split()[-4:-2])  # late in the text: reached with drafts accepted
+        assert stop in full
+        stopped = collect(stub.Generate(greedy_request(prompts[0], 24, stop=[stop]), timeout=120))
+        assert stopped[1][0] == full[: full.index(stop)]
+        assert stopped[2].completion_tokens < 24 and stopped[0][0] == expected[0][: len(stopped[0][0])]
+        cluster.wait_all_blocks_free()
+    finally:
+        cluster.stop()
