@@ -154,7 +154,7 @@ def measure_decisions(index: PrefixIndex, pool: list[list[bytes]], n: int, round
                 "p99_us": float(np.percentile(lat, 99) * 1e6),
                 "p99_cpu_us": float(np.percentile(cpu, 99) * 1e6),  # without time the OS gave to others
                 "per_s": n / wall,
-                "load_avg": os.getloadavg()[0],
+                "load_avg": os.getloadavg(),
             }
         )
     best = min(results, key=lambda r: r["p99_us"])
@@ -209,7 +209,13 @@ def run_overhead(quick: bool, out_dir: Path | None) -> dict[str, dict[str, Any]]
     figures["hash"] = {"us": (time.perf_counter() - t) / 20 * 1e6}
     for backend in ("in-memory", "redis", "redis-lua"):
         record_overhead(backend, figures, workers, out_dir)
-    record("routing_hash_4k_prompt_us", figures["hash"]["us"], "us", out_dir=out_dir, command=COMMAND)
+    record(
+        "routing_hash_4k_prompt_us",
+        figures["hash"]["us"],
+        "us",
+        out_dir=out_dir,
+        command=COMMAND + " --only overhead",
+    )
     return figures
 
 
@@ -230,12 +236,12 @@ def record_overhead(
         "workers": workers,
         "indexed_blocks": f["entries"],
         "prompt_blocks": "1..256",
-        "load_average_1min": f["load_avg"],
+        "load_average_1_5_15min": f["load_avg"],  # os.getloadavg() after the reported round
         "cpu_cores": os.cpu_count(),
         "rounds_p99_us": f["rounds_p99_us"],
         "decisions_per_round": f["decisions_per_round"],
     }
-    rec = functools.partial(record, out_dir=out_dir, command=COMMAND, extra=extra)
+    rec = functools.partial(record, out_dir=out_dir, command=COMMAND + " --only overhead", extra=extra)
     vs_lua = "the Lua lookup, same run, same Redis" if lua else None
     rec(
         f"routing_overhead_{key}_p99_us",
@@ -315,7 +321,7 @@ def record_redis_fleet(
         "decision_us_mean": red.decision_us,
         "sim_wall_s": red.wall_s,
         "resyncs": red.resyncs,
-        "load_average_1min": os.getloadavg()[0],
+        "load_average_1_5_15min": os.getloadavg(),
         "workload": dataclasses.asdict(wl),
         "fleet_cache_blocks": CACHE_BLOCKS,
     }
