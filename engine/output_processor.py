@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -95,6 +95,22 @@ class RequestState:
             outputs=outs,
             num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
             finished=self.finished,
+            metrics=self._metrics(),
+        )
+
+    def _metrics(self) -> RequestMetrics | None:
+        stats = [s.spec_stats for s in self.seqs if s.spec_stats is not None]
+        if not stats:
+            return None
+        per_pos = [0] * max(len(s.accepted_per_pos) for s in stats)
+        for s in stats:
+            for i, n in enumerate(s.accepted_per_pos):
+                per_pos[i] += n
+        return RequestMetrics(
+            spec_decode_num_drafts=sum(s.num_drafts for s in stats),
+            spec_decode_num_draft_tokens=sum(s.num_draft_tokens for s in stats),
+            spec_decode_num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
+            spec_decode_num_accepted_tokens_per_pos=per_pos,
         )
 
     @staticmethod

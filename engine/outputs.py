@@ -21,6 +21,28 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Speculative decoding's counts for one request, over its completions (vLLM's spec_decode_* names):
+    drafts verified, tokens drafted, tokens accepted, and how often each draft position was accepted."""
+
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens gained per verified draft: the accepted ones and the target's own."""
+        n = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -28,3 +50,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
+    metrics: RequestMetrics | None = None  # set when the engine speculates

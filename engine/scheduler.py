@@ -280,6 +280,9 @@ class Scheduler:
                 self.block_manager.free_tail(seq, seq.num_computed_tokens)
             if item.num_draft:
                 self.spec_stats.observe(item.num_draft, item.num_draft - rejected)
+                if seq.spec_stats is None:
+                    seq.spec_stats = SpecDecodeStats()
+                seq.spec_stats.observe(item.num_draft, item.num_draft - rejected)
             self.block_manager.cache_computed_blocks(seq)
             if not item.sample:
                 continue

@@ -10,6 +10,7 @@ import torch
 
 from engine.block_hash import NONE_HASH, BlockHash, hash_prompt_blocks
 from engine.sampling_params import SamplingParams
+from engine.spec_decode import SpecDecodeStats
 
 
 class SequenceStatus(enum.IntEnum):
@@ -48,6 +49,7 @@ class Sequence:
     # engine/engine_core.py): the scheduler plans with them, nothing else sees them until they are known
     num_pending: int = 0
     new_tokens: int = 0  # how many tokens the last step that sampled for it appended (more with a draft)
+    spec_stats: SpecDecodeStats | None = None  # its drafts' counts, once it verified one
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission; -1: not yet
     block_table: list[int] = field(default_factory=list)
     # block_hashes (below): one per full block of all_token_ids, computed when first asked for

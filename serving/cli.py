@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.add_argument(
+        "--worker-metrics",
+        action="store_true",
+        help="each worker serves Prometheus /metrics on a free port of its own (listed at start-up)",
+    )
+    up.add_argument(
         "--drain-timeout-s",
         type=float,
         default=30.0,

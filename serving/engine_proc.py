@@ -102,13 +102,17 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
 
     if hasattr(core, "bind"):  # a core that sends some messages mid-step (prefill: first tokens)
         core.bind(send_traced, take_inbound)
-    send([Ready(core.info()), Load(core.load())])
+
+    def load() -> Load:
+        return Load(core.load(), core.counters() if hasattr(core, "counters") else {})
+
+    send([Ready(core.info()), load()])
     parent = os.getppid()
     last_load = last_busy = 0.0
     try:
         while True:
             if time.monotonic() - last_load > _LOAD_EVERY_S:  # the server answers load queries from this
-                send([Load(core.load())])
+                send([load()])
                 last_load = time.monotonic()
             msgs, backlog[:] = backlog[:], []
             if not msgs and not core.has_work():
@@ -160,6 +164,7 @@ class EngineProcess:
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
+        self.counters: dict[str, int] = {}  # and its running counters (serving/worker_metrics.py)
         # messages for the whole worker, not one request, by type (prefill: KVEvents); run on the server's loop
         self.handlers: dict[type, Callable[[Any], None]] = {}
         self.alive = False
@@ -233,7 +238,7 @@ class EngineProcess:
     def _dispatch(self, batch: list[FromEngine]) -> None:
         for msg in batch:
             if isinstance(msg, Load):
-                self.load = msg.load
+                self.load, self.counters = msg.load, msg.counters
             elif (handler := self.handlers.get(type(msg))) is not None:
                 handler(msg)
             elif isinstance(msg, ForRequest) and (q := self.streams.get(msg.request_id)) is not None:

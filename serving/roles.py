@@ -33,6 +33,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds to finish the requests in flight before ending them",
     )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the worker's Prometheus /metrics here (0: off)"
+    )
 
 
 def worker_config(args: argparse.Namespace, role: str):
@@ -66,7 +69,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
     servicer = mod.DecodeServicer if args.command == "decode" else mod.PrefillServicer  # type: ignore[attr-defined]
     address = f"{args.host}:{args.port}"
     asyncio.run(
-        run_worker(core, config, mod.SERVICE_NAME, mod.add_servicer, servicer, address, args.drain_timeout_s)
+        run_worker(
+            core,
+            config,
+            mod.SERVICE_NAME,
+            mod.add_servicer,
+            servicer,
+            address,
+            args.drain_timeout_s,
+            args.metrics_port or None,
+        )  # fmt: skip
     )
     return 0
 
@@ -118,7 +130,10 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
         print(f"pdserve ready: router at {router.address} (prefill {prefill}; decode {decode})")
         listing = {
             "router": {"address": router.address, "pid": router.pid},
-            "workers": [{"role": c.role, "address": c.address, "pid": c.pid} for c in workers],
+            "workers": [
+                {"role": c.role, "address": c.address, "pid": c.pid, "metrics_port": c.metrics_port}
+                for c in workers
+            ],
         }
         print("pdserve cluster: " + json.dumps(listing), flush=True)
         supervisor.run(signals)
@@ -141,7 +156,9 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
             port = free_port()
             cmd = [*exe, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
             cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
-            children.append(Child(role, f"127.0.0.1:{port}", cmd))
+            metrics = free_port() if args.worker_metrics else None
+            cmd += ["--metrics-port", str(metrics)] if metrics else []
+            children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics))
     port = args.port or free_port()
     prefill = ",".join(c.address for c in children if c.role == "prefill")
     decode = ",".join(c.address for c in children if c.role == "decode")

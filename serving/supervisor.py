@@ -47,6 +47,7 @@ class Child:
     role: str  # router, prefill or decode
     address: str
     cmd: list[str]
+    metrics_port: int | None = None  # its Prometheus /metrics, when it serves one
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     failures: int = 0  # deaths in a row, each within Backoff.stable_s of its start

@@ -57,6 +57,7 @@ async def run_worker(
     make_servicer: Callable[[EngineProcess, Drain], Servicer],
     address: str,
     drain_timeout_s: float = 30.0,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING and `draining` in GetLoad at once, new requests
     refused, those in flight finished within `drain_timeout_s` (past it ended with UNAVAILABLE), then the
@@ -78,6 +79,11 @@ async def run_worker(
             return  # asked to stop while the model loaded
         raise SystemExit(1)
     mark_serving(health, [service_name])
+    if metrics_port:
+        from serving.worker_metrics import serve_metrics
+
+        serve_metrics(metrics_port, lambda: engine.counters, engine.info["model"])
+        logger.info("%s serves /metrics on port %d", service_name, metrics_port)
     logger.info("%s ready on port %d", service_name, port)
     watch = asyncio.create_task(_watch_engine(engine, stop))
     await stop.wait()

@@ -93,6 +93,13 @@ def test_greedy_equals_transformers_batched(bundled_model_dir, prompts, expected
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
+    # each request's own counts add up to the engine's
+    metrics = [o.metrics for o in outs if o.metrics is not None]
+    assert sum(m.spec_decode_num_accepted_tokens for m in metrics) == stats.num_accepted_tokens
+    assert sum(m.spec_decode_num_draft_tokens for m in metrics) == stats.num_draft_tokens
+    best = max(metrics, key=lambda m: m.spec_decode_acceptance_rate)
+    assert best.spec_decode_acceptance_rate > 0.3 and best.spec_decode_mean_accepted_length > 1.3
+    assert best.spec_decode_num_accepted_tokens_per_pos[0] >= best.spec_decode_num_accepted_tokens_per_pos[-1]
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     # the prefix cache holds accepted tokens only: the same prompts again hit it and give the same tokens
@@ -283,7 +290,7 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
 
     from tests.cluster import collect, greedy_request, start_cluster
 
-    cluster = start_cluster(1, 1, "tcp", *flags)
+    cluster = start_cluster(1, 1, "tcp", "--worker-metrics", *flags)
     try:
         stub = cluster.stub()
 
@@ -306,5 +313,36 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
         assert stopped[1][0] == full[: full.index(stop)]
         assert stopped[2].completion_tokens < 24 and stopped[0][0] == expected[0][: len(stopped[0][0])]
         cluster.wait_all_blocks_free()
+        decode = next(w for w in cluster.workers if w["role"] == "decode")
+        counters = _spec_counters(decode["metrics_port"], min_drafts=1)
+        drafts = counters["pdserve:spec_decode_num_drafts_total"]
+        accepted = counters["pdserve:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted < counters["pdserve:spec_decode_num_draft_tokens_total"]
+        assert counters['pdserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] <= drafts
     finally:
         cluster.stop()
+
+
+def _spec_counters(port: int, min_drafts: int, timeout: float = 10.0) -> dict[str, float]:
+    """The decode worker's spec_decode counter samples (name with labels other than model_name -> value),
+    once they show at least `min_drafts` drafts (its engine reports every 0.1 s)."""
+    import re
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        samples = {}
+        for line in text.splitlines():
+            m = re.match(r'(pdserve:spec_decode_\w+)\{model_name="[^"]*"(,position="\d+")?\} (\S+)', line)
+            if m:
+                label = "{" + m.group(2)[1:] + "}" if m.group(2) else ""
+                samples[m.group(1) + label] = float(m.group(3))
+        if (
+            samples.get("pdserve:spec_decode_num_drafts_total", 0) >= min_drafts
+            or time.monotonic() > deadline
+        ):
+            return samples
+        time.sleep(0.1)

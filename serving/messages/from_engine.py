@@ -5,7 +5,7 @@ the servers, the router and the gateway pass each message's tokens on together."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -25,9 +25,11 @@ class StartFailed:
 
 @dataclass(frozen=True)
 class Load:
-    """Every 0.1 s: running / waiting requests and free blocks (pb.WorkerLoad's fields)."""
+    """Every 0.1 s: running / waiting requests and free blocks (pb.WorkerLoad's fields), and the engine's
+    running counters for the worker's /metrics (speculative decoding's, by vLLM's names)."""
 
     load: dict[str, int]
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
