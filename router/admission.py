@@ -1,7 +1,8 @@
 """A Generate request's checks before it is routed: the model, the sampling params, the prompt (tokenized
-in the router's pool, router/prompts.py) against max_model_len and the vocabulary. Each refusal is a
-`Stop` with a plain message; the context-length ones say "this model's maximum context length" or "but
-max_model_len is", which the gateway answers as `context_length_exceeded`."""
+in the router's pool, router/prompts.py) against max_model_len and the vocabulary (the engine's own
+checks, engine/prompt_checks.py). Each refusal is a `Stop` with a plain message; the context-length ones
+say "this model's maximum context length" or "but max_model_len is", which the gateway answers as
+`context_length_exceeded`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import grpc
 import numpy as np
 
+from engine.prompt_checks import check_length, check_not_empty, check_vocabulary, fit_max_tokens
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.errors import Stop
@@ -28,38 +30,21 @@ async def admit(
     try:
         params = params_from_proto(request.sampling)
         if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
-            _check_length(len(request.token_ids.ids), info)  # before copying millions of ids
+            check_length(len(request.token_ids.ids), info.max_model_len)  # before copying millions of ids
             prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
         else:
             prompt_ids = np.array(await _tokenize(request, params, info, prompts), dtype=np.int64)
+        if params.stop_strings and prompts is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        check_not_empty(len(prompt_ids))
+        check_length(len(prompt_ids), info.max_model_len)
+        max_tokens = fit_max_tokens(len(prompt_ids), params.max_tokens, info.max_model_len)
+        check_vocabulary(prompt_ids, info.vocab_size)
     except ValueError as exc:
         raise Stop(_INVALID, str(exc)) from exc
-    if params.stop_strings and prompts is None:
-        raise Stop(_INVALID, "stop strings need a tokenizer; this model has none")
-    if not len(prompt_ids):
-        raise Stop(_INVALID, "the prompt is empty: it must hold at least one token")
-    try:
-        _check_length(len(prompt_ids), info)
-    except ValueError as exc:
-        raise Stop(_INVALID, str(exc)) from exc
-    room = info.max_model_len - len(prompt_ids)
-    if params.max_tokens is None:
-        params = dataclasses.replace(params, max_tokens=room)
-    elif params.max_tokens > room:
-        raise Stop(
-            _INVALID,
-            f"this model's maximum context length is {info.max_model_len} tokens, but "
-            f"{len(prompt_ids) + params.max_tokens} were requested ({len(prompt_ids)} in the prompt, "
-            f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens",
-        )
-    if prompt_ids.min() < 0 or prompt_ids.max() >= info.vocab_size:
-        raise Stop(_INVALID, f"prompt token ids out of the vocabulary [0, {info.vocab_size})")
+    if max_tokens != params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=max_tokens)
     return prompt_ids, params
-
-
-def _check_length(num_tokens: int, info: pb.ModelInfo) -> None:
-    if num_tokens >= info.max_model_len:
-        raise ValueError(f"the prompt is {num_tokens} tokens long, but max_model_len is {info.max_model_len}")
 
 
 async def _tokenize(

@@ -1,0 +1,57 @@
+"""The checks a prompt passes before it runs: it holds a token, it is shorter than max_model_len (so at
+least one output token fits), its ids are in the vocabulary, and what it asks to generate fits beside it.
+
+Each raises ValueError with the message a user sees: the engine raises them as they are, the router's
+admission (router/admission.py) answers them as INVALID_ARGUMENT. The context-length ones say "this
+model's maximum context length" or "but max_model_len is", which the gateway answers as
+`context_length_exceeded`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def check_prompt(prompt_ids: list[int] | np.ndarray, max_model_len: int, vocab_size: int) -> None:
+    """Not empty, shorter than max_model_len, inside the vocabulary."""
+    check_not_empty(len(prompt_ids))
+    check_length(len(prompt_ids), max_model_len)
+    check_vocabulary(prompt_ids, vocab_size)
+
+
+def check_not_empty(num_tokens: int) -> None:
+    if not num_tokens:
+        raise ValueError("the prompt is empty: it must hold at least one token")
+
+
+def check_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ValueError(f"the prompt is {num_tokens} tokens long, but max_model_len is {max_model_len}")
+
+
+def check_vocabulary(prompt_ids: list[int] | np.ndarray, vocab_size: int) -> None:
+    """Give the servers' int arrays as they are: their bounds check is ~20x cheaper than a list's (4096
+    ids: ~10 us against ~200)."""
+    if not len(prompt_ids):
+        return
+    if isinstance(prompt_ids, np.ndarray):
+        in_vocab = bool(prompt_ids.min() >= 0 and prompt_ids.max() < vocab_size)
+    else:  # builtins: ~2x faster than a comprehension
+        in_vocab = min(prompt_ids) >= 0 and max(prompt_ids) < vocab_size
+    if not in_vocab:
+        bad = [int(t) for t in prompt_ids if not 0 <= t < vocab_size]
+        raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def fit_max_tokens(num_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """How many tokens a prompt of num_tokens may generate: max_tokens, or (None) all the room left."""
+    room = max_model_len - num_tokens
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_tokens + max_tokens} were requested ({num_tokens} in the prompt, "
+            f"{max_tokens} to generate): shorten the prompt or lower max_tokens"
+        )
+    return max_tokens
