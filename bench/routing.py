@@ -139,7 +139,7 @@ def measure_decisions(index: PrefixIndex, pool: list[list[bytes]], n: int, round
     prompts = [
         rng.choice(pool)[: rng.randint(1, 248)] + [rng.randbytes(32) for _ in range(8)] for _ in range(n)
     ]
-    results = []
+    results: list[dict[str, Any]] = []
     for _ in range(rounds):
         lat, cpu = np.empty(n), np.empty(n)
         start = time.perf_counter()
