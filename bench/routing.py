@@ -1,6 +1,6 @@
 """Routing: policies side by side in the fleet simulator, and the router's own decision overhead.
 
-    python -m bench.routing              # 8 and 64 workers + overhead; ~15 min on 2 busy CPU cores
+    python -m bench.routing              # all of it (8 and 64 workers, overhead, Redis in the loop); ~25 min
     python -m bench.routing --quick      # a small smoke run into a temporary directory
     python -m bench.routing --only overhead   # the decision overhead: in memory, Redis mirror, Redis Lua
     python -m bench.routing --only redis-sim  # prefix_aware with the Redis-backed router in the simulator
@@ -377,6 +377,7 @@ def record_redis_fleet(
     )
     rec(f"{tag}_max_share", red.max_busy_share, "busiest worker / mean", goal="< 1.5")
     return {
+        "workers": red.num_workers,
         "of_oracle": red.hit_rate / red.oracle_hit_rate,
         "p90_vs_rr": rr.p90_ttft_s / red.p90_ttft_s,
         "max_share": red.max_busy_share,
@@ -419,12 +420,15 @@ def main() -> None:
                 flush=True,
             )
     path = ROOT / "BENCHMARKS.md" if out_dir is None else out_dir / "BENCHMARKS.md"
-    write_section(path, markdown(fleets, overhead))
+    redis_rows = run_redis_fleets(setups, out_dir)
+    write_section(path, markdown(fleets, overhead, redis_rows))
     print(f"wrote {path}")
 
 
 def markdown(
-    fleets: list[tuple[int, WorkloadConfig, list[SimResult]]], overhead: dict[str, dict[str, Any]]
+    fleets: list[tuple[int, WorkloadConfig, list[SimResult]]],
+    overhead: dict[str, dict[str, Any]],
+    redis_rows: list[dict[str, Any]],
 ) -> str:
     """BENCHMARKS.md's `## Routing` section: one table of the goal figures, the command and records."""
     cfg = FleetConfig()
@@ -447,6 +451,7 @@ def markdown(
     ]
     for n, _, results in fleets:
         lines += _fleet_rows(n, results)
+    lines += [_redis_fleet_row(redis_rows)]
     lines += _overhead_rows(overhead)
     others = ", ".join(
         f"{r.policy} {r.hit_rate:.1%}, {r.p90_ttft_s * 1e3:.0f} ms"
@@ -455,7 +460,7 @@ def markdown(
     )
     lines += [
         "",
-        f"Command: `{COMMAND}` (~15 min on 2 busy cores; it rewrites this section). Records:",
+        f"Command: `{COMMAND}` (~25 min on 2 busy cores; it rewrites this section). Records:",
         "`routing_<workers>w_<policy>_{hit_rate,mean_ttft,p90_ttft,max_share}.json` for every policy,",
         "`routing_overhead_{inmemory,redis,redis_lua}_*.json`, `routing_redis_mirror_lag_p99_us.json`, "
         "`routing_hash_4k_prompt_us.json`. "
@@ -483,6 +488,19 @@ def _fleet_rows(n: int, results: list[SimResult]) -> list[str]:
         f"| prefix_aware busiest worker / mean, {n} workers | {pa.max_busy_share:.2f} | - | - | < 1.5 "
         f"| {_met(pa.max_busy_share < 1.5)} |",
     ]
+
+
+def _redis_fleet_row(rows: list[dict[str, Any]]) -> str:
+    def each(fmt: str, key: str) -> str:
+        return " / ".join(fmt.format(r[key]) for r in rows)
+
+    met = all(r["of_oracle"] >= 0.9 and r["p90_vs_rr"] >= 3 and r["max_share"] < 1.5 for r in rows)
+    return (
+        f"| prefix_aware with the Redis-backed router (mirror), {each('{}', 'workers')} workers: of oracle, "
+        f"p90 vs round_robin, busiest / mean | {each('{:.3f}', 'of_oracle')}, {each('{:.1f}x', 'p90_vs_rr')}, "
+        f"{each('{:.2f}', 'max_share')} | the in-memory run | "
+        f"{'equal' if all(r['equal_to_in_memory'] for r in rows) else '**differs**'} | as above | {_met(met)} |"
+    )
 
 
 def _overhead_rows(overhead: dict[str, dict[str, Any]]) -> list[str]:
