@@ -324,8 +324,10 @@ class RedisPrefixIndex(PrefixIndex):
         self.reap_interval_s = reap_interval_s
         self.max_log = max_log
         self.stream_maxlen = stream_maxlen
-        # called with (n, id, origin) of the last entry a call appended to the stream, before it returns
-        self.on_published: Callable[[int, bytes, bytes], None] | None = None
+        # called with (n, id, origin) of the last entry a call appended to the stream, and whether the call
+        # was a bulk one (else one that waits `timeout_s` at most), before the call returns
+        self.on_published: Callable[[int, bytes, bytes, bool], None] | None = None
+        self.timeout_s = timeout_s
         self._next_reap = 0.0
         self._loads_cache: dict[bytes, tuple[str, WorkerLoad]] = {}
         self._scripts = {
@@ -347,16 +349,20 @@ class RedisPrefixIndex(PrefixIndex):
         return max(1, round(self.heartbeat_ttl * 1000))
 
     def _run(self, name: str, worker_id: str, *args: Any) -> Any:
-        return self._done(self._scripts[name](args=[self.prefix, worker_id, self.stream_maxlen, *args]))
+        return self._done(
+            self._scripts[name](args=[self.prefix, worker_id, self.stream_maxlen, *args]), False
+        )
 
     def _run_bulk(self, name: str, worker_id: str, *args: Any) -> Any:
         script = self._scripts[name]
-        return self._done(script(args=[self.prefix, worker_id, self.stream_maxlen, *args], client=self._bulk))
+        return self._done(
+            script(args=[self.prefix, worker_id, self.stream_maxlen, *args], client=self._bulk), True
+        )
 
-    def _done(self, reply: list[Any]) -> Any:
+    def _done(self, reply: list[Any], bulk: bool) -> Any:
         out, n, stream_id, origin = reply
         if n and self.on_published is not None:
-            self.on_published(int(n), stream_id, origin)
+            self.on_published(int(n), stream_id, origin, bulk)
         return out
 
     def apply(self, batch: EventBatch) -> ApplyResult:

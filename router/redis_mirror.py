@@ -267,18 +267,28 @@ class RedisMirrorIndex(PrefixIndex):
                     )
                 self._stop.wait(0.2)
 
-    def _catch_up(self, n: int, stream_id: bytes, origin: bytes) -> None:
-        """Called by the store after a write appended entry `n`: follow the stream up to it, here."""
-        with self._lock:
+    def _catch_up(self, n: int, stream_id: bytes, origin: bytes, bulk: bool) -> None:
+        """Called by the store after a write appended entry `n`: follow the stream up to it, here.
+
+        After a quick call (a heartbeat, on the router's event loop) this waits no longer than the call
+        could have, and leaves a reload to the follower thread."""
+        wait = self.store.timeout_s if not bulk else None
+        quick = wait is not None
+        if not self._lock.acquire(timeout=-1 if wait is None else wait):
+            return  # the follower holds the lock (reloading): it will include the entry
+        try:
+            client = self.store.redis if quick else self.store._bulk
             if origin != self._origin:
                 self._stale = True  # the stream started over
             while not self._stale and (self._n < n or _stream_id(self._offset) < _stream_id(stream_id)):
-                entries: Any = self.store._bulk.xrange(self._stream, min=b"(" + self._offset, count=1024)
+                entries: Any = client.xrange(self._stream, min=b"(" + self._offset, count=1024)
                 if not entries:
                     self._stale = True  # trimmed past us, or a Redis that restarted
                 self._take(entries)
-            if self._stale:
+            if self._stale and not quick:
                 self._reload()
+        finally:
+            self._lock.release()
 
     def _take(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
         """Apply the stream entries newer than the replica's position (caller holds the lock)."""
