@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from kvtransfer.base import Descriptor, KVSender, KVTransferError
 from kvtransfer.layout import PoolLayout, check_pair, field, gather, scatter
-from kvtransfer.registry import TableReceiver
+from kvtransfer.registry import TableReceiver, next_begin
 from kvtransfer.wire import Channel, Kind
 
 TIMEOUT_S = 60.0  # group setup and one transfer's data
@@ -176,11 +176,7 @@ class NcclKVReceiver(TableReceiver):
         stream = torch.cuda.Stream(self.pool.device) if self.pool.is_cuda else None
         try:
             while True:
-                ch.settimeout(None)  # idle between transfers
-                msg = ch.recv()
-                ch.settimeout(TIMEOUT_S)
-                if msg.kind != Kind.BEGIN:
-                    raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name}, expected BEGIN")
+                msg = next_begin(ch, TIMEOUT_S)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     self._receive(ch, pg, msg.meta)
         finally:  # the pair ends: the sender hung up, failed, or the receiver closed

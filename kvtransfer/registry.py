@@ -27,7 +27,7 @@ import torch
 
 from kvtransfer.base import Descriptor, DoneCallback, KVReceiver, KVTransferError
 from kvtransfer.layout import PoolLayout
-from kvtransfer.wire import Channel, ControlServer, Kind
+from kvtransfer.wire import Channel, ControlServer, Kind, Message
 
 CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
 CANCELLED_KEPT = 4096  # cancelled request ids remembered, for wait()'s error
@@ -48,6 +48,17 @@ class _Entry:
     cancelled: bool = False
     abort: Callable[[], None] | None = None  # stops an in-flight write (closes its connection)
     detached: bool = False  # cancelled without waiting: finish() hands it to drained()
+
+
+def next_begin(ch: Channel, io_timeout: float) -> Message:
+    """A sender's next BEGIN, waited for as long as it takes (the pair idles between transfers); what
+    follows it must arrive within io_timeout."""
+    ch.settimeout(None)
+    msg = ch.recv()
+    ch.settimeout(io_timeout)
+    if msg.kind != Kind.BEGIN:
+        raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name}, expected BEGIN")
+    return msg
 
 
 class TableReceiver(KVReceiver):

@@ -20,7 +20,7 @@ import torch
 
 from kvtransfer.base import Descriptor, KVSender, KVTransferError
 from kvtransfer.layout import PoolLayout, byte_view, check_pair, field, gather, runs, scatter
-from kvtransfer.registry import TableReceiver
+from kvtransfer.registry import TableReceiver, next_begin
 from kvtransfer.wire import Channel, Kind, Message
 
 IO_TIMEOUT_S = 60.0  # a transfer whose bytes stop flowing this long fails
@@ -42,12 +42,7 @@ class TcpKVReceiver(TableReceiver):
             return
         staging: torch.Tensor | None = None
         while True:
-            ch.settimeout(None)  # idle between transfers
-            msg = ch.recv()
-            ch.settimeout(IO_TIMEOUT_S)
-            if msg.kind != Kind.BEGIN:
-                raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name}, expected BEGIN")
-            staging = self._receive(ch, msg, staging)
+            staging = self._receive(ch, next_begin(ch, IO_TIMEOUT_S), staging)
 
     def _receive(self, ch: Channel, msg: Message, staging: torch.Tensor | None) -> torch.Tensor | None:
         rid = str(msg.meta.get("request_id"))
