@@ -13,6 +13,9 @@ Every operation is one Lua script (one round trip, atomic), with the same rules 
                                 while it exists
     h:<hash>           set      worker ids holding the hash (for real or speculatively)
     spec               zset     <hash><id> -> expiry, to sweep expired speculation
+    stream             stream   with `stream_maxlen` > 0: every change to a worker's entries, in the order
+                                applied (router/redis_mirror.py follows it)
+    stream:n, stream:origin     the last entry's number; the id of entry 1
 
 Time comes from Redis (TIME, PEXPIRE), so routers on different hosts agree on TTLs.
 """
