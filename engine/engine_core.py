@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +115,30 @@ class EngineCore:
             spec.check_model(self.model_config.num_hidden_layers)
             if spec.method == "self_draft":
                 self.runner.draft_layers = spec.num_draft_layers
+            if spec.adaptive and self.device.type == "cuda" and proposer is not None:
+                self._profile_step_cost(proposer, spec.num_speculative_tokens + 1, sched_cfg)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer)
         self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
+
+    def _profile_step_cost(self, proposer: Proposer, tokens_per_row: int, sched_cfg: SchedulerConfig) -> None:
+        """Seed the draft-length policy's cost table: a step of n one-token rows (over a scratch slot of
+        the first block, which holds nothing yet) for n in powers of two up to what a full batch of drafts
+        runs; the engine's own steps refine it online."""
+        from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        top = min(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs * tokens_per_row)
+        sizes = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        for n in sizes:
+            items = [ScheduledSeq(f"profile-{i}", [0], 0, [0], True, params, None) for i in range(n)]
+            plan = SchedulerOutput(items, n, [])
+            self.runner.run(plan)  # warm
+            for _ in range(2):
+                torch.cuda.synchronize(self.device)
+                t = time.perf_counter()
+                self.runner.run(plan)
+                proposer.cost.observe(n, time.perf_counter() - t)
+        logger.info("speculative decoding: step cost profiled at %d sizes up to %d tokens", len(sizes), top)
 
     def _load(self, model_path: str):
         from engine.model_config import ModelConfig
@@ -241,7 +264,10 @@ class EngineCore:
             for item in sched.scheduled:
                 trace.mark(item.request_id, "core.run")
         hook = functools.partial(during, sched) if during is not None else None
+        started = time.perf_counter()
         sampled = self.runner.run(sched, hook) if not sched.is_empty else {}
+        if self.scheduler.proposer is not None and not sched.is_empty:  # the draft-length policy's cost
+            self.scheduler.proposer.cost.observe(sched.num_batched_tokens, time.perf_counter() - started)
         if trace.enabled:
             for rid in sampled:
                 trace.mark(rid, "core.sampled")

@@ -39,9 +39,8 @@ class ScheduledSeq:
     generator: torch.Generator | None
     # (prompt ids, output ids) for the sampler's penalties; the sequence's own lists, read before postprocess
     history: tuple[list[int], list[int]] | None = None
-    num_draft: int = (
-        0  # the last num_draft of token_ids are a speculative draft to verify (engine/spec_decode.py)
-    )
+    # the last num_draft of token_ids are a speculative draft to verify (engine/spec_decode.py)
+    num_draft: int = 0
 
     @property
     def seq_len(self) -> int:
@@ -161,11 +160,12 @@ class Scheduler:
             num_new = min(seq.num_tokens + seq.num_pending - seq.num_computed_tokens, budget)
             if not self._allocate_or_preempt(seq, num_new, preempted):
                 continue
-            draft = self._draft(seq, num_new, budget)
-            scheduled.append(self._plan(seq, num_new, draft))
-            budget -= num_new + len(draft)
+            scheduled.append(self._plan(seq, num_new))
+            budget -= num_new
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
+        if self.proposer is not None:
+            budget = self._add_drafts(scheduled, budget)
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list[str]) -> bool:
@@ -212,39 +212,57 @@ class Scheduler:
         else:
             self.running.append(seq)
 
-    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """A speculative draft to verify with the request's newest token, its blocks allocated; [] for none.
-        Only a request without penalties whose newest token is its one token to run gets one, and never
-        longer than its max_tokens, max_model_len or the step's budget allow (the target's own token comes
-        on top of the accepted ones)."""
-        p = seq.params
-        if self.proposer is None or num_new != 1 or seq.num_pending or p.has_penalties:
-            return []
-        if seq.num_computed_tokens + 1 != seq.num_tokens:
-            return []
-        room = min(budget - 1, self.max_model_len - seq.num_tokens - 1)
-        if p.max_tokens is not None:
-            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        draft = self.proposer.propose(seq.all_token_ids, room) if room > 0 else []
-        if draft and not self.block_manager.allocate(seq, seq.num_tokens + len(draft)):
-            return []  # no room for the draft's KV: a plain decode step, and nothing preempted for it
-        return draft
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Give the step's decoding requests speculative drafts, out of the budget left once everything
+        else is scheduled; returns the budget left after them. Each request's draft length comes from the
+        proposer's policy (its acceptance so far against the step's cost, engine/spec_decode.py); with
+        none long enough to pay, the step is a plain decode step."""
+        assert self.proposer is not None
+        candidates = [(item, self.seqs[item.request_id]) for item in scheduled if self._may_draft(item)]
+        if not candidates:
+            return budget
+        threshold = self.proposer.threshold(len(scheduled), self.max_num_batched_tokens - budget)
+        for item, seq in candidates:
+            p = seq.params
+            room = min(budget, self.max_model_len - seq.num_tokens - 1)
+            if p.max_tokens is not None:  # the target's own token comes on top of the accepted ones
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            k = self.proposer.length(seq.spec_stats, threshold, room)
+            draft = self.proposer.propose(seq.all_token_ids, k) if k > 0 else []
+            if not draft or not self.block_manager.allocate(seq, seq.num_tokens + len(draft)):
+                continue  # no room for the draft's KV: a plain decode row, and nothing preempted for it
+            item.token_ids = item.token_ids + draft
+            item.num_draft = len(draft)
+            item.block_table = list(seq.block_table)
+            budget -= len(draft)
+        return budget
 
-    def _plan(self, seq: Sequence, num_new: int, draft: list[int] | None = None) -> ScheduledSeq:
+    def _may_draft(self, item: ScheduledSeq) -> bool:
+        """A request without penalties whose one token to run is its newest (a decode row, or a prompt's
+        last token) may verify a draft with it."""
+        seq = self.seqs[item.request_id]
+        return (
+            item.sample
+            and len(item.token_ids) == 1
+            and not seq.num_pending
+            and not seq.params.has_penalties
+            and seq.num_computed_tokens + 1 == seq.num_tokens
+        )
+
+    def _plan(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         token_ids = seq.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # the last one is the token a step in flight samples
             token_ids.append(PENDING_TOKEN)
         return ScheduledSeq(
             request_id=seq.request_id,
-            token_ids=token_ids + draft if draft else token_ids,
+            token_ids=token_ids,
             start_pos=start,
             block_table=list(seq.block_table),
             sample=start + num_new == seq.num_tokens + seq.num_pending,
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
-            num_draft=len(draft) if draft else 0,
         )
 
     def _preempt(self, seq: Sequence) -> None:

@@ -32,7 +32,12 @@ import numpy as np
 
 METHODS = ("ngram", "self_draft")
 MAX_SPECULATIVE_TOKENS = 16
-_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers"}
+_KEYS = {
+    "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers", "adaptive",
+}  # fmt: skip
+ACCEPTANCE_PRIOR = 0.7  # a request's assumed per-token acceptance before its first draft
+ACCEPTANCE_EMA = 0.3  # the weight of a request's newest draft in its acceptance estimate
+STEP_TIME_EMA = 0.2  # the weight of a step's newest wall time in its token bucket's estimate
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     num_draft_layers: int | None = None  # self_draft: how many of the target's layers draft
+    adaptive: bool = True  # each step's draft lengths from acceptance and cost (DraftPolicy); False: always k
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -113,8 +119,11 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # a request's per-token acceptance estimate: an EMA of accepted / drafted over its recent drafts
+    acceptance: float = ACCEPTANCE_PRIOR
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.acceptance += ACCEPTANCE_EMA * (num_accepted / num_draft - self.acceptance)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -138,13 +147,85 @@ class SpecDecodeStats:
 MODEL_DRAFT_TOKEN = 0
 
 
+class StepCost:
+    """Wall seconds of a step against the tokens it runs, learned online: an EMA per bucket of token
+    counts (powers of two), each holding its mean count and time; `time(n)` interpolates between the
+    measured buckets around n, and `slope(n)` is the marginal cost of one more token there."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        b = num_tokens.bit_length()
+        if b not in self.buckets:
+            self.buckets[b] = (float(num_tokens), seconds)
+            return
+        n, t = self.buckets[b]
+        self.buckets[b] = (n + STEP_TIME_EMA * (num_tokens - n), t + STEP_TIME_EMA * (seconds - t))
+
+    def time(self, num_tokens: int) -> float | None:
+        points = self._nearest(num_tokens)
+        if not points:
+            return None
+        if len(points) == 1:
+            return points[0][1]
+        (n0, t0), (n1, t1) = points
+        return max(t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0), 0.0)
+
+    def slope(self, num_tokens: int) -> float | None:
+        points = self._nearest(num_tokens)
+        if len(points) < 2:
+            return None
+        (n0, t0), (n1, t1) = points
+        return max((t1 - t0) / (n1 - n0), 0.0)
+
+    def _nearest(self, num_tokens: int) -> list[tuple[float, float]]:
+        """Two measured buckets around `num_tokens`, in order of count: the nearest below and above it,
+        else the two nearest on its one side (one, or none, while fewer are measured)."""
+        points = sorted(self.buckets.values())
+        below = [p for p in points if p[0] <= num_tokens]
+        above = [p for p in points if p[0] > num_tokens]
+        if below and above:
+            return [below[-1], above[0]]
+        return below[-2:] if below else above[:2]
+
+
 class Proposer:
     """Drafts for the scheduler: `propose(tokens, k)` gives at most k tokens. A model-drafted method
-    (`on_device`) gives k reserved slots instead, which the runner fills before the verification."""
+    (`on_device`) gives k reserved slots instead, which the runner fills before the verification.
+
+    With `adaptive` (the default) it also sets each step's draft lengths. The marginal draft token at
+    depth j of a request with per-token acceptance a gains a^j expected tokens and costs the step's
+    marginal time per token s; the step makes R tokens (one per row) in time T. Adding it pays when
+    a^j > s * R / T: so each request drafts the depths whose expected gain clears that threshold. While
+    verifying costs nearly nothing (a memory-bound step: s ~ 0) requests draft up to k; when a large
+    batch makes each token cost its share, drafts shrink to none and the step is a plain decode step."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.on_device = config.method == "self_draft"
+        self.cost = StepCost()
+
+    def threshold(self, num_rows: int, num_tokens: int) -> float:
+        """The expected gain a draft token must clear in a step of `num_rows` rows and `num_tokens` tokens
+        before drafts (0 while the cost is not known yet, or not adaptive: every draft pays)."""
+        if not self.config.adaptive:
+            return 0.0
+        slope, t = self.cost.slope(num_tokens), self.cost.time(num_tokens)
+        if slope is None or not t:
+            return 0.0
+        return slope * num_rows / t
+
+    def length(self, stats: SpecDecodeStats | None, threshold: float, room: int) -> int:
+        """How many tokens a request drafts: the depths whose expected gain clears `threshold`."""
+        k = min(room, self.config.num_speculative_tokens)
+        if threshold <= 0.0 or k <= 0:
+            return max(k, 0)
+        a = stats.acceptance if stats is not None else ACCEPTANCE_PRIOR
+        depth, gain = 0, 1.0
+        while depth < k and (gain := gain * a) > threshold:
+            depth += 1
+        return depth
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         c = self.config

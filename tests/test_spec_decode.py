@@ -78,9 +78,9 @@ def expected(bundled_model_dir, prompts):
 @pytest.mark.parametrize(
     "spec",
     [
-        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
-        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3},
-        {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "adaptive": False},
+        {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "adaptive": False},
+        {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20, "adaptive": False},
     ],
     ids=["ngram-2", "ngram-5", "self_draft-3"],
 )
@@ -154,7 +154,9 @@ def outputs(llm: LLM, prompts, params):
 
 def with_oracle(llm: LLM, prompts, reference, k: int, wrong: int) -> OracleProposer:
     oracle = OracleProposer([p + r[0] for p, r in zip(prompts, reference)], k, wrong)
-    llm.engine.scheduler.proposer = oracle  # type: ignore[assignment]
+    proposer = llm.engine.scheduler.proposer
+    assert proposer is not None
+    proposer.propose = oracle.propose  # type: ignore[method-assign]  # its drafts; its own length policy
     return oracle
 
 
@@ -162,7 +164,7 @@ def with_oracle(llm: LLM, prompts, reference, k: int, wrong: int) -> OraclePropo
 def test_partly_wrong_drafts_keep_the_plain_output(tiny, batch, wrong):
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
     plain = outputs(engine(tiny), batch, params)
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
     llm = engine(tiny, speculative_config=spec)
     oracle = with_oracle(llm, batch, plain, 4, wrong)
     assert outputs(llm, batch, params) == plain
@@ -187,7 +189,7 @@ def test_stops_inside_a_draft_end_the_request_there(tiny, batch):
     params += [SamplingParams(temperature=0, max_tokens=m) for m in (3, 6)]
     plain = outputs(engine(tiny), batch, params)
     assert all(len(p[0]) < 40 for p in plain[:5])
-    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 6})
+    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 6, "adaptive": False})
     with_oracle(llm, batch, free, 6, 1000)  # drafts run past every stop
     assert outputs(llm, batch, params) == plain
 
@@ -203,7 +205,9 @@ def test_preemption_prefix_hits_and_mixed_batches(tiny, batch):
     kw = {"num_gpu_blocks_override": 26, "enable_prefix_caching": True}
     ref = engine(tiny, **kw)
     plain = outputs(ref, prompts, params)
-    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kw)
+    llm = engine(
+        tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}, **kw
+    )
     with_oracle(llm, prompts, plain, 3, 3)
     assert outputs(llm, prompts, params) == plain
     assert llm.engine.scheduler.num_preemptions > 0
@@ -218,11 +222,13 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation(tiny, batch):
         SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=24, seed=100 + i) for i in range(7)
     ]
     plain = outputs(engine(tiny), batch, params)
-    ngram = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    ngram = engine(
+        tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    )
     with_oracle(ngram, batch, plain, 4, 3)
     assert outputs(ngram, batch, params) == plain
     assert ngram.engine.scheduler.spec_stats.num_accepted_tokens > 0
-    spec = {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1}
+    spec = {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1, "adaptive": False}
     self_draft = engine(tiny, speculative_config=spec)
     assert outputs(self_draft, batch, params) == plain
     assert self_draft.engine.scheduler.spec_stats.num_drafts > 20
@@ -233,7 +239,7 @@ def test_self_draft_greedy_under_preemption_keeps_the_plain_output(tiny, batch):
     kw = {"num_gpu_blocks_override": 14, "enable_prefix_caching": True}
     ref = engine(tiny, **kw)
     plain = outputs(ref, batch, params)
-    spec = {"method": "self_draft", "num_speculative_tokens": 4, "num_draft_layers": 1}
+    spec = {"method": "self_draft", "num_speculative_tokens": 4, "num_draft_layers": 1, "adaptive": False}
     llm = engine(tiny, speculative_config=spec, **kw)
     assert outputs(llm, batch, params) == plain
     assert ref.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_preemptions > 0
@@ -274,10 +280,17 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
 @pytest.mark.parametrize(
     "flags",
     [
-        ["--speculative-method", "ngram", "--num-speculative-tokens", "4"],
+        [
+            "--speculative-method",
+            "ngram",
+            "--num-speculative-tokens",
+            "4",
+            "--speculative-config",
+            '{"adaptive": false}',
+        ],
         [
             "--speculative-config",
-            '{"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20}',
+            '{"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20, "adaptive": false}',
         ],
     ],
     ids=["ngram", "self_draft"],
@@ -346,3 +359,66 @@ def _spec_counters(port: int, min_drafts: int, timeout: float = 10.0) -> dict[st
         ):
             return samples
         time.sleep(0.1)
+
+
+# ---- adaptive draft lengths -----------------------------------------------------------------------------
+
+
+def test_step_cost_interpolates_and_gives_the_marginal_cost():
+    from engine.spec_decode import StepCost
+
+    cost = StepCost()
+    assert cost.time(10) is None and cost.slope(10) is None
+    for n, t in ((1, 0.010), (64, 0.011), (256, 0.020), (1024, 0.060)):
+        cost.observe(n, t)
+    assert cost.time(64) == pytest.approx(0.011)
+    assert cost.time(160) == pytest.approx(0.0155)  # halfway between 64 and 256
+    assert cost.slope(300) == pytest.approx(0.040 / 768)  # nearest: 256 and 1024 tokens
+    assert cost.slope(8) == pytest.approx(0.001 / 63)
+
+
+def test_draft_lengths_follow_acceptance_and_cost():
+    from engine.spec_decode import Proposer, SpecDecodeStats
+
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=5))
+    good, poor = SpecDecodeStats(acceptance=0.9), SpecDecodeStats(acceptance=0.2)
+    assert proposer.threshold(8, 8) == 0.0  # nothing measured yet: every draft pays
+    assert proposer.length(poor, 0.0, room=5) == 5 and proposer.length(good, 0.0, room=3) == 3
+    for n in (8, 16, 32, 64):  # memory-bound: 16 tokens cost little more than 8
+        proposer.cost.observe(n, 0.010 + n * 1e-5)
+    t = proposer.threshold(8, 8)
+    assert 0 < t < 0.02
+    assert t == pytest.approx(1e-5 * 8 / 0.01008)  # marginal cost x rows / step time
+    # 0.2^3 = 0.008 clears it, 0.2^4 does not; 0.9^5 clears it easily
+    assert proposer.length(good, t, room=5) == 5 and proposer.length(poor, t, room=5) == 3
+    busy = Proposer(SpeculativeConfig(num_speculative_tokens=5))
+    for n in (64, 128, 256, 512):  # compute-bound: time grows with every token
+        busy.cost.observe(n, n * 1e-4)
+    assert busy.threshold(256, 256) == pytest.approx(1.0)
+    assert busy.length(good, busy.threshold(256, 256), room=5) == 0  # no draft pays: plain decode
+    fixed = Proposer(SpeculativeConfig(num_speculative_tokens=5, adaptive=False))
+    fixed.cost.observe(64, 1.0), fixed.cost.observe(512, 100.0)
+    assert fixed.length(poor, fixed.threshold(256, 256), room=4) == 4
+
+
+def test_a_step_where_drafts_do_not_pay_is_a_plain_decode_step(tiny, batch):
+    """With a cost where every token costs its share, the adaptive policy drafts nothing in a decode step,
+    which is then exactly the plain engine's (rows of one token, graphed where graphs exist)."""
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    plain = outputs(engine(tiny), batch, params)
+    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    proposer = llm.engine.scheduler.proposer
+    for n in (4, 8, 16, 32, 64, 128, 256):
+        proposer.cost.observe(n, n * 1e-3)
+    proposer.cost.observe = lambda n, t: None  # type: ignore[method-assign]  # keep this cost
+    with_oracle(llm, batch, plain, 4, 1000)  # drafts that would all be accepted
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]  # type: ignore[method-assign]
+    assert outputs(llm, batch, params) == plain
+    decode_only = [s for s in steps if all(len(it.token_ids) - it.num_draft == 1 for it in s.scheduled)]
+    assert len(decode_only) > 30
+    assert all(it.num_draft == 0 for s in decode_only for it in s.scheduled)
+    # a draft may still pay beside a long prefill chunk, whose time it hardly adds to
+    prefill_steps = len(steps) - len(decode_only)
+    assert llm.engine.scheduler.spec_stats.num_drafts <= prefill_steps * len(batch)
