@@ -19,6 +19,7 @@ from engine.block_hash import extra_keys
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.model_runner import LaunchedStep, ModelRunner, Sampled
+from engine.prompt_checks import check_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -207,23 +208,9 @@ class EngineCore:
         return list(prompt)
 
     def validate(self, prompt_ids: list[int] | np.ndarray, params: SamplingParams) -> None:
-        """ValueError unless the prompt and params can run here. Give the servers' int arrays as they
-        are: their bounds check is ~20x cheaper than a list's (4096 ids: ~10 us against ~200)."""
-        if not len(prompt_ids):
-            raise ValueError("the prompt is empty: it must hold at least one token")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(prompt_ids)} tokens long, but max_model_len is {self.max_model_len}: "
-                "it must be shorter to leave room for at least one output token"
-            )
-        vocab = self.model_config.vocab_size
-        if isinstance(prompt_ids, np.ndarray):
-            in_vocab = bool(prompt_ids.min() >= 0 and prompt_ids.max() < vocab)
-        else:  # builtins: ~2x faster than a comprehension
-            in_vocab = min(prompt_ids) >= 0 and max(prompt_ids) < vocab
-        bad = [] if in_vocab else [int(t) for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        """ValueError unless the prompt (engine/prompt_checks.py; give the servers' int arrays as they are)
+        and params can run here."""
+        check_prompt(prompt_ids, self.max_model_len, self.model_config.vocab_size)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
 
