@@ -1,0 +1,214 @@
+"""Speculative decoding against plain decoding in the same run (engine/spec_decode.py).
+
+    python -m bench.spec_decode [--out-dir DIR] [--device cuda|cpu] [--quick]
+
+On the bundled SmolLM2-135M-Instruct (real weights), greedy, fixed output lengths:
+- batch 1, n-gram on input-grounded prompts (rewrite or continue a given text): decode tok/s with
+  speculation over plain decoding's (goal >= 2.0x), with the acceptance rate and mean accepted length;
+- batch 1, self_draft on chat prompts: the same, as measured;
+- batch 64 and 256 of chat prompts, each method with adaptive draft lengths (the default): output tok/s
+  over plain decoding's (goal >= 0.97x: speculation never costs throughput);
+- the Llama-3-8B shape with dummy weights: the time of a verification step against k at batch 1, 16, 64
+  and 256 (k + 1 tokens a row), over the time of a plain decode step: the curve the adaptive policy
+  weighs (random weights accept nothing, so no speedup is reported from them).
+Each engine runs in this process one after another, warmed by a short generate first.
+Records (CUDA only): bench/results/spec_*.json (or --out-dir); --device cpu is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+COMMAND = "python -m bench.spec_decode"
+GOALS = {"ngram_b1": 2.0, "adaptive": 0.97}
+GROUNDED = [
+    "Rewrite this paragraph, keeping every sentence, and fix only the spelling: {text}",
+    "Copy the following text exactly, then add one sentence at the end: {text}",
+]
+TEXT = (
+    "The city library opens at nine in the morning and closes at six in the evening. Visitors can borrow "
+    "up to five books at a time, and each loan lasts three weeks. The reading room on the second floor is "
+    "quiet, and the childrens corner on the first floor has games, puzzles and picture books. "
+)
+CHATS = [
+    "What is the capital of France?",
+    "Give me three tips for learning to cook.",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about the sea.",
+    "How do plants make food from sunlight?",
+    "List the planets of the solar system.",
+    "What are the benefits of regular exercise?",
+    "Describe a good morning routine.",
+]
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 10},
+}
+
+
+def chat_prompts(llm: Any, texts: list[str]) -> list[list[int]]:
+    tok = llm.tokenizer
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for t in texts
+    ]
+
+
+def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    import torch
+
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = sum(o.metrics.spec_decode_num_drafts for o in outs if o.metrics)
+    draft_tokens = sum(o.metrics.spec_decode_num_draft_tokens for o in outs if o.metrics)
+    accepted = sum(o.metrics.spec_decode_num_accepted_tokens for o in outs if o.metrics)
+    return {
+        "tok_s": tokens / wall,
+        "wall_s": wall,
+        "tokens": tokens,
+        "outputs": [o.outputs[0].token_ids for o in outs],
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        "num_drafts": drafts,
+    }
+
+
+def compare(make: Any, spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Plain then speculative decoding of the same prompts, each engine warmed first; the outputs must
+    agree (greedy)."""
+    out: dict[str, Any] = {}
+    for label, config in (("plain", None), ("spec", spec)):
+        llm = make(config)
+        timed_generate(llm, prompts[:2], 8)
+        out[label] = timed_generate(llm, prompts, max_tokens)
+        del llm
+    out["same_output"] = out["plain"].pop("outputs") == out["spec"].pop("outputs")
+    out["ratio"] = out["spec"]["tok_s"] / out["plain"]["tok_s"]
+    return out
+
+
+def verify_cost(device: str, batches: list[int], ks: list[int]) -> dict[str, Any]:
+    """Seconds of one step of `b` rows each running k + 1 tokens (k = 0: a plain decode step, its graph
+    where there is one) on the Llama-3-8B shape, median of 10 after a warm-up."""
+    import statistics
+
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    llm = LLM("Llama-3-8B", load_format="dummy", dtype="bfloat16", device=device, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    context, bs = 512, runner.block_size
+    table = list(range(-(-(context + max(ks) + 1) // bs)))
+    out: dict[str, Any] = {}
+    for b in batches:
+        for k in ks:
+            items = [
+                ScheduledSeq(f"r{i}", [1] * (k + 1), context, table, True, greedy, None, num_draft=k)
+                for i in range(b)
+            ]
+            plan = SchedulerOutput(items, b * (k + 1), [])
+            runner.run(plan)
+            times = []
+            for _ in range(10):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                runner.run(plan)
+                times.append(time.perf_counter() - t)
+            out[f"b{b}_k{k}"] = statistics.median(times)
+        base = out[f"b{b}_k0"]
+        print(
+            f"verify cost b{b}: " + ", ".join(f"k{k} {out[f'b{b}_k{k}'] / base:.2f}x" for k in ks), flush=True
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None)
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="small batches and lengths (a smoke run)")
+    args = p.parse_args()
+    import torch
+
+    from engine import LLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    out_len = 32 if args.quick else 256
+    big = [4, 8] if args.quick else [64, 256]
+
+    def make(spec: dict | None, **kw: Any) -> Any:
+        return LLM(dtype=dtype, device=device, max_model_len=2048, speculative_config=spec, **kw)
+
+    probe = make(None)
+    grounded = chat_prompts(probe, [g.format(text=TEXT) for g in GROUNDED])
+    chats = chat_prompts(probe, CHATS)
+    del probe
+    results: dict[str, Any] = {}
+    results["ngram_b1"] = compare(make, METHODS["ngram"], grounded[:1], out_len)
+    results["self_draft_b1"] = compare(make, METHODS["self_draft"], chats[:1], out_len)
+    for b in big:
+        batch = [chats[i % len(chats)] for i in range(b)]
+        for name, spec in METHODS.items():
+            results[f"adaptive_b{b}_{name}"] = compare(make, spec, batch, out_len // 2)
+    if device == "cuda" and not args.quick:
+        results["verify_cost"] = verify_cost(device, [1, 16, 64, 256], [0, 1, 2, 4, 8])
+    print(json.dumps(results, indent=1))
+    if device == "cuda" and not args.quick:
+        write_records(results, big, args.out_dir)
+
+
+def write_records(results: dict[str, Any], big: list[int], out_dir: Path | None) -> None:
+    from bench.record import record
+
+    def spec_record(name: str, r: dict[str, Any], goal: str | None) -> None:
+        record(
+            name, r["spec"]["tok_s"], "tok/s", baseline=r["plain"]["tok_s"],
+            baseline_name="plain decoding, same prompts, same run (tok/s)", ratio=r["ratio"], goal=goal,
+            out_dir=out_dir, command=COMMAND,
+            extra={"acceptance_rate": r["spec"]["acceptance_rate"],
+                   "mean_accepted_length": r["spec"]["mean_accepted_length"], "same_output": r["same_output"], **r},
+        )  # fmt: skip
+
+    spec_record("spec_ngram_b1_smollm2", results["ngram_b1"], f">= {GOALS['ngram_b1']}x plain")
+    spec_record("spec_self_draft_b1_smollm2", results["self_draft_b1"], None)
+    for b in big:
+        for name in METHODS:
+            spec_record(
+                f"spec_adaptive_b{b}_smollm2_{name}",
+                results[f"adaptive_b{b}_{name}"],
+                f">= {GOALS['adaptive']}x plain",
+            )
+    cost = results["verify_cost"]
+    record(
+        "spec_verify_cost_llama3-8b", cost["b1_k4"] / cost["b1_k0"], "x plain step", ratio=cost["b1_k4"] / cost["b1_k0"],
+        baseline=1.0, baseline_name="a plain decode step of the same batch", out_dir=out_dir, command=COMMAND,
+        extra={"seconds": cost, "note": "value: batch 1, k = 4; every batch and k in extra.seconds"},
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
