@@ -111,7 +111,11 @@ class EngineCore:
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         spec = config.speculative_config
-        proposer = Proposer(spec) if isinstance(spec, SpeculativeConfig) else None
+        proposer = None
+        if isinstance(spec, SpeculativeConfig):
+            layers = self.model_config.num_hidden_layers
+            fraction = (spec.num_draft_layers or 0) / layers if spec.method == "self_draft" else 0.0
+            proposer = Proposer(spec, draft_cost_fraction=fraction)
         if isinstance(spec, SpeculativeConfig):
             spec.check_model(self.model_config.num_hidden_layers)
             if spec.method == "self_draft":

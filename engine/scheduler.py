@@ -221,7 +221,9 @@ class Scheduler:
         candidates = [(item, self.seqs[item.request_id]) for item in scheduled if self._may_draft(item)]
         if not candidates:
             return budget
-        threshold = self.proposer.threshold(len(scheduled), self.max_num_batched_tokens - budget)
+        threshold = self.proposer.threshold(
+            len(scheduled), self.max_num_batched_tokens - budget, len(candidates)
+        )
         for item, seq in candidates:
             p = seq.params
             room = min(budget, self.max_model_len - seq.num_tokens - 1)

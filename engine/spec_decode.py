@@ -199,22 +199,28 @@ class Proposer:
     marginal time per token s; the step makes R tokens (one per row) in time T. Adding it pays when
     a^j > s * R / T: so each request drafts the depths whose expected gain clears that threshold. While
     verifying costs nearly nothing (a memory-bound step: s ~ 0) requests draft up to k; when a large
-    batch makes each token cost its share, drafts shrink to none and the step is a plain decode step."""
+    batch makes each token cost its share, drafts shrink to none and the step is a plain decode step.
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    A model-drafted method also pays a draft pass per depth, a fraction f of a step's time (its layers over
+    the target's), shared by the m requests drafting: so its tokens must clear f * R / m more."""
+
+    def __init__(self, config: SpeculativeConfig, draft_cost_fraction: float = 0.0) -> None:
         self.config = config
         self.on_device = config.method == "self_draft"
+        self.draft_cost_fraction = draft_cost_fraction
         self.cost = StepCost()
 
-    def threshold(self, num_rows: int, num_tokens: int) -> float:
+    def threshold(self, num_rows: int, num_tokens: int, num_drafting: int = 1) -> float:
         """The expected gain a draft token must clear in a step of `num_rows` rows and `num_tokens` tokens
-        before drafts (0 while the cost is not known yet, or not adaptive: every draft pays)."""
+        before drafts, `num_drafting` of the rows may draft (0 when not adaptive: every draft pays; the
+        verification's part is 0 while its cost is not known yet)."""
         if not self.config.adaptive:
             return 0.0
+        passes = self.draft_cost_fraction * num_rows / max(num_drafting, 1)
         slope, t = self.cost.slope(num_tokens), self.cost.time(num_tokens)
         if slope is None or not t:
-            return 0.0
-        return slope * num_rows / t
+            return passes
+        return slope * num_rows / t + passes
 
     def length(self, stats: SpecDecodeStats | None, threshold: float, room: int) -> int:
         """How many tokens a request drafts: the depths whose expected gain clears `threshold`."""

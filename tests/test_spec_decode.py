@@ -396,6 +396,12 @@ def test_draft_lengths_follow_acceptance_and_cost():
         busy.cost.observe(n, n * 1e-4)
     assert busy.threshold(256, 256) == pytest.approx(1.0)
     assert busy.length(good, busy.threshold(256, 256), room=5) == 0  # no draft pays: plain decode
+    # a self-draft pass costs a third of a step, shared by the rows drafting: poor drafts stop
+    cfg = SpeculativeConfig(method="self_draft", num_speculative_tokens=3, num_draft_layers=10)
+    layered = Proposer(cfg, draft_cost_fraction=1 / 3)
+    assert layered.threshold(8, 8, num_drafting=8) == pytest.approx(1 / 3)
+    assert layered.threshold(8, 8, num_drafting=2) == pytest.approx(4 / 3)
+    assert layered.length(poor, 1 / 3, room=3) == 0 and layered.length(good, 1 / 3, room=3) == 3
     fixed = Proposer(SpeculativeConfig(num_speculative_tokens=5, adaptive=False))
     fixed.cost.observe(64, 1.0), fixed.cost.observe(512, 100.0)
     assert fixed.length(poor, fixed.threshold(256, 256), room=4) == 4
