@@ -18,6 +18,11 @@ class RouterMetrics:
             "1 while the prefix index answers, 0 while it is down",
             registry=self.registry,
         )
+        self.index_entries = Gauge(
+            "pdserve:router_index_entries",
+            "(worker, block) pairs in the prefix index, speculative ones not counted (set each poll)",
+            registry=self.registry,
+        )
         self.worker_up = Gauge(
             "pdserve:router_worker_up",
             "1 while the worker answers the router's polls and takes requests, 0 otherwise",

@@ -62,6 +62,8 @@ class RouterConfig:
     )
     drain_timeout_s: float = 30.0  # on SIGTERM, how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics; None or 0: off
+    # how long a routing decision marks the prompt's blocks as held before the worker's own events say so
+    speculate_ttl_s: float = 5.0
     tokenize_threads: int = 2
     # prompts being tokenized or queued for it, and their characters; past either RESOURCE_EXHAUSTED
     max_pending_prompts: int = 1024
@@ -154,6 +156,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         for address in self.workers.expire():
             self._drop_decode_stream(address)
         self.index.reap()
+        self.metrics.index_entries.set(self.index.num_entries())
 
     async def _poll(self, address: str) -> None:
         failures = self._poll_failures[address]
@@ -195,6 +198,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             self.index,
             make_policy(self.config.policy),
             block_size=reply.block_size,
+            speculate_ttl=self.config.speculate_ttl_s,
             live=self.workers.routable,
         )
         self.model_info = pb.ModelInfo(

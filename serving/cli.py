@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended",
     )
     r.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: off)")
+    r.add_argument(
+        "--speculate-ttl-s",
+        type=float,
+        default=5.0,
+        help="seconds a routing decision marks a prompt's blocks as held before the worker's events confirm "
+        "them (0: only the workers' events)",
+    )
     r.set_defaults(func=cmd_router)
     up = sub.add_parser(
         "up",
@@ -125,9 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--redis-url", default=None)
     up.add_argument("--startup-timeout", type=float, default=600.0)
     up.add_argument(
-        "--worker-metrics",
+        "--metrics",
         action="store_true",
-        help="each worker serves Prometheus /metrics on a free port of its own (listed at start-up)",
+        help="the router and each worker serve Prometheus /metrics on a free port of their own (listed at "
+        "start-up)",
+    )
+    up.add_argument(
+        "--speculate-ttl-s",
+        type=float,
+        default=5.0,
+        help="the router's --speculate-ttl-s (see pdserve router)",
     )
     up.add_argument(
         "--drain-timeout-s",

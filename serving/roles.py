@@ -99,6 +99,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         redis_timeout_s=args.redis_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port or None,
+        speculate_ttl_s=args.speculate_ttl_s,
     )
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
     return 0
@@ -129,7 +130,7 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
         decode = ",".join(c.address for c in workers if c.role == "decode")
         print(f"pdserve ready: router at {router.address} (prefill {prefill}; decode {decode})")
         listing = {
-            "router": {"address": router.address, "pid": router.pid},
+            "router": {"address": router.address, "pid": router.pid, "metrics_port": router.metrics_port},
             "workers": [
                 {"role": c.role, "address": c.address, "pid": c.pid, "metrics_port": c.metrics_port}
                 for c in workers
@@ -156,7 +157,7 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
             port = free_port()
             cmd = [*exe, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
             cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
-            metrics = free_port() if args.worker_metrics else None
+            metrics = free_port() if args.metrics else None
             cmd += ["--metrics-port", str(metrics)] if metrics else []
             children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics))
     port = args.port or free_port()
@@ -165,7 +166,10 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     cmd = [*exe, "router", "--host", args.host, "--port", str(port), "--prefill", prefill]
     cmd += ["--decode", decode, "--policy", args.policy, *drain, *model]
     cmd += ["--redis-url", args.redis_url] if args.redis_url else []
-    children.append(Child("router", f"{args.host}:{port}", cmd))
+    cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}"]
+    metrics = free_port() if args.metrics else None
+    cmd += ["--metrics-port", str(metrics)] if metrics else []
+    children.append(Child("router", f"{args.host}:{port}", cmd, metrics_port=metrics))
     return children
 
 

@@ -55,6 +55,7 @@ class Cluster:
     stdout: _Lines | None = None
     stderr: _Lines | None = None  # the whole tree's: `pdserve up`'s and every child's
     router_pid: int = 0
+    router_metrics_port: int | None = None  # with `pdserve up --metrics`
 
     def output(self) -> str:
         """Everything the cluster's processes printed so far, stdout then stderr."""
@@ -152,7 +153,9 @@ def start_cluster(
         if line.startswith("pdserve cluster: "):
             info = json.loads(line.split(": ", 1)[1])
             router = info["router"]
-            return Cluster(proc, router["address"], info["workers"], out, err, router["pid"])
+            return Cluster(
+                proc, router["address"], info["workers"], out, err, router["pid"], router.get("metrics_port")
+            )
         if not line:
             raise RuntimeError(f"pdserve up exited with {proc.wait()}:\n{err.text()[-4000:]}")
     proc.kill()

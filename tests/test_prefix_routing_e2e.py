@@ -1,11 +1,13 @@
 """End to end on CPU with 3 prefill workers and the real model: requests that share a long prefix land
-on the prefill worker holding it (the router learns that from the workers' own KV events) and report
-prefix-cache hits in their usage."""
+on the prefill worker holding it (the router learns that from the workers' own KV events: speculation is
+off) and report prefix-cache hits in their usage."""
 
 from __future__ import annotations
 
+import re
 import time
 
+import httpx
 import pytest
 
 from tests.cluster import collect, greedy_request, start_cluster
@@ -24,7 +26,7 @@ SYSTEMS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = start_cluster(3, 1, "tcp", "--policy", "prefix_aware")
+    c = start_cluster(3, 1, "tcp", "--policy", "prefix_aware", "--speculate-ttl-s", "0", "--metrics")
     yield c
     c.stop()
 
@@ -45,7 +47,8 @@ def test_shared_prefixes_hit_the_worker_that_holds_them(cluster, prefixes):
     for i, p in enumerate(systems):  # first sight: computed somewhere, nothing cached yet
         _, _, usage = collect(stub.Generate(greedy_request(p + tok.encode(f" Question {i}?"), 2)))
         assert usage.cached_tokens == 0
-    time.sleep(6)  # past the router's speculation TTL (5 s): only the workers' KV events say who holds what
+    # the workers' events reach the router's index with its polls: every prefix's 10 blocks are in
+    wait_for_index_entries(cluster.router_metrics_port, 3 * 10)
     for round_ in range(3):
         for i, p in enumerate(systems):
             suffix = tok.encode(f" Follow-up {round_} on topic {i}: tell me more.")
@@ -54,3 +57,16 @@ def test_shared_prefixes_hit_the_worker_that_holds_them(cluster, prefixes):
     prefill = [x for x in cluster.loads() if x.role == "prefill"]
     assert len(prefill) == 3
     cluster.wait_all_blocks_free()
+
+
+def wait_for_index_entries(port: int, least: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    entries = 0.0
+    while time.monotonic() < deadline:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        found = re.search(r"^pdserve:router_index_entries (\S+)$", text, re.M)
+        entries = float(found.group(1)) if found else 0.0
+        if entries >= least:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the router's index holds {entries} entries after {timeout} s, not {least}")

@@ -303,7 +303,7 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
 
     from tests.cluster import collect, greedy_request, start_cluster
 
-    cluster = start_cluster(1, 1, "tcp", "--worker-metrics", *flags)
+    cluster = start_cluster(1, 1, "tcp", "--metrics", *flags)
     try:
         stub = cluster.stub()
 
