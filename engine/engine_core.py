@@ -92,6 +92,8 @@ class EngineCore:
         self.model_id = config.served_model_name or Path(model_path).name  # in every block hash
         model, self.model_config = self._load(model_path)
         self.tokenizer = self._load_tokenizer(config.tokenizer or model_path)
+        spec = config.speculative_config
+        draft = self._load_draft(spec) if isinstance(spec, SpeculativeConfig) and spec.model else None
         self.max_model_len = self._max_model_len(config)
         sched_cfg = SchedulerConfig(**{**config.scheduler.__dict__, "max_model_len": self.max_model_len})
         self.runner = ModelRunner(
@@ -105,17 +107,24 @@ class EngineCore:
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
+            extra_bytes_per_block=_kv_bytes_per_block(draft[1], config.cache.block_size, self.dtype)
+            if draft
+            else 0,
         )
+        if draft is not None:
+            self.runner.attach_draft(
+                draft[0], draft[1], min(draft[1].max_position_embeddings, self.max_model_len)
+            )
         self._check_pool(self.runner.num_blocks, config.cache.block_size)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        spec = config.speculative_config
         proposer = None
         if isinstance(spec, SpeculativeConfig):
             layers = self.model_config.num_hidden_layers
             fraction = (spec.num_draft_layers or 0) / layers if spec.method == "self_draft" else 0.0
             proposer = Proposer(spec, draft_cost_fraction=fraction)
+            proposer.max_draft_len = self.runner.draft.max_model_len if self.runner.draft else None
         if isinstance(spec, SpeculativeConfig):
             spec.check_model(self.model_config.num_hidden_layers)
             if spec.method == "self_draft":
@@ -144,6 +153,20 @@ class EngineCore:
                 self.runner.run(plan)
                 proposer.cost.observe(n, time.perf_counter() - t)
         logger.info("speculative decoding: step cost profiled at %d sizes up to %d tokens", len(sizes), top)
+
+    def _load_draft(self, spec: SpeculativeConfig):
+        """The draft model and its config, loaded beside the target (before the KV cache is sized); its
+        tokenizer must be the target's."""
+        from engine.bundled import gguf_model_dir
+        from engine.spec_decode import check_draft_tokenizer
+        from engine.weights import load_model
+
+        assert spec.model is not None
+        path = str(gguf_model_dir(spec.model)) if Path(spec.model).is_file() else spec.model
+        if not Path(path, "tokenizer.json").exists() or self.tokenizer is None:
+            raise ValueError(f"the draft model {spec.model!r} and the target need tokenizers to be compared")
+        check_draft_tokenizer(self.tokenizer, Tokenizer.from_dir(path), self.model_id, Path(path).name)
+        return load_model(path, dtype=self.dtype, device=self.device)
 
     def _load(self, model_path: str):
         from engine.model_config import ModelConfig
@@ -312,6 +335,11 @@ class _InFlight:
     sched: SchedulerOutput
     seqs: list[Sequence]
     step: LaunchedStep
+
+
+def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def _add_logprobs(updated: list[Sequence], sampled: Sampled) -> dict[str, list[dict[int, float]]]:

@@ -49,7 +49,9 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        extra_bytes_per_block: int = 0,  # what else each block costs (a draft model's KV)
     ) -> None:
+        self.extra_bytes_per_block = extra_bytes_per_block
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -64,6 +66,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.sampler = Sampler(seed)
         self.draft_layers: int | None = None  # self_draft speculation: the target's first layers draft
+        self.draft: DraftModel | None = None  # draft_model speculation (set by attach_draft)
         use_graphs = not enforce_eager and graph_capturable(device)
         if not enforce_eager and device.type == "cuda" and not use_graphs:
             logger.info("CUDA graphs off: the attention backend is forced to the torch reference")
@@ -87,6 +90,13 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_cache.shape[2]
 
+    def attach_draft(self, model: LlamaForCausalLM, config: ModelConfig, max_model_len: int) -> None:
+        """Speculate with a draft model: it gets a KV cache of its own, of the target's block count."""
+        self.draft = DraftModel(
+            model, config, self.num_blocks, self.block_size, max_model_len, self.model_config.vocab_size,
+            self.dtype, self.device,
+        )  # fmt: skip
+
     def bytes_per_block(self) -> int:
         per_token = 2 * self.num_layers * self.kv_shape_tail[1] * self.kv_shape_tail[2]
         return per_token * self.block_size * torch.empty((), dtype=self.dtype).element_size()
@@ -94,13 +104,14 @@ class ModelRunner:
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:
             return cache_config.num_gpu_blocks_override
+        per_block = self.bytes_per_block() + self.extra_bytes_per_block
         if self.device.type != "cuda":
-            return int(cache_config.cpu_kv_cache_space * 2**30) // self.bytes_per_block()
+            return int(cache_config.cpu_kv_cache_space * 2**30) // per_block
         peak = self._profile_peak_memory(max_num_batched_tokens)
         graphs = self._profile_graph_memory() if self.graph_sizes else 0
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(total * cache_config.gpu_memory_utilization - peak, free - 256 * 2**20) - graphs
-        return max(int(budget) // self.bytes_per_block(), 0)
+        return max(int(budget) // per_block, 0)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------
 
@@ -235,9 +246,9 @@ class ModelRunner:
         patches = [patch] if patch is not None else []
         model_drafts: list[tuple[int, int, int]] = []  # (sampling index, row of `drafted`, draft length)
         drafted_host = None
-        if self.draft_layers is not None and any(it.num_draft for it in items):
+        if (self.draft_layers is not None or self.draft is not None) and any(it.num_draft for it in items):
             drafting = [i for i in sampling if items[i].num_draft]
-            drafted = self._self_draft(items, drafting, self.draft_layers)
+            drafted = self._draft_passes(items, drafting)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             k_max = drafted.shape[1]
             dst = [ends[i] - items[i].num_draft + j for i in drafting for j in range(items[i].num_draft)]
@@ -249,6 +260,8 @@ class ModelRunner:
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
         hidden = self._replay(items, patch)
+        if self.draft is not None:  # the draft model's KV follows every token the target computes
+            self.draft.catch_up([it for it in items if not it.num_draft])
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
         offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
@@ -301,17 +314,19 @@ class ModelRunner:
         return self.graphs.replay(items, patch.apply_rows if patch is not None else None)
 
     @torch.inference_mode()
-    def _self_draft(self, items: list[ScheduledSeq], drafting: list[int], num_layers: int) -> torch.Tensor:
-        """(len(drafting), k_max) int64 on the device: each drafting item's draft, greedy from the first
-        `num_layers` layers, the final norm and the LM head, one batched pass per draft position (an item
-        with a shorter draft leaves the later passes). Each pass writes those layers' KV at its position,
-        which the verification then rewrites."""
+    def _draft_passes(self, items: list[ScheduledSeq], drafting: list[int]) -> torch.Tensor:
+        """(len(drafting), k_max) int64 on the device: each drafting item's draft, greedy, one batched pass
+        per draft position (an item with a shorter draft leaves the later passes). A self draft runs the
+        target's first layers, its final norm and LM head, writing those layers' KV (which the verification
+        rewrites); a draft model runs on its own KV cache, with one pass more, over the draft's last token,
+        so that its cache holds every position the verification may accept."""
         k_max = max(items[i].num_draft for i in drafting)
         drafted = torch.zeros(len(drafting), k_max, dtype=torch.long, device=self.device)
         last = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft - 1] for i in drafting]
         ids = upload(torch.tensor(last, dtype=torch.long), self.device)
-        for j in range(k_max):
-            rows = [s for s, i in enumerate(drafting) if items[i].num_draft > j]
+        extra = 1 if self.draft is not None else 0
+        for j in range(k_max + extra):
+            rows = [s for s, i in enumerate(drafting) if items[i].num_draft + extra > j]
             its = [items[drafting[s]] for s in rows]
             positions = [it.start_pos + j for it in its]  # start_pos: the newest known token's position
             meta = AttentionMetadata.build(
@@ -319,12 +334,19 @@ class ModelRunner:
                 self.device,
             )  # fmt: skip
             pos = upload(torch.tensor(positions, dtype=torch.long), self.device)
-            hidden = self.model(ids, pos, meta, self.kv_cache, num_layers)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-            index = upload(torch.tensor(rows, dtype=torch.long), self.device)
-            drafted[index, j] = tokens
-            if j + 1 < k_max:  # the next pass's rows: those with a longer draft, in order
-                keep = [n for n, s in enumerate(rows) if items[drafting[s]].num_draft > j + 1]
+            if self.draft is not None:
+                logits = self.draft.logits(ids, pos, meta)
+            else:
+                logits = self.model.compute_logits(
+                    self.model(ids, pos, meta, self.kv_cache, self.draft_layers)
+                )
+            tokens = logits.argmax(dim=-1)
+            writes = [n for n, s in enumerate(rows) if items[drafting[s]].num_draft > j]
+            if writes:  # the extra pass's tokens are dropped
+                index = upload(torch.tensor([rows[n] for n in writes], dtype=torch.long), self.device)
+                drafted[index, j] = tokens[upload(torch.tensor(writes, dtype=torch.long), self.device)]
+            keep = [n for n, s in enumerate(rows) if items[drafting[s]].num_draft + extra > j + 1]
+            if keep:  # the next pass's rows, in order: its input is this pass's token
                 ids = tokens[upload(torch.tensor(keep, dtype=torch.long), self.device)]
         return drafted
 
@@ -349,6 +371,49 @@ class ModelRunner:
 
 
 Sampled = dict[str, tuple[list[int], list[dict[int, float] | None]]]
+
+
+class DraftModel:
+    """A draft model for speculative decoding, on a KV cache of its own laid out as the target's (the same
+    block count, block ids and block tables), so that it needs no block manager of its own. It computes
+    the tokens of every prompt chunk and plain row the target computes (`catch_up`) and drafts the rest
+    itself; positions at or past its own max_model_len are never computed (it does not draft there)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        target_vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
+        self.target_vocab, self.device = target_vocab, device
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_cache = torch.zeros(config.num_hidden_layers, 2, *shape, dtype=dtype, device=device)
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary (padding rows beyond it dropped)."""
+        hidden = self.model(ids, positions, meta, self.kv_cache)
+        return self.model.compute_logits(hidden)[:, : self.target_vocab]
+
+    @torch.inference_mode()
+    def catch_up(self, items: list[ScheduledSeq]) -> None:
+        """Write the draft's KV for these items' tokens (each cut at the draft's max_model_len)."""
+        chunks = [(it, min(it.seq_len, self.max_model_len) - it.start_pos) for it in items]
+        chunks = [(it, n) for it, n in chunks if n > 0]
+        if not chunks:
+            return
+        ids = torch.tensor([t for it, n in chunks for t in it.token_ids[:n]], dtype=torch.long)
+        positions = torch.tensor([p for it, n in chunks for p in range(it.start_pos, it.start_pos + n)])
+        meta = AttentionMetadata.build(
+            [n for _, n in chunks], [it.start_pos + n for it, n in chunks], [it.block_table for it, _ in chunks],
+            self.block_size, self.device,
+        )  # fmt: skip
+        self.model(upload(ids, self.device), upload(positions, self.device), meta, self.kv_cache)
 
 
 @dataclass

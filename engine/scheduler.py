@@ -229,6 +229,8 @@ class Scheduler:
             room = min(budget, self.max_model_len - seq.num_tokens - 1)
             if p.max_tokens is not None:  # the target's own token comes on top of the accepted ones
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            if self.proposer.max_draft_len is not None:  # a draft model computes positions up to k past it
+                room = min(room, self.proposer.max_draft_len - seq.num_tokens)
             k = self.proposer.length(seq.spec_stats, threshold, room)
             draft = self.proposer.propose(seq.all_token_ids, k) if k > 0 else []
             if not draft or not self.block_manager.allocate(seq, seq.num_tokens + len(draft)):

@@ -5,6 +5,12 @@ Configured vLLM's way, `LLM(..., speculative_config={"method": "ngram", "num_spe
 "prompt_lookup_max": 4})`. What exists:
 - `ngram` (prompt lookup): the continuation of the most recent earlier occurrence of the request's
   longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens.
+- `draft_model`: a smaller model with the same tokenizer (checked at start-up: vocabulary sizes equal up to
+  128 padding rows, the same special tokens, the same spelling of a sample of ids) drafts greedily on a KV
+  cache of its own that shares the target's block tables (`engine/model_runner.py: DraftModel`): it
+  catches up on every step's prompt chunks and plain rows, and its k + 1 drafting passes write its KV at
+  the draft's positions. It drafts only while a sequence fits its own max_model_len. Offline engine only
+  for now: a decode worker would have to prefill the draft on every transferred prompt.
 - `self_draft` (LayerSkip-style early exit): the target's own first `num_draft_layers` layers, its final
   norm and its LM head draft k tokens greedily, one batched pass per token (engine/model_runner.py:
   `_self_draft`). Their KV is the target's own for those layers, written at the draft's positions and
@@ -30,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram", "self_draft")
+METHODS = ("ngram", "draft_model", "self_draft")
+MAX_VOCAB_PADDING = 128  # rows a draft's vocabulary may differ from the target's by (padding), as vLLM allows
 MAX_SPECULATIVE_TOKENS = 16
 _KEYS = {
     "method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "num_draft_layers", "adaptive",
+    "model",
 }  # fmt: skip
 ACCEPTANCE_PRIOR = 0.7  # a request's assumed per-token acceptance before its first draft
 ACCEPTANCE_EMA = 0.3  # the weight of a request's newest draft in its acceptance estimate
@@ -47,6 +55,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     num_draft_layers: int | None = None  # self_draft: how many of the target's layers draft
+    model: str | None = None  # draft_model: the draft's HF directory or GGUF file
     adaptive: bool = True  # each step's draft lengths from acceptance and cost (DraftPolicy); False: always k
 
     def __post_init__(self) -> None:
@@ -62,6 +71,8 @@ class SpeculativeConfig:
                 "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('draft_model needs "model": the draft\'s model directory or GGUF file')
         if self.method == "self_draft" and (self.num_draft_layers is None or self.num_draft_layers < 1):
             raise ValueError(f"self_draft needs num_draft_layers >= 1, got {self.num_draft_layers}")
 
@@ -81,6 +92,31 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in d:
             raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**d)
+
+
+def check_draft_tokenizer(target: Any, draft: Any, target_name: str, draft_name: str) -> None:
+    """ValueError naming both models and the first difference unless the draft's tokenizer is the
+    target's: vocabulary sizes within MAX_VOCAB_PADDING, the same BOS / EOS ids, and the same spelling of
+    every 97th id (and the last ones) of the vocabulary they share. `target` and `draft` are
+    engine.tokenizer.Tokenizer objects."""
+
+    def differ(what: str) -> ValueError:
+        return ValueError(
+            f"the draft model {draft_name!r} does not share the target {target_name!r}'s tokenizer: {what}; "
+            "speculative decoding needs the same tokenizer"
+        )
+
+    if abs(target.vocab_size - draft.vocab_size) > MAX_VOCAB_PADDING:
+        raise differ(f"vocabulary sizes {target.vocab_size} and {draft.vocab_size}")
+    if target.bos_token_id != draft.bos_token_id:
+        raise differ(f"BOS ids {target.bos_token_id} and {draft.bos_token_id}")
+    if set(target.eos_token_ids) != set(draft.eos_token_ids):
+        raise differ(f"EOS ids {sorted(target.eos_token_ids)} and {sorted(draft.eos_token_ids)}")
+    shared = min(target.vocab_size, draft.vocab_size)
+    for i in [*range(0, shared, 97), *range(max(0, shared - 8), shared)]:
+        a, b = target.backend.id_to_token(i), draft.backend.id_to_token(i)
+        if a != b:
+            raise differ(f"id {i} is {a!r} in the target and {b!r} in the draft")
 
 
 def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -206,7 +242,8 @@ class Proposer:
 
     def __init__(self, config: SpeculativeConfig, draft_cost_fraction: float = 0.0) -> None:
         self.config = config
-        self.on_device = config.method == "self_draft"
+        self.on_device = config.method in ("self_draft", "draft_model")
+        self.max_draft_len: int | None = None  # a draft model's max_model_len: it drafts only below it
         self.draft_cost_fraction = draft_cost_fraction
         self.cost = StepCost()
 

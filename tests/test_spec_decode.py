@@ -428,3 +428,73 @@ def test_a_step_where_drafts_do_not_pay_is_a_plain_decode_step(tiny, batch):
     # a draft may still pay beside a long prefill chunk, whose time it hardly adds to
     prefill_steps = len(steps) - len(decode_only)
     assert llm.engine.scheduler.spec_stats.num_drafts <= prefill_steps * len(batch)
+
+
+# ---- a separate draft model -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Another random model with the tiny models' tokenizer, and its copy that holds only 64 positions."""
+    import json
+    import shutil
+
+    draft = tiny_random_model_dir(tmp_path_factory.mktemp("draft"), "llama", seed=7)
+    short = draft.parent / "tiny-short"
+    shutil.copytree(draft, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 64
+    (short / "config.json").write_text(json.dumps(config))
+    return draft, short
+
+
+def test_draft_model_keeps_the_plain_output(tiny, tiny_draft, batch):
+    """With the target as its own draft every draft is accepted (so the draft's KV cache, following every
+    token on the shared block tables, is right); with another model's drafts, or one that holds fewer
+    positions than the target, and under preemption and prefix-cache hits, the output is the plain one."""
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    kw = {"num_gpu_blocks_override": 12, "enable_prefix_caching": True}
+    ref = engine(tiny, **kw)
+    shared = batch[5][:40]
+    prompts = [shared + p for p in batch[:3]] + batch[3:]
+    plain = outputs(ref, prompts, params)
+    assert ref.engine.scheduler.num_preemptions > 0
+    for draft, everything in ((str(tiny), True), (str(tiny_draft[0]), False), (str(tiny_draft[1]), False)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}
+        llm = engine(tiny, speculative_config=spec, **kw)
+        assert outputs(llm, prompts, params) == plain
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_drafts > 20
+        if everything:
+            assert stats.acceptance_rate > 0.95
+        assert llm.engine.block_manager.prefix_hits > 0
+    # the short draft drafts only below its 64 positions
+    assert llm.engine.runner.draft is not None and llm.engine.runner.draft.max_model_len == 64
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_start_up(tiny, bundled_model_dir):
+    spec = {"method": "draft_model", "model": str(bundled_model_dir), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError) as err:
+        engine(tiny, speculative_config=spec)
+    message = str(err.value)
+    assert "does not share the target 'tiny-llama3_scaled'" in message and "vocabulary sizes" in message
+    assert repr(bundled_model_dir.name) in message
+    with pytest.raises(ValueError, match='draft_model needs "model"'):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+
+
+def test_a_decode_worker_refuses_a_draft_model_with_the_reason():
+    import argparse
+
+    from engine.args import add_engine_args
+    from serving.roles import add_worker_args, worker_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_worker_args(p)
+    args = p.parse_args(
+        ["--speculative-config", '{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}']
+    )
+    with pytest.raises(ValueError, match="draft_model runs in the offline engine"):
+        worker_config(args, "decode")
+    assert worker_config(args, "prefill").engine.speculative_config is None
