@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from engine import trace
+from serving.keep_warm import KEEP_WARM_LINGER_S, KEEP_WARM_S
 from serving.messages.from_engine import (
     Error,
     ForRequest,
@@ -50,10 +51,9 @@ from serving.messages.to_engine import Abort, Shutdown, ToEngine
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.25
-# After work, the idle loop polls at the servers' keep-warm period for their linger (serving/mux.py), so the
-# next request of a trickle finds this process warm too; past the linger it blocks for _IDLE_WAIT_S at a time.
-_WARM_WAIT_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
-_WARM_LINGER_S = float(os.environ.get("PDSERVE_KEEP_WARM_LINGER_MS", "1000")) / 1e3
+# After work, the idle loop polls at the servers' keep-warm period for their linger (serving/keep_warm.py),
+# so the next request of a trickle finds this process warm too; past the linger it blocks for _IDLE_WAIT_S.
+_WARM_WAIT_S, _WARM_LINGER_S = KEEP_WARM_S, KEEP_WARM_LINGER_S
 _LOAD_EVERY_S = 0.1
 
 

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,21 +37,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from serving.keep_warm import KEEP_WARM_LINGER_S, KEEP_WARM_S
+
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Any, AsyncIterator[Any]], AsyncIterator[Any]]  # (request, later requests) -> replies
 
-# While calls are open on a stream and it has been quiet this long, the caller sends a ping (a frame of
-# stream 0) and the server answers it: both processes' gRPC paths stay warm for the reply that is coming.
-# On the H200 hosts a message on an open stream took 0.60-0.65 ms one way after 50 ms of quiet and
-# 0.27-0.31 ms with a ping every 2 ms; a request's first token comes back
-# over these streams after its whole forward pass. 0 turns it off.
-KEEP_WARM_S = float(os.environ.get("PDSERVE_KEEP_WARM_MS", "2")) / 1e3
-# ... and for this long after the last call closed, so the next request of a steady trickle also meets warm
-# processes on its way in (before its forward pass nothing else would be open to ping). The pings stop
-# once the stream has had no call for this long: an idle server makes no wake-ups. 0: only while calls are
-# open. Costs ~500 small frames a second per stream during the window.
-KEEP_WARM_LINGER_S = float(os.environ.get("PDSERVE_KEEP_WARM_LINGER_MS", "1000")) / 1e3
+# pings (a frame of stream 0) keep a quiet stream's processes warm: serving/keep_warm.py says when
 
 
 class RpcAbort(Exception):
