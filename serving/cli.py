@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.cli import add_gateway_parser
 
     add_gateway_parser(sub)
+
+    from serving.bench_cli import add_bench_args, cmd_bench
+
+    b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (vLLM `bench serve`'s flags)")
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 
