@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="offline engine: plan each step while the device runs the one before (default on)",
+        help="plan each step while the device runs the one before (offline engine and decode workers; "
+        "default on)",
     )
     p.add_argument(
         "--speculative-method",

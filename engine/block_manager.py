@@ -52,6 +52,10 @@ class BlockManager:
         self.on_event = on_event
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
+        # while a step runs on the device with other writers of the pool (a KV receiver), the blocks freed
+        # meanwhile wait for it (`hold_for`: the step's number) before anything can take them
+        self.hold_for: int | None = None
+        self._held: dict[int, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,7 +167,18 @@ class BlockManager:
         for block_id in reversed(block_ids):
             self._release(block_id)
 
+    def release_held(self, step: int) -> None:
+        """The step is done on the device: what was freed while it ran becomes free."""
+        for block_id in self._held.pop(step, []):
+            self._release_now(block_id)
+
     def _release(self, block_id: int) -> None:
+        if self.hold_for is not None:
+            self._held.setdefault(self.hold_for, []).append(block_id)
+            return
+        self._release_now(block_id)
+
+    def _release_now(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} freed twice"
         block.ref_count -= 1

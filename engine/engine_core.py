@@ -5,6 +5,7 @@ No tokenizer work happens here beyond loading it: LLMEngine (offline) and the wo
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own
     served_model_name: str | None = None  # None: the model directory's name
     enforce_eager: bool = False  # True: never capture CUDA graphs (the CPU never does)
-    # plan and queue each step while the device runs the one before (offline engine: LLMEngine.step)
+    # plan and queue each step while the device runs the one before (LLMEngine.step, decode workers)
     async_scheduling: bool = True
     # vLLM's speculative_config, as a dict or a SpeculativeConfig; None: one token a step (engine/spec_decode.py)
     speculative_config: SpeculativeConfig | dict | None = None
@@ -133,6 +134,7 @@ class EngineCore:
                 self._profile_step_cost(proposer, spec.num_speculative_tokens + 1, sched_cfg)
         self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer)
         self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
+        self._step_numbers = itertools.count()
 
     def _profile_step_cost(self, proposer: Proposer, tokens_per_row: int, sched_cfg: SchedulerConfig) -> None:
         """Seed the draft-length policy's cost table: a step of n one-token rows (over a scratch slot of
@@ -290,7 +292,9 @@ class EngineCore:
         updated = self.scheduler.postprocess(sched, {rid: toks for rid, (toks, _) in sampled.items()})
         return updated, _add_logprobs(updated, sampled)
 
-    def step_overlapped(self) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
+    def step_overlapped(
+        self, hold_frees: bool = False
+    ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         """One step of overlapped scheduling: plan and queue a step while the device still runs the one
         queued before it, then take that one's tokens. Returns, as `step_core` does, the sequences that got
         a token (from the step queued before) and their logprobs.
@@ -299,10 +303,14 @@ class EngineCore:
         counts it as pending, the runner reads it there (engine/model_runner.py: launch), and a request
         that stops on it (EOS, a stop token or string) has one step computed for nothing, dropped. Where a
         row needs its whole history on the host (penalties) or n > 1 children wait for their parent's
-        prompt blocks, the step in flight is finished first and the next one queued after it."""
+        prompt blocks, the step in flight is finished first and the next one queued after it.
+
+        `hold_frees`: where something besides this stream writes the KV pool (a decode worker's KV
+        receiver), a block freed while a step runs is not free until that step is done: a request that
+        ends or is preempted meanwhile may still be written by it."""
         prev, self._in_flight = self._in_flight, None
         if prev is not None and not self._can_overlap():
-            return self._resolve(prev)
+            return self._resolve(prev, hold_frees)
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             inputs_from = None
@@ -313,17 +321,30 @@ class EngineCore:
                     rows[it.request_id] if seqs[it.request_id].num_pending else -1 for it in sched.scheduled
                 ]
             step = self.runner.launch(sched, inputs_from, prev.step if prev is not None else None)
-            self._in_flight = _InFlight(sched, self.scheduler.launched(sched), step)
-        return self._resolve(prev) if prev is not None else ([], {})
+            self._in_flight = _InFlight(sched, self.scheduler.launched(sched), step, next(self._step_numbers))
+            if hold_frees:  # from here on, frees wait for this step (queued after prev: it covers prev)
+                self.block_manager.hold_for = self._in_flight.number
+        return self._resolve(prev, hold_frees) if prev is not None else ([], {})
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step is queued on the device whose tokens step_overlapped has not read yet."""
+        return self._in_flight is not None
 
     def _can_overlap(self) -> bool:
         return not self.scheduler.deferred and not any(s.params.has_penalties for s in self.scheduler.running)
 
-    def _resolve(self, done: _InFlight) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
+    def _resolve(
+        self, done: _InFlight, hold_frees: bool = False
+    ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         sampled = self.runner.collect(done.step)
+        if hold_frees and self._in_flight is None:
+            self.block_manager.hold_for = None  # nothing runs now: frees are free at once
         updated = self.scheduler.resolve(
             done.sched, done.seqs, {rid: toks for rid, (toks, _) in sampled.items()}
         )
+        if hold_frees:
+            self.block_manager.release_held(done.number)
         return updated, _add_logprobs(updated, sampled)
 
 
@@ -335,6 +356,7 @@ class _InFlight:
     sched: SchedulerOutput
     seqs: list[Sequence]
     step: LaunchedStep
+    number: int  # frees held while it runs wait for it (BlockManager.hold_for)
 
 
 def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:

@@ -3,6 +3,7 @@ outbox, and when, for a prompt prefilled elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -21,9 +22,17 @@ from serving.messages.to_engine import Abort, Admit, KVArrived
 from tests.hf_reference import tiny_worker_config
 
 
+def make_core(tmp_path: Path, overlapped: bool) -> DecodeCore:
+    config = tiny_worker_config(tmp_path, "decode-test")
+    engine = dataclasses.replace(config.engine, async_scheduling=overlapped)
+    return DecodeCore(dataclasses.replace(config, engine=engine))
+
+
 @pytest.fixture
 def core(tmp_path: Path):
-    core = DecodeCore(tiny_worker_config(tmp_path, "decode-test"))
+    """These tests pin down which call each message leaves in: the in-order step (the overlapped one
+    emits a step's tokens one call later, tested below)."""
+    core = make_core(tmp_path, overlapped=False)
     yield core
     core.receiver.close()
 
@@ -157,3 +166,47 @@ def test_kv_done_before_every_byte_landed_never_blocks_the_loop(core: DecodeCore
     assert core.scheduler.seqs["r6"].output_token_ids == [42]
     assert "r6" not in core.landing
     ch.close()
+
+
+def take(core: DecodeCore, out: list[FromEngine], tokens: dict[str, list[int]]) -> None:
+    """Collect the step's tokens; a request whose blocks were just reserved is prefilled elsewhere now."""
+    for m in out:
+        if isinstance(m, Tokens):
+            tokens[m.request_id] += list(m.token_ids)
+        if isinstance(m, BlocksReserved):
+            prefill_elsewhere(core, m.request_id, list(m.block_ids), first_token=42 + int(m.request_id[1:]))
+
+
+def test_overlapped_steps_stream_the_in_order_tokens_and_hold_frees_until_their_step_is_done(
+    tmp_path: Path,
+) -> None:
+    """Overlapped steps (the default): the same tokens as the in-order core, a request aborted while its
+    step is in flight frees its blocks only once that step is done, and nothing stays held at the end."""
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 20, 7)]
+    streams = []
+    for overlapped in (False, True):
+        core = make_core(tmp_path / str(overlapped), overlapped)
+        tokens: dict[str, list[int]] = {f"r{i}": [42 + i] for i in range(len(params))}
+
+        for i, p in enumerate(params):
+            core.handle(admit(f"r{i}", range(10 + i, 30 + 3 * i), p))
+            take(core, core.step(), tokens)
+        held_while_in_flight = None
+        for _ in range(400):
+            if not core.has_work():
+                break
+            take(core, core.step(), tokens)
+            if overlapped and held_while_in_flight is None and len(tokens["r1"]) > 5:
+                assert core.engine.in_flight
+                free_before = core.blocks.num_free_blocks
+                core.handle(Abort("r1"))
+                held_while_in_flight = core.blocks.num_free_blocks == free_before
+        streams.append(tokens)
+        assert core.blocks.num_free_blocks == core.blocks.num_blocks
+        core.receiver.close()
+        if overlapped:
+            assert held_while_in_flight  # r1's blocks waited for the step that was still writing them
+    in_order, overlapped_tokens = streams
+    assert overlapped_tokens["r0"] == in_order["r0"] and overlapped_tokens["r2"] == in_order["r2"]
+    assert len(in_order["r0"]) == 12 and len(in_order["r2"]) == 7
+    assert overlapped_tokens["r1"] == in_order["r1"][: len(overlapped_tokens["r1"])]
