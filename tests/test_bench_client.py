@@ -177,60 +177,58 @@ def _counter(url: str, name: str) -> float:
     raise AssertionError(f"{name} not on {url}/metrics")
 
 
-@pytest.mark.slow
-def test_bench_against_the_cpu_stack(tmp_path, bundled_model_dir):
-    from PIL import Image
-
+@pytest.fixture(scope="module")
+def served(bundled_model_dir):
+    """The CPU stack: router, one prefill and one decode worker, the gateway; its URL."""
     from tests.cluster import start_cluster
     from tests.test_gateway import start_gateway
 
     cluster = start_cluster(1, 1, "tcp")
     try:
-        proc, url = start_gateway(cluster.router, "--api-key", "sk-bench")
+        proc, url = start_gateway(cluster.router, "--api-key", KEY)
         try:
-            before = _counter(url, "pdserve:generation_tokens_total")
-            prompt_before = _counter(url, "pdserve:prompt_tokens_total")
-            png = tmp_path / "bench.png"
-            cmd = [
-                sys.executable,
-                "-m",
-                "serving.cli",
-                "bench",
-                "--base-url",
-                url,
-                "--api-key",
-                "sk-bench",
-                "--dataset-name",
-                "random",
-                "--num-prompts",
-                "8",
-                "--random-input-len",
-                "32",
-                "--random-output-len",
-                "8",
-                "--max-concurrency",
-                "4",
-                "--save-result",
-                "--result-dir",
-                str(tmp_path),
-                "--result-filename",
-                "r.json",
-                "--plot",
-                str(png),
-                "--goodput",
-                "ttft:60000",
-            ]
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            assert run.returncode == 0, run.stdout + run.stderr
-            gateway_tokens = _counter(url, "pdserve:generation_tokens_total") - before
-            gateway_prompt = _counter(url, "pdserve:prompt_tokens_total") - prompt_before
+            yield url
         finally:
             proc.terminate()
             proc.wait(timeout=30)
     finally:
         cluster.stop()
 
-    r = json.loads((tmp_path / "r.json").read_text())
+
+KEY = "sk-bench"
+
+
+def _bench(url: str, tmp_path, *flags: str) -> tuple[dict, str, float, float]:
+    """`pdserve bench` as a subprocess: its result JSON, its stdout, and the gateway's generated and prompt
+    token counters' rise over the run."""
+    names = ("pdserve:generation_tokens_total", "pdserve:prompt_tokens_total")
+    before = [_counter(url, n) for n in names]
+    cmd = [sys.executable, "-m", "serving.cli", "bench", "--base-url", url, "--api-key", KEY]
+    cmd += ["--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json", *flags]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    generated, prompt = (_counter(url, n) - b for n, b in zip(names, before))
+    return json.loads((tmp_path / "r.json").read_text()), run.stdout, generated, prompt
+
+
+@pytest.mark.slow
+def test_bench_random_completions_against_the_cpu_stack(served, tmp_path):
+    from PIL import Image
+
+    png = tmp_path / "bench.png"
+    flags = ["--dataset-name", "random", "--num-prompts", "8", "--random-input-len", "32"]
+    flags += [
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--plot",
+        str(png),
+        "--goodput",
+        "ttft:60000",
+    ]
+    r, stdout, gateway_tokens, gateway_prompt = _bench(served, tmp_path, *flags)
+
     assert r["completed"] == 8 and r["failed"] == 0 and r["num_prompts"] == 8
     assert r["total_output_tokens"] == 8 * 8 == gateway_tokens
     assert r["output_lens"] == [8] * 8
@@ -255,8 +253,22 @@ def test_bench_against_the_cpu_stack(tmp_path, bundled_model_dir):
         "date",
     ):
         assert key in r
-    assert "Serving Benchmark Result" in run.stdout
+    assert "Serving Benchmark Result" in stdout
 
     img = np.asarray(Image.open(png).convert("L"))
     assert img.shape == (450, 1500)
     assert img.std() > 10 and (img < 128).mean() > 0.01  # not blank: axes, text and curves drawn
+
+
+@pytest.mark.slow
+def test_bench_chat_with_shared_prefixes_at_a_request_rate(served, tmp_path):
+    flags = ["--backend", "openai-chat", "--dataset-name", "prefix-repetition", "--num-prompts", "4"]
+    flags += ["--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "8"]
+    flags += ["--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "6"]
+    flags += ["--request-rate", "20", "--burstiness", "0.5", "--percentile-metrics", "ttft,e2el"]
+    r, _stdout, gateway_tokens, _prompt = _bench(served, tmp_path, *flags)
+    assert r["completed"] == 4 and r["endpoint_type"] == "openai-chat"
+    assert r["total_output_tokens"] == 4 * 6 == gateway_tokens
+    assert r["request_rate"] == 20.0 and r["burstiness"] == 0.5
+    assert "mean_tpot_ms" not in r and r["p99_ttft_ms"] >= r["median_ttft_ms"] > 0
+    assert all(text for text in r["generated_texts"])  # chat deltas' content collected
