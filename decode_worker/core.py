@@ -72,19 +72,7 @@ class DecodeCore:
         }
 
     def counters(self) -> dict[str, int]:
-        """Speculative decoding's counters so far (empty when it does not speculate)."""
-        if self.scheduler.proposer is None:
-            return {}
-        stats = self.scheduler.spec_stats
-        out = {
-            "spec_decode_num_drafts": stats.num_drafts,
-            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
-        }
-        out.update(
-            {f"spec_decode_num_accepted_tokens_per_pos/{i}": n for i, n in enumerate(stats.accepted_per_pos)}
-        )
-        return out
+        return self.engine.counters()
 
     def has_work(self) -> bool:
         return bool(

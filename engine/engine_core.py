@@ -217,6 +217,28 @@ class EngineCore:
         eos = self.model_config.eos_token_id
         return set(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
 
+    def counters(self) -> dict[str, int]:
+        """The engine's running counts under vLLM's metric names (serving/worker_metrics.py exports them):
+        prompt and generated tokens, preemptions, prefix-cache queries and hits (in tokens), finished
+        requests by reason (`request_success/<reason>`), and speculative decoding's when it speculates."""
+        s, bm = self.scheduler, self.block_manager
+        out = {
+            "prompt_tokens": s.num_prompt_tokens,
+            "generation_tokens": s.num_generation_tokens,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+        }
+        out.update({f"request_success/{reason}": n for reason, n in s.finished_by_reason.items()})
+        if s.proposer is not None:
+            stats = s.spec_stats
+            out["spec_decode_num_drafts"] = stats.num_drafts
+            out["spec_decode_num_draft_tokens"] = stats.num_draft_tokens
+            out["spec_decode_num_accepted_tokens"] = stats.num_accepted_tokens
+            for i, n in enumerate(stats.accepted_per_pos):
+                out[f"spec_decode_num_accepted_tokens_per_pos/{i}"] = n
+        return out
+
     def describe(self) -> dict:
         """The model and cache limits a worker reports about itself (fixed for the process's life)."""
         return {

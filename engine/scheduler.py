@@ -117,6 +117,10 @@ class Scheduler:
         self.deferred: list[Sequence] = []  # n > 1 children waiting for their parent's prompt blocks
         self.num_preemptions = 0
         self.seqs: dict[str, Sequence] = {}  # every unfinished request by id
+        # running counts for metrics: prompt tokens first admitted, tokens generated, requests finished
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.finished_by_reason: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
@@ -198,6 +202,7 @@ class Scheduler:
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed
                 self.block_manager.record_prefix_query(seq.num_tokens, num_computed)
+                self.num_prompt_tokens += seq.num_prompt_tokens
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             scheduled.append(self._plan(seq, num_new))
@@ -311,6 +316,7 @@ class Scheduler:
             seq.new_tokens = 0
             for token in tokens:
                 seq.append_token(token)
+                self.num_generation_tokens += 1
                 seq.new_tokens += 1
                 status = self.stop_status(seq)
                 if status is not None:
@@ -361,6 +367,7 @@ class Scheduler:
                 continue
             if item.sample:
                 seq.append_token(sampled[item.request_id][0])  # no drafts here: one token each
+                self.num_generation_tokens += 1
                 seq.new_tokens = 1
             # every computed position's token is known now (one step is in flight at most): hash them
             self.block_manager.cache_computed_blocks(seq)
@@ -381,7 +388,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a request wherever it is and free its blocks."""
-        self.seqs.pop(seq.request_id, None)
+        if self.seqs.pop(seq.request_id, None) is not None and status.finish_reason is not None:
+            reason = status.finish_reason
+            self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.deferred:

@@ -89,6 +89,9 @@ class PrefillCore:
             "num_total_blocks": self.blocks.num_blocks,
         }
 
+    def counters(self) -> dict[str, int]:
+        return self.engine.counters()
+
     def has_work(self) -> bool:
         self._expire_parked()
         return bool(self.scheduler.has_unfinished() or self.outbox)

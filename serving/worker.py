@@ -82,7 +82,7 @@ async def run_worker(
     if metrics_port:
         from serving.worker_metrics import serve_metrics
 
-        serve_metrics(metrics_port, lambda: engine.counters, engine.info["model"])
+        serve_metrics(metrics_port, lambda: engine.load, lambda: engine.counters, engine.info["model"])
         logger.info("%s serves /metrics on port %d", service_name, metrics_port)
     logger.info("%s ready on port %d", service_name, port)
     watch = asyncio.create_task(_watch_engine(engine, stop))
