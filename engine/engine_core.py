@@ -19,7 +19,7 @@ from engine import trace
 from engine.block_hash import extra_keys
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.model_runner import LaunchedStep, ModelRunner, Sampled
+from engine.model_runner import LaunchedStep, ModelRunner, Sampled, kv_bytes_per_block
 from engine.prompt_checks import check_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -108,7 +108,7 @@ class EngineCore:
             max_num_seqs=sched_cfg.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=config.enforce_eager,
-            extra_bytes_per_block=_kv_bytes_per_block(draft[1], config.cache.block_size, self.dtype)
+            extra_bytes_per_block=kv_bytes_per_block(draft[1], config.cache.block_size, self.dtype)
             if draft
             else 0,
         )
@@ -379,11 +379,6 @@ class _InFlight:
     seqs: list[Sequence]
     step: LaunchedStep
     number: int  # frees held while it runs wait for it (BlockManager.hold_for)
-
-
-def _kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 def _add_logprobs(updated: list[Sequence], sampled: Sampled) -> dict[str, list[dict[int, float]]]:

@@ -98,8 +98,7 @@ class ModelRunner:
         )  # fmt: skip
 
     def bytes_per_block(self) -> int:
-        per_token = 2 * self.num_layers * self.kv_shape_tail[1] * self.kv_shape_tail[2]
-        return per_token * self.block_size * torch.empty((), dtype=self.dtype).element_size()
+        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:
@@ -371,6 +370,12 @@ class ModelRunner:
 
 
 Sampled = dict[str, tuple[list[int], list[dict[int, float] | None]]]
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of a model's KV cache takes: K and V of every layer and kv head."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 class DraftModel:
