@@ -185,10 +185,10 @@ def test_model_forward_triton_matches_torch_and_captures(dtype, monkeypatch):
     same forward captured in a CUDA graph and replayed."""
     model, c = load_model("SmolLM2-135M", load_format="dummy", device=DEV, dtype=dtype)
     kv = torch.randn(
-        c.num_hidden_layers, 2, 64, 16, c.num_key_value_heads, c.head_dim, device=DEV, dtype=dtype
+        c.num_hidden_layers, 2, 8 * 13, 16, c.num_key_value_heads, c.head_dim, device=DEV, dtype=dtype
     )
     seq_lens = [1, 17, 40, 100, 64, 5, 200, 33]
-    tables = [list(range(8 * i, 8 * i + 8)) for i in range(8)]
+    tables = [list(range(13 * i, 13 * i + 13)) for i in range(8)]  # 13 pages of 16 hold 200 tokens
     meta = AttentionMetadata.build([1] * 8, seq_lens, tables, 16, DEV)
     ids = torch.randint(0, c.vocab_size, (8,), device=DEV)
     positions = torch.tensor([n - 1 for n in seq_lens], device=DEV)
