@@ -168,19 +168,31 @@ def time_phases(engine: Any) -> dict[str, Any]:
         wrap(runner.graphs.inputs, "upload", "graph inputs: upload")
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.scheduler, "postprocess", "postprocess")
-    wrap(runner, "run", "runner.run (all)")
+    wrap(runner, "run", "runner.run (all, steps in order)")
+    wrap(runner, "launch", "runner.launch (overlapped: inputs, forward, sampling queued)")
+    wrap(runner, "collect", "runner.collect (overlapped: waits for the step's tokens)")
     wrap(runner, "_replay", "forward launch (graph: fill + upload + replay)")
     wrap(runner, "_forward_eager", "forward launch (eager)")
     wrap(runner.model, "compute_logits", "compute_logits launch")
     sampler = runner.sampler
 
     class TimedSampler:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(sampler, name)
+
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             try:
                 return sampler(*args, **kwargs)
             finally:
                 totals["sampler (incl. waiting for the GPU)"] += time.perf_counter() - t
+
+        def queue(self, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return sampler.queue(*args, **kwargs)
+            finally:
+                totals["sampler queue (overlapped)"] += time.perf_counter() - t
 
     runner.sampler = TimedSampler()
     restore.append(lambda: setattr(runner, "sampler", sampler))
