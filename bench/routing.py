@@ -467,10 +467,9 @@ def markdown(
         f"The other policies at {fleets[0][0]} workers",
         f"(hit rate, p90 TTFT): {others}.",
         "",
-        f"Tried and did not pay ({fleets[0][0]} workers; the tuning table in `docs/routing.md`):",
-        "- A tight queue guard instead of the share penalty (`balance_slack` 512): 91.5% of the oracle, p90 194 ms.",
-        "- No share penalty (queue guard only): busiest worker 1.73x the mean.",
-        "- `per_token_cost` 2: the busiest worker 1.48x the mean at 64 workers, for 0.3% more hits.",
+        f"Tried and did not pay ({fleets[0][0]} workers; the tuning table in `docs/routing.md`): a tight queue guard "
+        "instead of the",
+        "share penalty, no share penalty, `per_token_cost` 2.",
     ]
     return "\n".join(lines) + "\n"
 
