@@ -38,8 +38,6 @@ class DecodeCore:
         self.config = config
         self.engine = EngineCore(config.engine)
         self.scheduler = self.engine.scheduler
-        cfg = self.engine.config
-        self._overlap = cfg.async_scheduling and cfg.speculative_config is None
         self.blocks = self.engine.block_manager
         self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
         self.pending: deque[Sequence] = deque()
@@ -215,10 +213,8 @@ class DecodeCore:
             return out
         self._held_back = False
         if self.scheduler.has_unfinished() or self.engine.in_flight:
-            if self._overlap:  # its KV receiver writes the pool too: frees wait for the step in flight
-                updated, logprobs = self.engine.step_overlapped(hold_frees=True)
-            else:
-                updated, logprobs = self.engine.step_core()
+            # its KV receiver writes the pool too: frees wait for an overlapped step in flight
+            updated, logprobs = self.engine.run_step(hold_frees=True)
             for seq in updated:
                 self._emit(seq, logprobs.get(seq.request_id) or [])
         out, self.outbox = self.outbox, []

@@ -314,6 +314,21 @@ class EngineCore:
         updated = self.scheduler.postprocess(sched, {rid: toks for rid, (toks, _) in sampled.items()})
         return updated, _add_logprobs(updated, sampled)
 
+    def run_step(self, hold_frees: bool = False) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
+        """The engine's step as configured: overlapped (`async_scheduling`) where it can be, else in order.
+
+        Drafts start from the known tokens, so a speculating engine steps in order while its policy would
+        draft, and overlaps its plain steps where it would not (the step in flight is read first when
+        drafting resumes). `hold_frees`: as for step_overlapped."""
+        if not self.config.async_scheduling:
+            return self.step_core()
+        if self.scheduler.would_draft():
+            prev, self._in_flight = self._in_flight, None
+            if prev is not None:
+                return self._resolve(prev, hold_frees)
+            return self.step_core()
+        return self.step_overlapped(hold_frees)
+
     def step_overlapped(
         self, hold_frees: bool = False
     ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
@@ -333,7 +348,7 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         if prev is not None and not self._can_overlap():
             return self._resolve(prev, hold_frees)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(drafts=False)
         if not sched.is_empty:
             inputs_from = None
             if prev is not None:

@@ -60,9 +60,7 @@ class LLMEngine(EngineCore):
     # ---- the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        # drafts are made from the known tokens, so a speculating engine steps in order
-        overlap = self.config.async_scheduling and self.config.speculative_config is None
-        updated, _ = self.step_overlapped() if overlap else self.step_core()
+        updated, _ = self.run_step()
         touched: dict[str, RequestState] = {}
         for seq in updated:
             state = self.requests[seq.request_id.rsplit("#", 1)[0]]

@@ -151,7 +151,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running or len(self.waiting) or self.deferred)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: bool = True) -> SchedulerOutput:
+        """The next step's plan. `drafts=False`: no speculative drafts in it (an overlapped step, planned
+        before the tokens a draft would start from are known)."""
         self._release_deferred()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
@@ -168,7 +170,7 @@ class Scheduler:
             budget -= num_new
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
-        if self.proposer is not None:
+        if self.proposer is not None and drafts:
             budget = self._add_drafts(scheduled, budget)
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
@@ -245,6 +247,20 @@ class Scheduler:
             item.block_table = list(seq.block_table)
             budget -= len(draft)
         return budget
+
+    def would_draft(self) -> bool:
+        """Whether the proposer's policy gives any running request a draft in a decode step of the running
+        batch now: where none would pay (a large batch, verification dear against a plain step, low
+        acceptance), the engine may overlap its steps instead (engine/engine_core.py: run_step)."""
+        if self.proposer is None:
+            return False
+        rows = [s for s in self.running if s.status == SequenceStatus.RUNNING and not s.params.has_penalties]
+        if not rows:
+            return False
+        n = len(self.running)
+        threshold = self.proposer.threshold(n, n, len(rows))
+        k = self.proposer.config.num_speculative_tokens
+        return any(self.proposer.length(s.spec_stats, threshold, k) > 0 for s in rows)
 
     def _may_draft(self, item: ScheduledSeq) -> bool:
         """A request without penalties whose one token to run is its newest (a decode row, or a prompt's

@@ -420,7 +420,7 @@ def test_a_step_where_drafts_do_not_pay_is_a_plain_decode_step(tiny, batch):
     with_oracle(llm, batch, plain, 4, 1000)  # drafts that would all be accepted
     steps = []
     schedule = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]  # type: ignore[method-assign]
+    llm.engine.scheduler.schedule = lambda **kw: steps.append(schedule(**kw)) or steps[-1]  # type: ignore[method-assign]
     assert outputs(llm, batch, params) == plain
     decode_only = [s for s in steps if all(len(it.token_ids) - it.num_draft == 1 for it in s.scheduled)]
     assert len(decode_only) > 30
@@ -428,6 +428,29 @@ def test_a_step_where_drafts_do_not_pay_is_a_plain_decode_step(tiny, batch):
     # a draft may still pay beside a long prefill chunk, whose time it hardly adds to
     prefill_steps = len(steps) - len(decode_only)
     assert llm.engine.scheduler.spec_stats.num_drafts <= prefill_steps * len(batch)
+
+
+def test_plain_steps_overlap_and_drafting_resumes_when_it_pays(tiny, batch):
+    """Where no request would gain from a draft, a speculating engine overlaps its plain steps (queued
+    before the last one's tokens are read); as the batch shrinks and drafts pay again it steps in order
+    and drafts. Greedy output is the plain engine's across the switches, nothing held after."""
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    plain = outputs(engine(tiny), batch, params)
+    llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    proposer = llm.engine.scheduler.proposer
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):  # a step of n tokens takes 1 + n/2: each token is dear
+        proposer.cost.observe(n, 1.0 + 0.5 * n)
+    proposer.cost.observe = lambda n, t: None  # type: ignore[method-assign]  # keep this cost
+    with_oracle(llm, batch, plain, 4, 3)
+    runner, launches = llm.engine.runner, []
+    launch = runner.launch
+    runner.launch = lambda *a, **kw: launches.append(1) or launch(*a, **kw)  # type: ignore[method-assign]
+    assert llm.engine.scheduler.would_draft() is False  # nothing runs yet
+    assert outputs(llm, batch, params) == plain
+    stats = llm.engine.scheduler.spec_stats
+    assert len(launches) > 10  # 7 rows: a draft's 0.7 prior is under the threshold 3.5 / 4.5, so overlapped
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens > 0  # a row or two left: drafts pay
+    assert llm.engine.in_flight is False
 
 
 # ---- a separate draft model -------------------------------------------------------------------------------
