@@ -5,7 +5,8 @@ launches them all at once. What the graphs hold and how a step uses them:
 
 - Buckets (`capture_sizes`): 1, 2, 4, then every multiple of 8 (vLLM's sizes) below
   min(max_num_seqs, 512), then that cap itself. A decode-only step of n rows replays the smallest bucket
-  >= n. Steps that are not decode-only (prefill chunks, mixed) and larger batches run eagerly.
+  >= n; a speculative verification step replays them too, a row per verified position
+  (engine/model_runner.py: _replay). Steps with prompt chunks and larger batches run eagerly.
 - Static inputs (`StaticInputs`): one device buffer that every graph reads: token ids, positions, slot
   mapping, seq lens, query start offsets and block tables of ceil(max_model_len / block_size) columns.
   A step fills its pinned host twin and uploads the bucket's part in one copy, then replays, so no graph

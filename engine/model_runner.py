@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -258,16 +258,17 @@ class ModelRunner:
             drafted_host = drafted.to("cpu", non_blocking=True) if drafted.is_cuda else drafted
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
-        hidden = self._replay(items, patch)
+        hidden = self._replay(items, patches)
         if self.draft is not None:  # the draft model's KV follows every token the target computes
             self.draft.catch_up([it for it in items if not it.num_draft])
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
         offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
-        if hidden is not None:  # row i is item i (no drafts: a graph's step is decode-only)
+        if hidden is not None and not any(it.num_draft for it in items):  # row i is item i
             rows = None if len(sampling) == len(items) else sampling
-        else:
-            hidden = self._forward_eager(items, patches)
+        else:  # a row per token, items in order (eager, or a verification replayed as decode rows)
+            if hidden is None:
+                hidden = self._forward_eager(items, patches)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
         if not sampling:
@@ -306,11 +307,29 @@ class ModelRunner:
             at += len(draft) + 1
         return out
 
-    def _replay(self, items: list[ScheduledSeq], patch: _Patch | None = None) -> torch.Tensor | None:
-        """The forward pass from a decode graph, or None when the step has none (not decode-only, too big)."""
-        if self.graphs is None or any(len(it.token_ids) != 1 for it in items):
+    def _replay(self, items: list[ScheduledSeq], patches: list[_Patch] | None = None) -> torch.Tensor | None:
+        """The forward pass from a decode graph, a row per token, or None when the step has none (a prompt
+        chunk in it, too many rows). A row verifying a k-token draft is k + 1 decode rows, one per position,
+        each attending up to its own position over the row's blocks: each layer writes every row's K/V
+        before attending, so position j sees the draft's earlier positions as a prompt chunk would."""
+        if self.graphs is None or any(len(it.token_ids) != 1 + it.num_draft for it in items):
             return None
-        return self.graphs.replay(items, patch.apply_rows if patch is not None else None)
+        rows = items
+        if any(it.num_draft for it in items):
+            rows = [
+                replace(it, token_ids=[t], start_pos=it.start_pos + j, num_draft=0)
+                for it in items
+                for j, t in enumerate(it.token_ids)
+            ]
+        if not patches:
+            return self.graphs.replay(rows)
+        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+
+        def patch(ids: torch.Tensor) -> None:
+            for p in patches:  # as in _forward_eager: the rows are the step's tokens in order
+                p.apply(ids, p.rows if p.flat else [ends[i] - 1 for i in p.rows])
+
+        return self.graphs.replay(rows, patch)
 
     @torch.inference_mode()
     def _draft_passes(self, items: list[ScheduledSeq], drafting: list[int]) -> torch.Tensor:
@@ -445,7 +464,3 @@ class _Patch:
     def apply(self, ids: torch.Tensor, dst: list[int]) -> None:
         index = upload(torch.tensor([dst, self.src], dtype=torch.long), ids.device)
         ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]).to(ids.dtype))
-
-    def apply_rows(self, ids: torch.Tensor) -> None:
-        """The same into a decode batch's ids, where item i is row i."""
-        self.apply(ids, self.rows)

@@ -453,6 +453,34 @@ def test_plain_steps_overlap_and_drafting_resumes_when_it_pays(tiny, batch):
     assert llm.engine.in_flight is False
 
 
+def test_verification_replays_the_decode_graphs_as_one_row_per_position(tiny, batch):
+    """A verification step replays the decode graphs (here their static-buffer stand-in on the CPU), each
+    row's k + 1 positions as k + 1 decode rows: one request at a time verifying 3-token drafts uses the
+    4-row bucket, and every token is the plain engine's; self_draft's drafts (written into the replayed
+    inputs on the device) too."""
+    from engine.attention import DecodeGraphPlan
+    from tests.test_cuda_graph import with_static_graphs
+
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
+    plain = outputs(engine(tiny), batch, params)
+    classes = [DecodeGraphPlan(160, 1, 0)]
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+        {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1, "adaptive": False},
+    ):
+        llm = engine(tiny, speculative_config=spec)
+        graphs = with_static_graphs(llm, [1, 2, 4, 8, 16, 32], plans=lambda b: classes)
+        if spec["method"] == "ngram":
+            with_oracle(llm, batch, plain, 3, 3)
+        got = [outputs(llm, [p], [sp])[0] for p, sp in zip(batch, params)]  # one request at a time
+        assert got == plain
+        stats = llm.engine.scheduler.spec_stats
+        assert stats.num_drafts > 20 and stats.num_accepted_tokens > 0
+        assert graphs.replay_counts[(4, 0)] > 20  # one row + its 3 drafted positions
+        assert outputs(llm, batch, params) == plain  # and the whole batch at once: 7 x 4 rows, bucket 32
+        assert graphs.replay_counts[(32, 0)] > 0
+
+
 # ---- a separate draft model -------------------------------------------------------------------------------
 
 
