@@ -42,7 +42,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
-    """Flags `python -m gateway.stack` shares with `pdserve gateway`."""
+    """Flags about serving HTTP requests (`pdserve serve` takes them from here, with the rest)."""
     p.add_argument(
         "--max-request-bytes",
         type=int,
