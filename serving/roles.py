@@ -227,7 +227,15 @@ async def _wait_healthy(
     while time.monotonic() < deadline and not signals.stopping:
         if supervisor.any_exited():
             return False
-        if all(await asyncio.gather(*(healthy(c) for c in children))):
+        if await _all_healthy(children, healthy):
             return True
         await asyncio.sleep(0.5)
     return False
+
+
+async def _all_healthy(children: list[Child], healthy: Callable[[Child], Awaitable[bool]]) -> bool:
+    """In their order, up to the first that is not: `serve`'s gateway is asked once the cluster serves."""
+    for child in children:
+        if not await healthy(child):
+            return False
+    return True
