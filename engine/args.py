@@ -21,21 +21,58 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=None, help="HF model dir, GGUF file or dummy shape (default: bundled SmolLM2)"
     )
-    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="how to read the weights; dummy: random weights of a named shape (default: by the files)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output in tokens (default: the model's)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory for weights, activations and the KV cache (default: 0.9)",
+    )
     p.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV cache on the CPU")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="this many KV blocks, whatever memory says"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default: 256)")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="most tokens one step computes, prompt chunks included (default: the scheduler's budget)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes computed before (default on)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over several steps, beside running decodes (default on)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: first come, first served; priority: by the request's priority, then arrival",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (default: 0)")
     p.add_argument(
         "--enforce-eager",
         action="store_true",

@@ -25,8 +25,8 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default="127.0.0.1:50051", help="the router's gRPC address")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server listens on")
+    p.add_argument("--port", type=int, default=8000, help="the HTTP port (default: 8000)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY") or None,
@@ -36,11 +36,13 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="tokenizer directory for logprobs' token text (default: bundled)"
     )
     add_serving_args(p)
-    p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument(
+        "--uvicorn-log-level", default="warning", help="uvicorn's own log level (default: warning)"
+    )
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
-    """Flags `python -m gateway.stack` shares with `pdserve gateway`."""
+    """Flags about serving HTTP requests (`pdserve serve` takes them from here, with the rest)."""
     p.add_argument(
         "--max-request-bytes",
         type=int,

@@ -26,9 +26,12 @@ class NoWorkersError(RuntimeError):
     """No live prefill worker: the router answers UNAVAILABLE."""
 
 
+LOCAL_PREFILL = ""  # a decision's prefill_worker when the decode worker prefills the prompt itself
+
+
 @dataclass(frozen=True, slots=True)
 class RoutingDecision:
-    prefill_worker: str
+    prefill_worker: str  # LOCAL_PREFILL: none, the decode worker prefills (aggregated serving)
     decode_worker: str | None  # None when no decode worker is live: the prefill worker decodes too
     matched_blocks: int  # leading prompt blocks the index says the prefill worker holds (0: not asked)
     uncached_tokens: int  # prompt tokens the prefill worker is expected to compute

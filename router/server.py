@@ -1,4 +1,5 @@
 """gRPC Router service: tokenize, pick a prefill and a decode worker, stream detokenized tokens back.
+Configured with no prefill workers, it picks a decode worker alone, which prefills (router/aggregated.py).
 
 Workers are found by address (flags); a poller asks each for its load every `poll_s` and keeps what it
 learns in the router's own table (router/workers.py): a worker is routed to from its first answer, and
@@ -29,6 +30,7 @@ from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.admission import admit
+from router.aggregated import DecodeOnlyRouter
 from router.errors import SHUTTING_DOWN, Stop, decode_failure
 from router.fallback_index import FallbackIndex
 from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
@@ -116,7 +118,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         )
         self.metrics = RouterMetrics()
         self.index = FallbackIndex(index or _make_index(config), retry_s=config.poll_s, metrics=self.metrics)
-        self.router: PrefixRouter | None = None
+        self.router: PrefixRouter | DecodeOnlyRouter | None = None
         self.channels = {
             a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
             for a in (*config.prefill, *config.decode)
@@ -194,13 +196,16 @@ class RouterServicer(pb_grpc.RouterServicer):
     def _learn_model(self, reply: pb.WorkerLoad) -> None:
         if self.router is not None:
             return
-        self.router = PrefixRouter(
-            self.index,
-            make_policy(self.config.policy),
-            block_size=reply.block_size,
-            speculate_ttl=self.config.speculate_ttl_s,
-            live=self.workers.routable,
-        )
+        if not self.config.prefill:  # aggregated serving
+            self.router = DecodeOnlyRouter(reply.block_size, self.workers.routable)
+        else:
+            self.router = PrefixRouter(
+                self.index,
+                make_policy(self.config.policy),
+                block_size=reply.block_size,
+                speculate_ttl=self.config.speculate_ttl_s,
+                live=self.workers.routable,
+            )
         self.model_info = pb.ModelInfo(
             model=self.config.served_model_name,
             max_model_len=reply.max_model_len,

@@ -56,6 +56,10 @@ class WorkerTable:
         self.metrics = metrics
         self._clock = clock
         self._workers = {a: _Worker(a, role) for a, role in roles.items()}
+        # configured without prefill workers (aggregated serving): decode workers alone can serve
+        self._needs = [("decode", DECODE_ROLES)]
+        if any(role in PREFILL_ROLES for role in roles.values()):
+            self._needs.insert(0, ("prefill", PREFILL_ROLES))
         self._view: dict[str, WorkerLoad] | None = None
         for w in self._workers.values():
             metrics.worker_up.labels(w.address, w.role).set(0)
@@ -123,8 +127,9 @@ class WorkerTable:
         return self._workers[address].state
 
     def not_serving_reason(self) -> str | None:
-        """None while an UP worker can prefill and one can decode; else why not, as a plain sentence."""
-        for kind, roles in (("prefill", PREFILL_ROLES), ("decode", DECODE_ROLES)):
+        """None while an UP worker can prefill (if any is configured) and one can decode; else why not, as a
+        plain sentence."""
+        for kind, roles in self._needs:
             if not any(w.state is State.UP and w.role in roles for w in self._workers.values()):
                 return self.no_worker(kind)
         return None

@@ -1,5 +1,5 @@
-"""The `pdserve` command: offline generation, every served role (router, prefill, decode, gateway), `up` and
-`health`."""
+"""The `pdserve` command: offline generation, every served role (router, prefill, decode, gateway), `up`,
+`serve` and `health`."""
 
 from __future__ import annotations
 
@@ -59,10 +59,12 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated LLM inference")
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR, for every process started"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     gen = sub.add_parser("generate", help="stream the model's answer to one prompt to the terminal")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt, or the user message with --chat")
     gen.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
@@ -70,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap the prompt in the model's chat template (default on)",
     )
     gen.add_argument("--system", default=None, help="a system message for the chat template")
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -85,12 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         add_worker_args(w)
         w.set_defaults(func=cmd_worker)
     r = sub.add_parser("router", help="run the router (gRPC)")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
+    r.add_argument("--port", type=int, default=50051, help="the gRPC port (default: 50051)")
     r.add_argument("--prefill", required=True, help="prefill worker addresses, comma separated")
     r.add_argument("--decode", required=True, help="decode worker addresses, comma separated")
     r.add_argument("--model", default=None, help="for the tokenizer and chat template (default: bundled)")
-    r.add_argument("--served-model-name", default=None)
+    r.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: its directory's)"
+    )
     r.add_argument("--policy", default="prefix_aware", help="prefix_aware, least_loaded, round_robin, random")
     r.add_argument(
         "--redis-url", default=None, help="share the prefix index through Redis (default: in memory)"
@@ -121,16 +125,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="start router + prefill and decode workers locally, in one command; "
         "other flags go to the workers",
     )
-    up.add_argument("--prefill", type=int, default=1)
-    up.add_argument("--decode", type=int, default=1)
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051)
-    up.add_argument("--model", default=None)
-    up.add_argument("--served-model-name", default=None)
-    up.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
-    up.add_argument("--policy", default="prefix_aware")
-    up.add_argument("--redis-url", default=None)
-    up.add_argument("--startup-timeout", type=float, default=600.0)
+    up.add_argument(
+        "--prefill",
+        type=int,
+        default=1,
+        help="prefill workers (default: 1; 0: aggregated, each decode worker prefills its own requests)",
+    )
+    up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    up.add_argument("--host", default="127.0.0.1", help="address the router listens on")
+    up.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default: 50051)")
+    up.add_argument(
+        "--model", default=None, help="HF model dir, GGUF file or dummy shape (default: bundled SmolLM2)"
+    )
+    up.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: its directory's)"
+    )
+    up.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=TRANSPORTS,
+        help="how prompts' KV blocks reach decode workers",
+    )
+    up.add_argument(
+        "--policy",
+        default="prefix_aware",
+        help="the router's policy: prefix_aware, least_loaded, round_robin, random",
+    )
+    up.add_argument(
+        "--redis-url", default=None, help="share the router's prefix index through Redis (default: in memory)"
+    )
+    up.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds for every process to become healthy"
+    )
     up.add_argument(
         "--metrics",
         action="store_true",
@@ -162,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.cli import add_gateway_parser
 
     add_gateway_parser(sub)
+
+    from serving.serve import add_serve_parser
+
+    add_serve_parser(sub)  # after `up` and `gateway`: it takes their flags
 
     from serving.bench_cli import add_bench_args, cmd_bench
 

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvtransfer import TRANSPORTS
@@ -16,10 +17,17 @@ from serving.supervisor import Child, StopSignals, Supervisor
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--kv-transport", default="tcp", choices=TRANSPORTS)
+    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
+    p.add_argument("--port", type=int, default=0, help="the gRPC port (default 0: a free one)")
+    p.add_argument(
+        "--worker-id", default=None, help="the worker's name to the router (default: role-host-pid)"
+    )
+    p.add_argument(
+        "--kv-transport",
+        default="tcp",
+        choices=TRANSPORTS,
+        help="how prompts' KV blocks reach decode workers",
+    )
     p.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver listens on (decode)")
     p.add_argument(
         "--local-prefill-threshold",
@@ -120,36 +128,59 @@ def free_port() -> int:
 def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start router + N prefill + M decode workers as processes; wait until healthy; keep them running
     (serving/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
+    children = cluster_children(args, passthrough)
+    return supervise(children, args.drain_timeout_s, args.startup_timeout, "up")
+
+
+def supervise(
+    children: list[Child],
+    drain_timeout_s: float,
+    startup_timeout: float,
+    command: str,
+    healthy: Callable[[Child], Awaitable[bool]] | None = None,
+    ready: str | None = None,
+) -> int:
+    """Run `children` (workers, the router, then anything else) under one Supervisor: once each is healthy
+    (`healthy`; by default the gRPC health service at its address), list them and print `ready`; then keep
+    them running until SIGTERM/SIGINT and drain them. `pdserve up`'s and `pdserve serve`'s body."""
     signals = StopSignals().install()
-    children = _children(args, passthrough)
-    supervisor = Supervisor(children, args.drain_timeout_s)
+    supervisor = Supervisor(children, drain_timeout_s)
     try:
         supervisor.start_all()
-        addresses = [c.address for c in children]
-        if not asyncio.run(_wait_healthy(addresses, supervisor, signals, args.startup_timeout)):
+        check = healthy or _grpc_healthy
+        if not asyncio.run(_wait_healthy(children, check, supervisor, signals, startup_timeout)):
             if signals.stopping:
                 return supervisor.drain(signals)
-            print("pdserve up: the cluster did not become healthy", file=sys.stderr)
+            print(f"pdserve {command}: the cluster did not become healthy", file=sys.stderr)
             return 1
-        router, workers = children[-1], children[:-1]
-        prefill = ",".join(c.address for c in workers if c.role == "prefill")
-        decode = ",".join(c.address for c in workers if c.role == "decode")
-        print(f"pdserve ready: router at {router.address} (prefill {prefill}; decode {decode})")
-        listing = {
-            "router": {"address": router.address, "pid": router.pid, "metrics_port": router.metrics_port},
-            "workers": [
-                {"role": c.role, "address": c.address, "pid": c.pid, "metrics_port": c.metrics_port}
-                for c in workers
-            ],
-        }
-        print("pdserve cluster: " + json.dumps(listing), flush=True)
+        _announce(children)
+        if ready:
+            print(ready, flush=True)
         supervisor.run(signals)
         return supervisor.drain(signals)
     finally:
         supervisor.kill_all()
 
 
-def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
+def _announce(children: list[Child]) -> None:
+    """The ready line and the `pdserve cluster: {json}` line that tools read (every pid and address)."""
+    router = next(c for c in children if c.role == "router")
+    workers = [c for c in children if c.role in ("prefill", "decode")]
+    prefill = ",".join(c.address for c in workers if c.role == "prefill")
+    decode = ",".join(c.address for c in workers if c.role == "decode")
+    print(f"pdserve ready: router at {router.address} (prefill {prefill}; decode {decode})")
+    listing: dict = {
+        "router": {"address": router.address, "pid": router.pid, "metrics_port": router.metrics_port},
+        "workers": [
+            {"role": c.role, "address": c.address, "pid": c.pid, "metrics_port": c.metrics_port}
+            for c in workers
+        ],
+    }
+    listing.update({c.role: {"address": c.address, "pid": c.pid} for c in children if c.role == "gateway"})
+    print("pdserve cluster: " + json.dumps(listing), flush=True)
+
+
+def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     """Every worker, then the router; each with the command line it is started (and restarted) with."""
     from engine.bundled import model_dir
 
@@ -179,16 +210,32 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     return children
 
 
-async def _wait_healthy(
-    addrs: list[str], supervisor: Supervisor, signals: StopSignals, timeout: float
-) -> bool:
+async def _grpc_healthy(child: Child) -> bool:
     from serving.grpc_common import check_health
 
+    return await check_health(child.address)
+
+
+async def _wait_healthy(
+    children: list[Child],
+    healthy: Callable[[Child], Awaitable[bool]],
+    supervisor: Supervisor,
+    signals: StopSignals,
+    timeout: float,
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not signals.stopping:
         if supervisor.any_exited():
             return False
-        if all(await asyncio.gather(*(check_health(a) for a in addrs))):
+        if await _all_healthy(children, healthy):
             return True
         await asyncio.sleep(0.5)
     return False
+
+
+async def _all_healthy(children: list[Child], healthy: Callable[[Child], Awaitable[bool]]) -> bool:
+    """In their order, up to the first that is not: `serve`'s gateway is asked once the cluster serves."""
+    for child in children:
+        if not await healthy(child):
+            return False
+    return True

@@ -7,7 +7,9 @@ death is reaped at once (no zombie) and the rest of its process group (a worker'
 killed with it. Each restart prints a line for tools: `pdserve restarted: {"role", "address", "pid"}`.
 
 On stop (`drain`), every child gets SIGTERM and drains itself; those still running after the drain timeout
-plus a margin are killed (a second SIGTERM/SIGINT to `up` kills them at once).
+plus a margin are killed (a second SIGTERM/SIGINT to `up` kills them at once). Children marked `stops_first`
+(`pdserve serve`'s gateway) drain and exit before the others get their SIGTERM, so the cluster behind them
+keeps serving their requests meanwhile.
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class Backoff:
 
 @dataclass
 class Child:
-    role: str  # router, prefill or decode
+    role: str  # router, prefill, decode or gateway
     address: str
     cmd: list[str]
     metrics_port: int | None = None  # its Prometheus /metrics, when it serves one
+    stops_first: bool = False  # drained before the children without it
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     failures: int = 0  # deaths in a row, each within Backoff.stable_s of its start
@@ -158,9 +161,16 @@ class Supervisor:
         logger.warning("%s died: %s; restarting in %g s", child.describe(), how_it_ended(code), delay)
 
     def drain(self, signals: StopSignals) -> int:
-        """SIGTERM every child, wait for them to drain and exit, kill stragglers. 0 if all exited 0."""
+        """SIGTERM every child (those that stop first, then the rest), wait for them to drain and exit, kill
+        stragglers. 0 if all exited 0."""
         seen = signals.count
-        live = [c for c in self.children if c.running()]
+        first = [c for c in self.children if c.stops_first]
+        rest = [c for c in self.children if not c.stops_first]
+        codes = [self._drain(group, signals, seen) for group in (first, rest) if group]
+        return max(codes, default=0)
+
+    def _drain(self, children: list[Child], signals: StopSignals, seen: int) -> int:
+        live = [c for c in children if c.running()]
         for child in live:
             child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         deadline = time.monotonic() + self.drain_timeout_s + self.stop_margin_s

@@ -3,7 +3,7 @@
 kernels/            torch, triton and the standard library only
 engine/             kernels/, never a serving layer above it
 kvtransfer/         engine/ and kernels/, never a serving layer
-serving/            what every role shares; only its CLI (cli.py, roles.py) starts roles by name
+serving/            what every role shares; only its CLI (cli.py, roles.py, serve.py) starts roles by name
 prefill_worker/,    engine/, serving/, kvtransfer/: never the router, the gateway or each other
 decode_worker/
 router/             engine/, serving/
@@ -30,7 +30,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "gateway": {"router", *WORKERS},
     "serving": ROLES,
 }
-SERVING_CLI = {"serving/cli.py", "serving/roles.py"}  # the top: it starts every role
+SERVING_CLI = {"serving/cli.py", "serving/roles.py", "serving/serve.py"}  # the top: it starts every role
 KERNELS_MAY_IMPORT = {"kernels", "torch", "triton", "numpy", *sys.stdlib_module_names}
 SKIP_DIRS = {".venv", ".git", "build", "dist", "node_modules", "__pycache__"}
 

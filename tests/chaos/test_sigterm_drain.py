@@ -1,5 +1,6 @@
-"""`make serve`'s stack drains on SIGTERM: streams in flight finish within the drain timeout, or past it end
-with a last error event and `data: [DONE]`; never a bare close, the exit status is 0, the log is clean."""
+"""`pdserve serve` (`make serve`) drains on SIGTERM: streams in flight finish within the drain timeout, or
+past it end with a last error event and `data: [DONE]`; never a bare close, the exit status is 0, the log is
+clean."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ SMALL = ["--cpu-kv-cache-space", "0.1", "--max-model-len", "1024", "--dtype", "f
 
 def start_stack(log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port, router_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "gateway.stack", "--port", str(port), "--router-port", str(router_port)]
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port)]
+    cmd += ["--router-port", str(router_port)]
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*cmd, *SMALL, *extra],
