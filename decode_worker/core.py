@@ -23,6 +23,7 @@ from collections import deque
 
 from engine import trace
 from engine.engine_core import EngineCore
+from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
 from kvtransfer import KVTransferError, create_receiver
 from serving.engine_proc import id_list
@@ -145,11 +146,24 @@ class DecodeCore:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = arrived.num_cached_tokens
         self.blocks.cache_computed_blocks(seq)
+        self._prefill_draft(seq)
         if arrived.first_logprobs is not None:
             seq.logprobs.append(arrived.first_logprobs)
         seq.append_token(arrived.first_token_id)
         self.scheduler.admit_prefilled(seq)
         self.outbox.append(Landed(rid, seq.status.finish_reason, _stop_text(seq)))
+
+    def _prefill_draft(self, seq: Sequence) -> None:
+        """A separate draft model (speculative_config draft_model) has its own KV cache, which the transfer
+        does not fill: it computes the prompt here, over the blocks the target's KV landed in (queued on
+        the stream, behind any step in flight; only the draft's cache is written)."""
+        draft = self.engine.runner.draft
+        if draft is None:
+            return
+        prompt = ScheduledSeq(
+            seq.request_id, seq.prompt_token_ids, 0, list(seq.block_table), False, seq.params, None
+        )
+        draft.catch_up([prompt])
 
     def _kv_failed(self, rid: str, reason: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)

@@ -53,12 +53,6 @@ def worker_config(args: argparse.Namespace, role: str):
     kwargs = engine_kwargs(args)
     if role == "prefill":  # a prefill worker samples one token per prompt: nothing to speculate
         kwargs["speculative_config"] = None
-    spec = kwargs["speculative_config"] or {}
-    if spec.get("method") == "draft_model":
-        raise ValueError(
-            "speculative method draft_model runs in the offline engine (LLM) only: a decode worker would "
-            "have to prefill the draft on every transferred prompt; use ngram or self_draft here"
-        )
     return WorkerConfig(
         engine=engine_config(**kwargs),
         worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",

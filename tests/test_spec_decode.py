@@ -5,6 +5,8 @@ stops inside a draft, preemption, prefix-cache hits), with no block left held.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -292,8 +294,9 @@ def test_the_acceptance_rule_draws_from_the_target_distribution():
             "--speculative-config",
             '{"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 20, "adaptive": false}',
         ],
+        ["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 3, "adaptive": false}'],
     ],
-    ids=["ngram", "self_draft"],
+    ids=["ngram", "self_draft", "draft_model"],
 )
 def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, flags):
     """1 prefill + 1 decode worker: the decode worker verifies drafts and streams several tokens at a
@@ -303,6 +306,9 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
 
     from tests.cluster import collect, greedy_request, start_cluster
 
+    if "draft_model" in flags[-1]:  # the model drafts for itself: its KV is prefilled on the decode worker
+        spec = json.loads(flags[-1])
+        flags = [flags[0], json.dumps({**spec, "model": str(bundled_model_dir)})]
     cluster = start_cluster(1, 1, "tcp", "--metrics", *flags)
     try:
         stub = cluster.stub()
@@ -330,7 +336,11 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
         counters = _spec_counters(decode["metrics_port"], min_drafts=1)
         drafts = counters["pdserve:spec_decode_num_drafts_total"]
         accepted = counters["pdserve:spec_decode_num_accepted_tokens_total"]
-        assert 0 < accepted < counters["pdserve:spec_decode_num_draft_tokens_total"]
+        assert 0 < accepted <= counters["pdserve:spec_decode_num_draft_tokens_total"]
+        if "draft_model" in flags[-1]:  # its own draft, over a KV cache the decode worker prefilled
+            assert accepted > 0.9 * counters["pdserve:spec_decode_num_draft_tokens_total"]
+        else:
+            assert accepted < counters["pdserve:spec_decode_num_draft_tokens_total"]
         assert counters['pdserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] <= drafts
     finally:
         cluster.stop()
@@ -534,7 +544,7 @@ def test_a_draft_with_another_tokenizer_is_refused_at_start_up(tiny, bundled_mod
         SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
 
 
-def test_a_decode_worker_refuses_a_draft_model_with_the_reason():
+def test_a_decode_worker_takes_a_draft_model_and_a_prefill_worker_drops_speculation():
     import argparse
 
     from engine.args import add_engine_args
@@ -546,6 +556,6 @@ def test_a_decode_worker_refuses_a_draft_model_with_the_reason():
     args = p.parse_args(
         ["--speculative-config", '{"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}']
     )
-    with pytest.raises(ValueError, match="draft_model runs in the offline engine"):
-        worker_config(args, "decode")
+    spec = worker_config(args, "decode").engine.speculative_config
+    assert spec is not None and spec.method == "draft_model" and spec.model == "/m"
     assert worker_config(args, "prefill").engine.speculative_config is None
