@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway.cli import add_serving_args
+from gateway.cli import add_metrics_compat_arg, add_serving_args
 
 _CLUSTER_STOP_S = 30.0  # beyond its own drain timeout, for `pdserve up` to stop its processes
 
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-port", type=int, default=50051)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None)
     add_serving_args(p)
+    add_metrics_compat_arg(p)
     args, extra = p.parse_known_args(argv)  # other flags go to `pdserve up` and its workers
+    extra += ["--metrics-compat", args.metrics_compat] if args.metrics_compat else []
     return run_stack(args, extra)
 
 

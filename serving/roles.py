@@ -14,6 +14,11 @@ from pathlib import Path
 from kvtransfer import TRANSPORTS
 from serving.supervisor import Child, StopSignals, Supervisor
 
+METRICS_COMPAT = ("vllm",)  # serving/metrics_compat.py
+METRICS_COMPAT_HELP = (
+    "also export every series under vLLM's vllm: prefix, with the names older vLLM guides use"
+)
+
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
@@ -36,6 +41,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="serve the worker's Prometheus /metrics here (0: off)"
     )
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None, help=METRICS_COMPAT_HELP)
 
 
 def worker_config(args: argparse.Namespace, role: str):
@@ -84,6 +90,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             address,
             args.drain_timeout_s,
             args.metrics_port or None,
+            args.metrics_compat,
         )  # fmt: skip
     )
     return 0
@@ -165,6 +172,7 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
             cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
             metrics = free_port() if args.metrics else None
             cmd += ["--metrics-port", str(metrics)] if metrics else []
+            cmd += _compat(args)
             children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics))
     port = args.port or free_port()
     prefill = ",".join(c.address for c in children if c.role == "prefill")
@@ -175,8 +183,13 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}"]
     metrics = free_port() if args.metrics else None
     cmd += ["--metrics-port", str(metrics)] if metrics else []
+    cmd += _compat(args)
     children.append(Child("router", f"{args.host}:{port}", cmd, metrics_port=metrics))
     return children
+
+
+def _compat(args: argparse.Namespace) -> list[str]:
+    return ["--metrics-compat", args.metrics_compat] if args.metrics_compat else []
 
 
 async def _wait_healthy(
