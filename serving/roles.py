@@ -112,6 +112,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         redis_timeout_s=args.redis_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port or None,
+        metrics_compat=args.metrics_compat,
         speculate_ttl_s=args.speculate_ttl_s,
     )
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
