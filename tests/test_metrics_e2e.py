@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster import Cluster, collect, greedy_request, start_cluster
+from tests.cluster import Cluster, start_cluster
 
 pytestmark = pytest.mark.slow  # a cluster with the real model
 
@@ -30,8 +30,9 @@ _SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$")
 class Scrape:
     """One /metrics page: samples by name and labels (model_name checked and left out), families' types."""
 
-    def __init__(self, port: int) -> None:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    def __init__(self, port: int | str) -> None:
+        url = port if isinstance(port, str) else f"http://127.0.0.1:{port}"
+        text = httpx.get(url + "/metrics", timeout=5).text
         self.samples: dict[tuple[str, frozenset], float] = {}
         self.types: dict[str, str] = {}
         for line in text.splitlines():
@@ -93,6 +94,7 @@ class Stack:
         self.decode = next(w for w in cluster.workers if w["role"] == "decode")["metrics_port"]
         assert cluster.router_metrics_port
         self.router: int = cluster.router_metrics_port
+        self.gateway_url = ""
         self.hits_after_first = 0.0
         self.generated = 0
         self.prompt_tokens = 0
@@ -100,24 +102,31 @@ class Stack:
 
 @pytest.fixture(scope="module", params=["pdserve", "vllm"])
 def stack(request, bundled_model_dir):
-    from engine.tokenizer import Tokenizer
+    import openai
+
+    from tests.test_gateway import start_gateway
 
     compat = ("--metrics-compat", "vllm") if request.param == "vllm" else ()
     cluster = start_cluster(1, 1, "tcp", "--metrics", *compat, "--speculative-config", SPEC)
+    gateway = None
     try:
         s = Stack(cluster, request.param + ":")
-        tok = Tokenizer.from_dir(bundled_model_dir)
-        system = tok.encode("You are a careful assistant who answers briefly and checks every fact. " * 4)[
-            :64
-        ]
-        stub = cluster.stub()
+        gateway, s.gateway_url = start_gateway(cluster.router, *compat)
+        client = openai.OpenAI(base_url=s.gateway_url + "/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        system = ("You are a careful assistant who answers briefly and checks every fact. " * 4).strip()
         for i in range(NUM_REQUESTS):  # one system prompt, four questions: the later ones hit its blocks
-            ids = system + tok.encode(f" Question {i}: what is {i} plus {i}?")
-            request_ = greedy_request(ids, MAX_TOKENS, ignore_eos=True)
-            usage = collect(stub.Generate(request_, timeout=120))[2]
-            assert usage is not None
-            s.generated += usage.completion_tokens
-            s.prompt_tokens += usage.prompt_tokens
+            done = client.completions.create(
+                model=model,
+                prompt=system + f" Question {i}: what is {i} plus {i}?",
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                timeout=120,
+            )
+            assert done.usage is not None and done.usage.completion_tokens == MAX_TOKENS
+            s.generated += done.usage.completion_tokens
+            s.prompt_tokens += done.usage.prompt_tokens
             if i == 0:
                 s.hits_after_first = wait_for(
                     s.prefill, lambda p: p.get(s.prefix + "prompt_tokens_total") > 0
@@ -125,6 +134,9 @@ def stack(request, bundled_model_dir):
         cluster.wait_all_blocks_free()
         yield s
     finally:
+        if gateway is not None:
+            gateway.terminate()
+            gateway.wait(timeout=60)
         cluster.stop()
 
 
@@ -194,12 +206,23 @@ def test_router_series(stack: Stack) -> None:
     assert sorted(up) == ["decode", "prefill"]
 
 
+def test_gateway_series(stack: Stack) -> None:
+    p = stack.prefix
+    page = Scrape(stack.gateway_url)
+    assert page.get(p + "gateway_requests_total", endpoint="completions", status="200") == NUM_REQUESTS
+    _, ttft, served = page.histogram(p + "time_to_first_token_seconds", endpoint="completions")
+    assert served == NUM_REQUESTS and ttft > 0
+    assert page.get(p + "generation_tokens_total") == stack.generated
+    assert page.get(p + "prompt_tokens_total") == stack.prompt_tokens
+
+
 def test_compat_keeps_both_names_and_adds_old_ones(stack: Stack) -> None:
     decode, prefill = Scrape(stack.decode), Scrape(stack.prefill)
+    pages = (decode, prefill, Scrape(stack.router), Scrape(stack.gateway_url))
     if stack.prefix == "pdserve:":
-        assert not any(n.startswith("vllm:") for n in decode.exported() | prefill.exported())
+        assert not any(n.startswith("vllm:") for page in pages for n in page.exported())
         return
-    for page in (decode, prefill, Scrape(stack.router)):  # the pdserve: names stay, vllm: mirrors them
+    for page in pages:  # the pdserve: names stay, vllm: mirrors them
         ours = {n for n in page.exported() if n.startswith("pdserve:")}
         assert ours and {"vllm:" + n.split(":", 1)[1] for n in ours} <= page.exported()
     for page in (decode, prefill):
