@@ -236,6 +236,7 @@ class PrefillCore:
             self._sender(job).prepare(rid, job.dst_block_ids)
             job.prepared = True
         except KVTransferError as exc:
+            self.kv_stats.failed()
             job.error = f"KV transfer to the decode worker failed: {exc}"
             self._drop_sender(job)
 
