@@ -405,10 +405,10 @@ class RouterServicer(pb_grpc.RouterServicer):
             decision = self.router.route(hashes, len(prompt_ids))
         except NoWorkersError as exc:
             raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("prefill")) from exc
-        self.metrics.routed(self._reason(decision), decision.matched_blocks)
         if decision.decode_worker is None:
             self.router.prefill_done(decision)  # routed, but it will not run
             raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("decode"))
+        self.metrics.routed(self._reason(decision), decision.matched_blocks)
         return decision
 
     def _reason(self, decision: RoutingDecision) -> str:

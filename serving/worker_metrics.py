@@ -12,9 +12,9 @@ serving/messages/from_engine.py, Load):
   `inter_token_latency_seconds`, `request_time_per_output_token_seconds`, `e2e_request_latency_seconds`,
   `request_queue_time_seconds`, `request_prefill_time_seconds`, `request_decode_time_seconds` and
   `iteration_tokens_total`; on a prefill worker the queue, prefill and iteration ones;
-- the KV transfers (kvtransfer/stats.py): `kv_transfer_bytes`, `kv_transfer_failures` counters and a
-  `kv_transfer_seconds` histogram, by `transport` and `side` (send on a prefill worker, receive on a decode
-  worker).
+- the KV transfers (kvtransfer/stats.py), by `transport`: `kv_transfer_bytes` (sent by a prefill worker,
+  received by a decode worker) and `kv_transfer_failures` counters, and on a prefill worker a
+  `kv_transfer_seconds` histogram (each send, vLLM-style buckets from 0.5 ms).
 A decode worker counts the tokens it generates; the first token of a prompt prefilled elsewhere, and the
 prompt itself, are the prefill worker's.
 
