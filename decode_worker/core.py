@@ -23,9 +23,12 @@ from collections import deque
 
 from engine import trace
 from engine.engine_core import EngineCore
+from engine.model_runner import kv_bytes_per_block
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
+from engine.stats import HistogramSnapshot
 from kvtransfer import KVTransferError, create_receiver
+from kvtransfer.stats import TransferStats
 from serving.engine_proc import id_list
 from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed, ToEngine
@@ -41,6 +44,10 @@ class DecodeCore:
         self.scheduler = self.engine.scheduler
         self.blocks = self.engine.block_manager
         self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
+        bytes_per_block = kv_bytes_per_block(
+            self.engine.model_config, self.blocks.block_size, self.engine.dtype
+        )
+        self.kv_stats = TransferStats(config.kv_transport, bytes_per_block)
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
         # KVArrived came, the receiver has not seen every byte yet: (seq, that message, deadline), checked
@@ -71,7 +78,10 @@ class DecodeCore:
         }
 
     def counters(self) -> dict[str, int]:
-        return self.engine.counters()
+        return {**self.engine.counters(), **self.kv_stats.counters()}
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        return self.engine.histograms()
 
     def has_work(self) -> bool:
         return bool(
@@ -138,11 +148,13 @@ class DecodeCore:
                     f"not landed {self.config.kv_timeout_s:g} s after the prefill worker sent it"
                 )
         except KVTransferError as exc:
+            self.kv_stats.failed()
             del self.landing[rid]
             self._drop_transfer(seq)
             self.outbox.append(Error(rid, "UNAVAILABLE", f"KV transfer failed: {exc}"))
             return
         del self.landing[rid]
+        self.kv_stats.moved(len(seq.block_table))
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = arrived.num_cached_tokens
         self.blocks.cache_computed_blocks(seq)
@@ -170,6 +182,7 @@ class DecodeCore:
         if seq is None:
             seq = self._unland(rid)
         if seq is not None:
+            self.kv_stats.failed()
             self._drop_transfer(seq)
             self.outbox.append(Error(rid, "UNAVAILABLE", reason))
 

@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import Proposer, SpeculativeConfig
+from engine.stats import HistogramSnapshot
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -239,6 +240,14 @@ class EngineCore:
                 out[f"spec_decode_num_accepted_tokens_per_pos/{i}"] = n
         return out
 
+    def _observe_step(self, sched: SchedulerOutput) -> None:
+        if not sched.is_empty:
+            self.scheduler.stats.observe("iteration_tokens_total", sched.num_batched_tokens)
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        """The latency and step-size histograms (engine/stats.py: EngineStats.snapshot)."""
+        return self.scheduler.stats.snapshot()
+
     def describe(self) -> dict:
         """The model and cache limits a worker reports about itself (fixed for the process's life)."""
         return {
@@ -298,6 +307,7 @@ class EngineCore:
         while every block is still held (the prefill worker sends the first tokens, and the KV it could
         not queue earlier, from there)."""
         sched = self.scheduler.schedule()
+        self._observe_step(sched)
         if trace.enabled:
             for item in sched.scheduled:
                 trace.mark(item.request_id, "core.run")
@@ -349,6 +359,7 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             return self._resolve(prev, hold_frees)
         sched = self.scheduler.schedule(drafts=False)
+        self._observe_step(sched)
         if not sched.is_empty:
             inputs_from = None
             if prev is not None:

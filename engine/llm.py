@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.args import engine_config
 from engine.llm_engine import LLMEngine
+from engine.metrics_reader import Metric, get_metrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -45,6 +46,11 @@ class LLM:
         rids = [self._add(p, e, sp, prio) for p, e, sp, prio in zip(batch, encoded, params, prios)]
         finished = {out.request_id: out for out in self._drain()}
         return [finished[r] for r in rids]
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's series, as vLLM's `LLM.get_metrics()` gives them: counters, gauges, vectors and
+        histograms with name, labels and values (engine/metrics_reader.py)."""
+        return get_metrics(self.engine)
 
     def chat(
         self,

@@ -98,15 +98,23 @@ class RequestState:
             metrics=self._metrics(),
         )
 
-    def _metrics(self) -> RequestMetrics | None:
+    def _metrics(self) -> RequestMetrics:
+        first = self.seqs[0]
+        times = RequestMetrics(
+            first.arrival_time, first.times.scheduled, first.times.first_token, first.times.last_token
+        )
         stats = [s.spec_stats for s in self.seqs if s.spec_stats is not None]
         if not stats:
-            return None
+            return times
         per_pos = [0] * max(len(s.accepted_per_pos) for s in stats)
         for s in stats:
             for i, n in enumerate(s.accepted_per_pos):
                 per_pos[i] += n
         return RequestMetrics(
+            first.arrival_time,
+            first.times.scheduled,
+            first.times.first_token,
+            first.times.last_token,
             spec_decode_num_drafts=sum(s.num_drafts for s in stats),
             spec_decode_num_draft_tokens=sum(s.num_draft_tokens for s in stats),
             spec_decode_num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),

@@ -22,13 +22,23 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Speculative decoding's counts for one request, over its completions (vLLM's spec_decode_* names):
-    drafts verified, tokens drafted, tokens accepted, and how often each draft position was accepted."""
+    """One request's timestamps (time.monotonic(), its first completion's; None: not reached yet) as vLLM's
+    RequestMetrics has them, and speculative decoding's counts over its completions (vLLM's spec_decode_*
+    names): drafts verified, tokens drafted, tokens accepted, and how often each draft position was
+    accepted."""
 
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def time_in_queue(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def spec_decode_acceptance_rate(self) -> float:
@@ -50,4 +60,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finished: bool = False
-    metrics: RequestMetrics | None = None  # set when the engine speculates
+    metrics: RequestMetrics | None = None

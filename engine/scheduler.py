@@ -20,6 +20,7 @@ from engine.config import SchedulerConfig
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import Proposer, SpecDecodeStats
+from engine.stats import EngineStats
 
 # where a scheduled token is not known on the host yet (a step in flight samples it), its place in the
 # host's inputs; the runner writes the real token on the device before the forward pass reads it
@@ -121,6 +122,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.finished_by_reason: dict[str, int] = {}
+        self.stats = EngineStats()  # latency histograms (engine/stats.py)
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
@@ -135,6 +137,8 @@ class Scheduler:
         A first token that ends the request finishes it here."""
         self.seqs[seq.request_id] = seq
         seq.status = SequenceStatus.RUNNING
+        self.stats.scheduled(seq.times, seq.arrival_time)
+        self.stats.tokens(seq.times, seq.arrival_time)
         self._insert_running(seq)
         status = self.stop_status(seq)
         if status is not None:
@@ -205,6 +209,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_computed
                 self.block_manager.record_prefix_query(seq.num_tokens, num_computed)
                 self.num_prompt_tokens += seq.num_prompt_tokens
+            self.stats.scheduled(seq.times, seq.arrival_time)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
             scheduled.append(self._plan(seq, num_new))
@@ -330,6 +335,7 @@ class Scheduler:
             if not item.sample:
                 continue
             seq.new_tokens = 0
+            self.stats.tokens(seq.times, seq.arrival_time)
             for token in tokens:
                 seq.append_token(token)
                 self.num_generation_tokens += 1
@@ -385,6 +391,7 @@ class Scheduler:
                 seq.append_token(sampled[item.request_id][0])  # no drafts here: one token each
                 self.num_generation_tokens += 1
                 seq.new_tokens = 1
+                self.stats.tokens(seq.times, seq.arrival_time)
             # every computed position's token is known now (one step is in flight at most): hash them
             self.block_manager.cache_computed_blocks(seq)
             if not item.sample:
@@ -407,6 +414,7 @@ class Scheduler:
         if self.seqs.pop(seq.request_id, None) is not None and status.finish_reason is not None:
             reason = status.finish_reason
             self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+            self.stats.finished(seq.times, seq.arrival_time, seq.num_output_tokens)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.deferred:

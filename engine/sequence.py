@@ -11,6 +11,7 @@ import torch
 from engine.block_hash import NONE_HASH, BlockHash, hash_prompt_blocks
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import SpecDecodeStats
+from engine.stats import RequestTimes
 
 
 class SequenceStatus(enum.IntEnum):
@@ -41,6 +42,9 @@ class Sequence:
     extra_keys: bytes = b""  # domain-separated model id + cache salt, see engine/block_hash.py
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    times: RequestTimes = field(
+        default_factory=RequestTimes
+    )  # scheduled, first and last token (engine/stats.py)
     parent: Sequence | None = None  # n > 1: children wait for the parent's prompt blocks, then share them
 
     output_token_ids: list[int] = field(default_factory=list)

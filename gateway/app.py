@@ -34,6 +34,7 @@ from gateway.router_client import RouterStreams, build, chat_requests, completio
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import CHANNEL_OPTIONS
+from serving.metrics_compat import add_compat
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class GatewayConfig:
     model_dir: str | None = None  # tokenizer for logprobs' token text; None: the bundled model's
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, unread
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run on
+    metrics_compat: str | None = None  # "vllm": /metrics under vllm: as well (serving/metrics_compat.py)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -248,6 +250,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="pdserve gateway", version="0.1", lifespan=gw.lifespan)
     app.state.gateway = gw
     install_handlers(app)
+    served = add_compat(gw.metrics.registry, config.metrics_compat)
 
     def refused(path: str, status: int) -> None:
         endpoint = endpoint_of(path)
@@ -286,6 +289,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(served), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -39,6 +39,16 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's own log level (default: warning)"
     )
+    add_metrics_compat_arg(p)
+
+
+def add_metrics_compat_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics-compat",
+        choices=("vllm",),
+        default=None,
+        help="/metrics also under vLLM's vllm: prefix (as the router's and workers' flag)",
+    )
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +89,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         model_dir=args.model,
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout_s,
+        metrics_compat=getattr(args, "metrics_compat", None),
     )
     app = create_app(config)
     _log_access()

@@ -19,8 +19,11 @@ from collections.abc import Callable
 
 from engine import trace
 from engine.engine_core import EngineCore
+from engine.model_runner import kv_bytes_per_block
 from engine.scheduler import SchedulerOutput
+from engine.stats import HistogramSnapshot
 from kvtransfer import KVSender, KVTransferError, connect
+from kvtransfer.stats import TransferStats
 from serving.engine_proc import id_list
 from serving.kv_events import KVEventPublisher
 from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent, Snapshot
@@ -54,6 +57,10 @@ class PrefillCore:
         self.scheduler = self.engine.scheduler
         self.blocks = self.engine.block_manager
         self.jobs: dict[str, _Job] = {}
+        bytes_per_block = kv_bytes_per_block(
+            self.engine.model_config, self.blocks.block_size, self.engine.dtype
+        )
+        self.kv_stats = TransferStats(config.kv_transport, bytes_per_block)
         self.senders: dict[str, KVSender] = {}
         self.outbox: list[FromEngine] = []
         # prefix-cache events for the router's index: every block hashed or evicted here
@@ -90,7 +97,10 @@ class PrefillCore:
         }
 
     def counters(self) -> dict[str, int]:
-        return self.engine.counters()
+        return {**self.engine.counters(), **self.kv_stats.counters()}
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        return {**self.engine.histograms(), **self.kv_stats.histograms()}
 
     def has_work(self) -> bool:
         self._expire_parked()
@@ -226,6 +236,7 @@ class PrefillCore:
             self._sender(job).prepare(rid, job.dst_block_ids)
             job.prepared = True
         except KVTransferError as exc:
+            self.kv_stats.failed()
             job.error = f"KV transfer to the decode worker failed: {exc}"
             self._drop_sender(job)
 
@@ -245,10 +256,13 @@ class PrefillCore:
     def _send(self, rid: str, job: _Job, src: list[int], dst: list[int]) -> None:
         trace.mark(rid, "pcore.send")
         job.prepared = False  # send() consumes the grant, or fails it
+        started = time.perf_counter()
         try:
             self._sender(job).send(rid, src, dst)
             trace.mark(rid, "pcore.sent")
+            self.kv_stats.moved(len(src), time.perf_counter() - started)
         except KVTransferError as exc:
+            self.kv_stats.failed()
             job.error = f"KV transfer to the decode worker failed: {exc}"
             self._drop_sender(job)
 

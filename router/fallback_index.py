@@ -67,6 +67,8 @@ class FallbackIndex(PrefixIndex):
 
     def _failed(self, exc: Exception) -> None:
         self.metrics.index_errors.inc()
+        if _is_redis(exc):
+            self.metrics.redis_errors.labels("index").inc()
         with self._lock:
             self._retry_at = self._clock() + self.retry_s
             went_down, self.up = self.up, False
@@ -111,3 +113,7 @@ class FallbackIndex(PrefixIndex):
 
     def close(self) -> None:
         self.index.close()
+
+
+def _is_redis(exc: Exception) -> bool:
+    return any(c.__module__.split(".")[0] == "redis" for c in type(exc).__mro__)

@@ -32,7 +32,7 @@ async def serve_router(config: RouterConfig, address: str) -> None:
     add_servicer(servicer, server)
     port = server.add_insecure_port(address)
     if config.metrics_port:
-        servicer.metrics.serve(config.metrics_port)
+        servicer.metrics.serve(config.metrics_port, compat=config.metrics_compat)
         logger.info("router metrics on port %d", config.metrics_port)
     await server.start()
     logger.info("router listening on port %d; serving once a prefill and a decode worker answer", port)

@@ -159,7 +159,9 @@ class RedisMirrorIndex(PrefixIndex):
         bulk_timeout_s: float | None = None,
         stream_maxlen: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
+        on_error: Callable[[str], None] = lambda operation: None,
     ) -> None:
+        self.on_error = on_error  # told of each failed background call: "follow" or "speculate"
         self.store = RedisPrefixIndex(
             client,
             prefix=prefix,
@@ -258,6 +260,7 @@ class RedisMirrorIndex(PrefixIndex):
                 self._stale = True
                 if self._stop.is_set():
                     return
+                self.on_error("follow")
                 if not failing:
                     failing = True
                     logger.warning(
@@ -355,4 +358,5 @@ class RedisMirrorIndex(PrefixIndex):
                     approximate=True,
                 )
             except Exception:  # best effort: the workers' own events follow within a poll
+                self.on_error("speculate")
                 logger.debug("publishing speculation failed", exc_info=True)

@@ -64,6 +64,7 @@ class RouterConfig:
     )
     drain_timeout_s: float = 30.0  # on SIGTERM, how long streams in flight may take to finish
     metrics_port: int | None = None  # Prometheus /metrics; None or 0: off
+    metrics_compat: str | None = None  # "vllm": every series under vllm: as well (serving/metrics_compat.py)
     # how long a routing decision marks the prompt's blocks as held before the worker's own events say so
     speculate_ttl_s: float = 5.0
     tokenize_threads: int = 2
@@ -117,7 +118,9 @@ class RouterServicer(pb_grpc.RouterServicer):
             else None
         )
         self.metrics = RouterMetrics()
-        self.index = FallbackIndex(index or _make_index(config), retry_s=config.poll_s, metrics=self.metrics)
+        self.index = FallbackIndex(
+            index or _make_index(config, self.metrics), retry_s=config.poll_s, metrics=self.metrics
+        )
         self.router: PrefixRouter | DecodeOnlyRouter | None = None
         self.channels = {
             a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
@@ -247,10 +250,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         if reply.snapshot:
             snap = Snapshot.from_bytes(reply.snapshot)
             self.index.resync(address, snap.epoch, snap.seq, snap.hashes)
+            self.metrics.index_events.labels("snapshot").inc()
             pos = (snap.epoch, snap.seq)
         for data in reply.batches:
             batch = dataclasses.replace(EventBatch.from_bytes(data), worker_id=address)
-            if self.index.apply(batch) == ApplyResult.RESYNC_NEEDED:
+            result = self.index.apply(batch)
+            self.metrics.index_events.labels(result.value).inc()
+            if result == ApplyResult.RESYNC_NEEDED:
                 return None
             pos = (batch.epoch, batch.seq)
         return pos if self.index.up else None
@@ -407,7 +413,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         if decision.decode_worker is None:
             self.router.prefill_done(decision)  # routed, but it will not run
             raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("decode"))
+        self.metrics.routed(self._reason(decision), decision.matched_blocks)
         return decision
+
+    def _reason(self, decision: RoutingDecision) -> str:
+        assert self.router is not None
+        uses_index = isinstance(self.router, PrefixRouter) and self.router.policy.uses_index
+        if uses_index and not self.index.up:  # a DecodeOnlyRouter (no prefill workers) reads no index
+            return "fallback"
+        return "prefix_hit" if decision.matched_blocks else "load"
 
     def _start(
         self,
@@ -529,7 +543,7 @@ def _detokenize(text: TextStream | None, chunk: pb.DecodeChunk) -> tuple[bool, i
     return False, len(ids)
 
 
-def _make_index(config: RouterConfig) -> PrefixIndex:
+def _make_index(config: RouterConfig, metrics: RouterMetrics) -> PrefixIndex:
     if config.redis_url:
         from router.redis_mirror import RedisMirrorIndex
 
@@ -538,6 +552,7 @@ def _make_index(config: RouterConfig) -> PrefixIndex:
             heartbeat_ttl=config.heartbeat_ttl_s,
             timeout_s=config.redis_timeout_s,
             bulk_timeout_s=config.redis_bulk_timeout_s,
+            on_error=lambda operation: metrics.redis_errors.labels(operation).inc(),
         )
     return InMemoryPrefixIndex(heartbeat_ttl=config.heartbeat_ttl_s)
 

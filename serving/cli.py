@@ -10,6 +10,7 @@ import sys
 from engine.args import add_engine_args, engine_kwargs
 from engine.sampling_params import SamplingParams
 from kvtransfer import TRANSPORTS
+from serving.roles import METRICS_COMPAT, METRICS_COMPAT_HELP
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long requests in flight may take to finish before they are ended",
     )
     r.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: off)")
+    r.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None, help=METRICS_COMPAT_HELP)
     r.add_argument(
         "--speculate-ttl-s",
         type=float,
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router and each worker serve Prometheus /metrics on a free port of their own (listed at "
         "start-up)",
     )
+    up.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None, help=METRICS_COMPAT_HELP)
     up.add_argument(
         "--speculate-ttl-s",
         type=float,

@@ -31,6 +31,7 @@ import signal
 import socket
 import struct
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -104,7 +105,8 @@ def _child_main(core_path: str, config: Any, conn: Any) -> None:
         core.bind(send_traced, take_inbound)
 
     def load() -> Load:
-        return Load(core.load(), core.counters() if hasattr(core, "counters") else {})
+        counters = core.counters() if hasattr(core, "counters") else {}
+        return Load(core.load(), counters, core.histograms() if hasattr(core, "histograms") else {})
 
     send([Ready(core.info()), load()])
     parent = os.getppid()
@@ -165,6 +167,9 @@ class EngineProcess:
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
         self.counters: dict[str, int] = {}  # and its running counters (serving/worker_metrics.py)
+        self.histograms: dict[str, Any] = {}  # and histograms
+        # (time, counters) of the reports of the last 10 s, oldest first: recent rates
+        self.history: deque[tuple[float, dict[str, int]]] = deque(maxlen=int(10 / _LOAD_EVERY_S))
         # messages for the whole worker, not one request, by type (prefill: KVEvents); run on the server's loop
         self.handlers: dict[type, Callable[[Any], None]] = {}
         self.alive = False
@@ -238,7 +243,8 @@ class EngineProcess:
     def _dispatch(self, batch: list[FromEngine]) -> None:
         for msg in batch:
             if isinstance(msg, Load):
-                self.load, self.counters = msg.load, msg.counters
+                self.load, self.counters, self.histograms = msg.load, msg.counters, msg.histograms
+                self.history.append((time.monotonic(), msg.counters))
             elif (handler := self.handlers.get(type(msg))) is not None:
                 handler(msg)
             elif isinstance(msg, ForRequest) and (q := self.streams.get(msg.request_id)) is not None:

@@ -15,6 +15,11 @@ from pathlib import Path
 from kvtransfer import TRANSPORTS
 from serving.supervisor import Child, StopSignals, Supervisor
 
+METRICS_COMPAT = ("vllm",)  # serving/metrics_compat.py
+METRICS_COMPAT_HELP = (
+    "also export every series under vLLM's vllm: prefix, with the names older vLLM guides use"
+)
+
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the gRPC server listens on")
@@ -44,6 +49,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="serve the worker's Prometheus /metrics here (0: off)"
     )
+    p.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None, help=METRICS_COMPAT_HELP)
 
 
 def worker_config(args: argparse.Namespace, role: str):
@@ -86,6 +92,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             address,
             args.drain_timeout_s,
             args.metrics_port or None,
+            args.metrics_compat,
         )  # fmt: skip
     )
     return 0
@@ -107,6 +114,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         redis_timeout_s=args.redis_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         metrics_port=args.metrics_port or None,
+        metrics_compat=args.metrics_compat,
         speculate_ttl_s=args.speculate_ttl_s,
     )
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
@@ -190,6 +198,7 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
             cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
             metrics = free_port() if args.metrics else None
             cmd += ["--metrics-port", str(metrics)] if metrics else []
+            cmd += _compat(args)
             children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics))
     port = args.port or free_port()
     prefill = ",".join(c.address for c in children if c.role == "prefill")
@@ -200,8 +209,13 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
     cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}"]
     metrics = free_port() if args.metrics else None
     cmd += ["--metrics-port", str(metrics)] if metrics else []
+    cmd += _compat(args)
     children.append(Child("router", f"{args.host}:{port}", cmd, metrics_port=metrics))
     return children
+
+
+def _compat(args: argparse.Namespace) -> list[str]:
+    return ["--metrics-compat", args.metrics_compat] if args.metrics_compat else []
 
 
 async def _grpc_healthy(child: Child) -> bool:

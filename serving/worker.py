@@ -58,6 +58,7 @@ async def run_worker(
     address: str,
     drain_timeout_s: float = 30.0,
     metrics_port: int | None = None,
+    metrics_compat: str | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING and `draining` in GetLoad at once, new requests
     refused, those in flight finished within `drain_timeout_s` (past it ended with UNAVAILABLE), then the
@@ -80,9 +81,18 @@ async def run_worker(
         raise SystemExit(1)
     mark_serving(health, [service_name])
     if metrics_port:
-        from serving.worker_metrics import serve_metrics
+        from serving.worker_metrics import EngineMetrics, serve_metrics
 
-        serve_metrics(metrics_port, lambda: engine.load, lambda: engine.counters, engine.info["model"])
+        metrics = EngineMetrics(
+            lambda: engine.load,
+            lambda: engine.counters,
+            engine.info["model"],
+            lambda: engine.histograms,
+            engine.info.get("role", "decode"),
+            metrics_compat,
+            lambda: tuple(engine.history),
+        )
+        serve_metrics(metrics_port, metrics)
         logger.info("%s serves /metrics on port %d", service_name, metrics_port)
     logger.info("%s ready on port %d", service_name, port)
     watch = asyncio.create_task(_watch_engine(engine, stop))

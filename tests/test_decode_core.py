@@ -88,6 +88,13 @@ def test_a_first_token_that_ends_the_request_lands_finished(core: DecodeCore) ->
     assert core.step() == [Landed("r3", "length", None)]
     assert "r3" not in core.scheduler.seqs and core.blocks.num_free_blocks == free
     assert not core.has_work()
+    # its 20 prompt tokens came in 2 blocks; it was served (one first token) and ended there
+    assert core.counters()["kv_transfer_bytes/tcp"] == 2 * core.receiver.layout.block_nbytes
+    latencies = core.histograms()
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert latencies[name][3] == 1, name
+    assert latencies["inter_token_latency_seconds"][3] == 0  # one token: no gap
+    assert latencies["request_time_per_output_token_seconds"][3] == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 10**9])

@@ -262,3 +262,31 @@ def test_without_a_mid_step_sender_the_first_token_leaves_with_the_step(tmp_path
         receiver.close()
         for sender in core.senders.values():
             sender.close()
+
+
+def test_transfers_are_counted_in_bytes_and_timed(setup) -> None:
+    core, _, receiver, _ = setup
+    start(core, receiver, "r9", [])
+    receiver.expect("r9", [5, 6, 9])
+    core.handle(Grant("r9", (5, 6, 9)))
+    assert run_until_idle(core) == [KVSent("r9")]
+    pool = core.engine.runner.kv_cache  # (num_layers, 2, num_blocks, ...)
+    block_bytes = pool[:, :, 0].numel() * pool.element_size()
+    assert core.counters()["kv_transfer_bytes/tcp"] == 3 * block_bytes
+    assert core.counters()["kv_transfer_failures/tcp"] == 0
+    _, counts, seconds, n = core.histograms()["kv_transfer_seconds/tcp"]
+    assert n == 1 == sum(counts) and 0 < seconds < 10
+    assert core.histograms()["request_prefill_time_seconds"][3] == 1  # the engine's own, beside them
+
+
+def test_a_transfer_to_a_receiver_gone_is_counted_as_failed(setup) -> None:
+    core, _, receiver, _ = setup
+    descriptor = json.dumps(receiver.descriptor())
+    receiver.close()
+    core.handle(prefill("r10", PROMPT, SamplingParams(temperature=0, max_tokens=8), descriptor, [5, 6, 9]))
+    out = run_until_idle(core)
+    assert "KV transfer" in error(out, "r10", "UNAVAILABLE")
+    assert core.counters()["kv_transfer_failures/tcp"] == 1
+    assert (
+        core.counters()["kv_transfer_bytes/tcp"] == 0 and "kv_transfer_seconds/tcp" not in core.histograms()
+    )

@@ -205,6 +205,11 @@ def test_redis_killed_then_restarted_empty(
             metric = h.servicer.metrics.registry.get_sample_value
             assert metric("pdserve:router_index_state") == 0
             assert (metric("pdserve:router_index_errors_total") or 0) >= 1
+            for operation in ("index", "follow"):  # the index's calls and the mirror's stream reader
+                assert (metric("pdserve:router_redis_errors_total", {"operation": operation}) or 0) >= 1
+            decisions = "pdserve:router_routing_decisions_total"
+            assert (metric(decisions, {"reason": "prefix_hit"}) or 0) >= 1  # before the kill
+            assert (metric(decisions, {"reason": "fallback"}) or 0) >= 19  # by load while the index is down
             assert all(h.servicer.workers.state(a) is State.UP for a in h.servicer.channels)
             redis_server.start()  # empty
             await h.wait_for("the index to be back", lambda: h.servicer.index.up)

@@ -26,10 +26,11 @@ class StartFailed:
 @dataclass(frozen=True)
 class Load:
     """Every 0.1 s: running / waiting requests and free blocks (pb.WorkerLoad's fields), and the engine's
-    running counters for the worker's /metrics (speculative decoding's, by vLLM's names)."""
+    running counters and histograms for the worker's /metrics (serving/worker_metrics.py, vLLM's names)."""
 
     load: dict[str, int]
     counters: dict[str, int] = field(default_factory=dict)
+    histograms: dict[str, Any] = field(default_factory=dict)  # name -> engine/stats.py Snapshot
 
 
 @dataclass(frozen=True)
