@@ -34,6 +34,7 @@ from gateway.router_client import RouterStreams, build, chat_requests, completio
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import CHANNEL_OPTIONS
+from serving.logs import new_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +129,15 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
+            if len(reqs) > 1:  # one id for all the prompts' router calls, which would each make their own
+                record.identify(new_request_id())
+            for req in reqs:
+                req.request_id = record.request_id or ""  # empty: the router makes one
             assert self.stub is not None
             streams = RouterStreams(self.stub, reqs)
             self.drain.watch(streams)
             await _unless_disconnected(request, streams, streams.start())
+            record.identify(streams.request_id)
             self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
             record.first_token()
             fmt = Formatter(chat, info.model, body.num_logprobs(), self.token_text)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gateway.cli import add_serving_args
+from serving.logs import LogSetup, add_log_format_arg, setup_logging
 
 _CLUSTER_STOP_S = 30.0  # beyond its own drain timeout, for `pdserve up` to stop its processes
 
@@ -112,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-port", type=int, default=50051)
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None)
     add_serving_args(p)
+    add_log_format_arg(p)
     args, extra = p.parse_known_args(argv)  # other flags go to `pdserve up` and its workers
-    return run_stack(args, extra)
+    setup_logging(LogSetup(args.log_format))
+    return run_stack(args, ["--log-format", args.log_format, *extra])
 
 
 if __name__ == "__main__":

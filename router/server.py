@@ -39,6 +39,7 @@ from router.supervise import Failures, run_forever
 from router.workers import WorkerTable
 from serving.grpc_common import CHANNEL_OPTIONS, params_to_proto
 from serving.kv_events import EventBatch, Snapshot
+from serving.logs import bind_request, new_request_id
 from serving.mux import ManyCall, ManyStream
 
 logger = logging.getLogger(__name__)
@@ -269,7 +270,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         return self.model_info
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+        rid = request.request_id or new_request_id()
+        bind_request(rid)
+        # the workers key their requests by id: a caller's, which need not be unique, gets a unique suffix there
+        worker_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if request.request_id else rid
         trace.mark(rid, "router.recv")
         key = next(self._ids)
         out: asyncio.Queue = asyncio.Queue()
@@ -278,7 +282,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             if self.draining:
                 raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             prompt_ids, params = await self._admit(request)
-            async for chunk in self._fan_out(rid, request, prompt_ids, params, out):
+            async for chunk in self._fan_out(rid, request, prompt_ids, params, out, worker_rid):
                 yield chunk
         except _Stop as stop:
             await context.abort(stop.code, stop.details)
@@ -332,9 +336,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         prompt_ids: np.ndarray,
         params: SamplingParams,
         out: asyncio.Queue | None = None,
+        worker_rid: str | None = None,
     ):
         """Run the n completions concurrently and interleave their chunks; usage comes last. A `Stop` put on
-        `out` (the drain's) ends the request."""
+        `out` (the drain's) ends the request. The workers know it as `worker_rid` (default: `rid`)."""
         out = asyncio.Queue() if out is None else out
         if self.draining and not out.empty():
             raise out.get_nowait()
@@ -346,7 +351,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         usage = pb.Usage(prompt_tokens=len(prompt_ids))
         try:
             for i in range(params.n):
-                started.append(self._start(rid, i, request, prompt_ids, params))
+                started.append(self._start(worker_rid or rid, i, request, prompt_ids, params))
                 tasks.append(asyncio.create_task(self._completion(rid, i, request, started[-1], out)))
             for _ in range(params.n):
                 while (item := await out.get()) is not None:
@@ -357,6 +362,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                         usage.cached_tokens = item.usage.cached_tokens
                     item.ClearField("usage")
                     yield item
+            logger.info(
+                "request %s finished: %d prompt tokens, %d completion tokens",
+                rid,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+            )
             yield pb.GenerateResponse(request_id=rid, usage=usage)
         finally:
             for task in tasks:
@@ -421,6 +432,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         sampling.n = 1
         by_ids = request.WhichOneof("prompt") == "token_ids"
         as_list = prompt_ids.tolist() if self.tokenizer or not by_ids else None  # once, where it is needed
+        logger.info(
+            "request %s: %d prompt tokens to prefill %s, decode %s",
+            sub_id,
+            len(prompt_ids),
+            decision.prefill_worker,
+            decision.decode_worker,
+        )
         trace.mark(sub_id, "router.call_decode")
         call = self._decode_stream(decision.decode_worker).open(
             request_id=sub_id,

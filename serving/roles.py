@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvtransfer import TRANSPORTS
+from serving.logs import identify
 from serving.supervisor import Child, StopSignals, Supervisor
 
 
@@ -74,6 +75,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         core = "prefill_worker.core.PrefillCore"
     servicer = mod.DecodeServicer if args.command == "decode" else mod.PrefillServicer  # type: ignore[attr-defined]
     address = f"{args.host}:{args.port}"
+    identify(args.command, address)
     asyncio.run(
         run_worker(
             core,
@@ -107,6 +109,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         speculate_ttl_s=args.speculate_ttl_s,
     )
+    identify("router", f"{args.host}:{args.port}")
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
     return 0
 
@@ -121,6 +124,7 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start router + N prefill + M decode workers as processes; wait until healthy; keep them running
     (serving/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
     signals = StopSignals().install()
+    identify("up")
     children = _children(args, passthrough)
     supervisor = Supervisor(children, args.drain_timeout_s)
     try:
@@ -154,7 +158,15 @@ def _children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     from engine.bundled import model_dir
 
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
-    exe = [sys.executable, "-m", "serving.cli", "--log-level", args.log_level]
+    exe = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+    ]
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
     drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
     children = []
