@@ -124,3 +124,14 @@ def identify(role: str | None = None, address: str | None = None) -> None:
     """Name this process in its log lines, once it knows its role and listen address (None: kept)."""
     global _current
     _current = replace(_current, role=role or _current.role, address=address or _current.address)
+
+
+def announce(message: str) -> None:
+    """A status line for whoever runs the process, shown at any log level: printed to stdout as it is, or
+    in the json format as an INFO line of logger `pdserve`."""
+    if _current.format != "json":
+        print(message, flush=True)
+        return
+    record = logging.LogRecord("pdserve", logging.INFO, __file__, 0, message, None, None)
+    ContextFilter().filter(record)
+    print(JsonFormatter().format(record), flush=True)

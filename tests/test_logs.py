@@ -25,7 +25,7 @@ from tests.cluster import Cluster, start_cluster
 
 REQUIRED = ("timestamp", "level", "logger", "message", "role", "address")
 # lines `pdserve up` and the gateway print for tools (not log records): the cluster's listing and the URL
-ANNOUNCEMENTS = ("pdserve ready: ", "pdserve cluster: ", "pdserve gateway: ")
+ANNOUNCEMENTS = ("pdserve ready: ", "pdserve cluster: ", "pdserve gateway: http://")
 
 
 @pytest.fixture
@@ -174,7 +174,9 @@ def test_one_request_id_through_every_process_in_json_lines(json_stack) -> None:
 
     deadline = time.monotonic() + 30
     want = {"gateway", "router", "decode", "prefill"}
-    while not all(roles_with(rid, all_records(cluster, gateway)) >= want for rid in ("client-id-7f3a", minted)):
+    while not all(
+        roles_with(rid, all_records(cluster, gateway)) >= want for rid in ("client-id-7f3a", minted)
+    ):
         assert time.monotonic() < deadline, {
             rid: roles_with(rid, all_records(cluster, gateway)) for rid in ("client-id-7f3a", minted)
         }
@@ -200,5 +202,8 @@ def test_one_request_id_through_every_process_in_json_lines(json_stack) -> None:
         line = access[rid]
         assert (line["method"], line["path"], line["status"]) == ("POST", path, 200)
         assert usage is not None and usage.completion_tokens > 0
-        assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+        )
         assert 0 < line["ttft_s"] <= line["duration_s"]
