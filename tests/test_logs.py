@@ -86,6 +86,26 @@ def test_an_unknown_format_is_refused() -> None:
         logs.LogSetup("yaml")
 
 
+@pytest.mark.parametrize(
+    ("value", "taken"),
+    [
+        (b"abc-123_x.y:z", "abc-123_x.y:z"),
+        (b"a" * 128, "a" * 128),
+        (b"a" * 129, ""),  # too long
+        (b"two words", ""),
+        (b"tab\there", ""),
+        ("caf\u00e9".encode("latin-1"), ""),
+        (b"", ""),
+    ],
+)
+def test_the_client_s_request_id_is_taken_only_as_a_plain_token(value: bytes, taken: str) -> None:
+    from gateway.access import client_request_id
+
+    scope = {"headers": [(b"content-type", b"application/json"), (b"x-request-id", value)]}
+    assert client_request_id(scope) == taken
+    assert client_request_id({"headers": []}) == ""
+
+
 # ---- the stack, end to end ----------------------------------------------------------------------------
 
 
