@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -272,8 +271,6 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or new_request_id()
         bind_request(rid)
-        # the workers key their requests by id: a caller's, which need not be unique, gets a unique suffix there
-        worker_rid = f"{rid}-{uuid.uuid4().hex[:8]}" if request.request_id else rid
         trace.mark(rid, "router.recv")
         key = next(self._ids)
         out: asyncio.Queue = asyncio.Queue()
@@ -282,7 +279,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             if self.draining:
                 raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             prompt_ids, params = await self._admit(request)
-            async for chunk in self._fan_out(rid, request, prompt_ids, params, out, worker_rid):
+            async for chunk in self._fan_out(rid, request, prompt_ids, params, out):
                 yield chunk
         except _Stop as stop:
             await context.abort(stop.code, stop.details)
@@ -336,10 +333,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         prompt_ids: np.ndarray,
         params: SamplingParams,
         out: asyncio.Queue | None = None,
-        worker_rid: str | None = None,
     ):
         """Run the n completions concurrently and interleave their chunks; usage comes last. A `Stop` put on
-        `out` (the drain's) ends the request. The workers know it as `worker_rid` (default: `rid`)."""
+        `out` (the drain's) ends the request."""
         out = asyncio.Queue() if out is None else out
         if self.draining and not out.empty():
             raise out.get_nowait()
@@ -351,7 +347,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         usage = pb.Usage(prompt_tokens=len(prompt_ids))
         try:
             for i in range(params.n):
-                started.append(self._start(worker_rid or rid, i, request, prompt_ids, params))
+                started.append(self._start(rid, i, request, prompt_ids, params))
                 tasks.append(asyncio.create_task(self._completion(rid, i, request, started[-1], out)))
             for _ in range(params.n):
                 while (item := await out.get()) is not None:

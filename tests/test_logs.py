@@ -106,6 +106,22 @@ def test_the_client_s_request_id_is_taken_only_as_a_plain_token(value: bytes, ta
     assert client_request_id({"headers": []}) == ""
 
 
+def test_router_calls_get_unique_ids_that_contain_the_request_s() -> None:
+    from gateway.access import AccessRecord
+    from gateway.app import router_ids
+
+    assert router_ids(AccessRecord(), 1) == [""]  # the router makes it
+    client = AccessRecord(request_id="abc")
+    one, again = router_ids(client, 1), router_ids(client, 1)
+    assert one != again and all(x.startswith("abc-") and len(x) == 12 for x in one + again)
+    three = router_ids(client, 3)
+    assert len(set(three)) == 3 and all(x.startswith("abc-") for x in three)
+    several = AccessRecord()
+    ids = router_ids(several, 2)
+    assert several.request_id is not None and several.request_id.startswith("r-")
+    assert ids == [f"{several.request_id}-0", f"{several.request_id}-1"]
+
+
 # ---- the stack, end to end ----------------------------------------------------------------------------
 
 

@@ -81,8 +81,7 @@ class Harness:
         return rid, [r async for r in self.stub.Generate(req, timeout=timeout)]
 
     def prefill_of(self, rid: str) -> str:
-        """The prefill worker the router sent request `rid` to (the workers know it as `rid-<8 hex>`)."""
-        return next(p for d, _ in self.decode for w, p in d.prefill_of.items() if w.rpartition("-")[0] == rid)
+        return next(d.prefill_of[rid] for d, _ in self.decode if rid in d.prefill_of)
 
     async def wait_for(self, what: str, check: Callable[[], object], timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
