@@ -16,6 +16,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from serving.drain import Drain
 from serving.engine_proc import EngineProcess
 from serving.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from serving.logs import bind_request
 from serving.messages.from_engine import BlocksReserved, Error, FirstToken, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed
 from serving.mux import ManyCall, ManyStream, RpcAbort, serve_many
@@ -54,6 +55,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def _generate(self, request: pb.DecodeRequest):
         """One request's chunks; raises RpcAbort with its status."""
         rid = request.request_id
+        bind_request(rid)
         trace.mark(rid, "dserver.recv")
         try:
             params = params_from_proto(request.sampling)
@@ -71,6 +73,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         grant: asyncio.Future | None = None
         finished = False
         promised = self._speculate(request)
+        logger.info(
+            "request %s: %d prompt tokens, prefill %s",
+            rid,
+            len(request.prompt_token_ids),
+            request.prefill_address or "here",
+        )
         if promised:  # the prefill starts now; the blocks our engine reserves follow
             self._promised += promised
             grant = asyncio.get_running_loop().create_future()
@@ -104,6 +112,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     raise RpcAbort(STATUS[msg.code], msg.details)
                 else:
                     finished = not isinstance(msg, FirstToken) and msg.finish_reason is not None
+                    if finished:
+                        logger.info("request %s finished: %s", rid, msg.finish_reason)  # type: ignore[union-attr]
                     if (chunk := _chunk(msg)) is not None:
                         yield chunk
         finally:

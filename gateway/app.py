@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from gateway.router_client import RouterStreams, build, chat_requests, completio
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import CHANNEL_OPTIONS
+from serving.logs import new_request_id
 from serving.metrics_compat import add_compat
 
 logger = logging.getLogger(__name__)
@@ -130,10 +132,13 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
+            for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
+                req.request_id = rid
             assert self.stub is not None
             streams = RouterStreams(self.stub, reqs)
             self.drain.watch(streams)
             await _unless_disconnected(request, streams, streams.start())
+            record.identify(streams.request_id)
             self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
             record.first_token()
             fmt = Formatter(chat, info.model, body.num_logprobs(), self.token_text)
@@ -190,6 +195,20 @@ class Gateway:
             totals.completion_tokens = totals.completion_tokens or streamed  # no usage on a cut stream
             self._finished(where, status, totals)
         yield "data: [DONE]\n\n"
+
+
+def router_ids(record: AccessRecord, n: int) -> list[str]:
+    """The ids of a request's `n` router calls ("": the router makes it). Workers key requests by id, so each
+    is unique: a client's `X-Request-Id` gets a random suffix; and each contains the request's id, so one
+    grep finds them all. A request without one takes the router's, or with several prompts one made here."""
+    if record.request_id is not None:
+        base = f"{record.request_id}-{uuid.uuid4().hex[:8]}"
+    elif n == 1:
+        return [""]
+    else:
+        base = new_request_id()
+        record.identify(base)
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 
 
 class _EventStream(StreamingResponse):

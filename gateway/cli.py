@@ -12,6 +12,7 @@ import os
 import sys
 
 from gateway.limits import DEFAULT_MAX_REQUEST_BYTES
+from serving.logs import LogSetup, add_log_format_arg, current, identify, make_handler, setup_logging
 
 _AFTER_DRAIN_S = 5.0  # uvicorn's own graceful shutdown, once the drain is over: nothing should be left
 
@@ -70,9 +71,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
 def _log_access() -> None:
     access = logging.getLogger("pdserve.access")
     if not access.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        access.addHandler(handler)
+        access.addHandler(make_handler(sys.stdout, "%(asctime)s %(name)s: %(message)s"))
     access.setLevel(logging.INFO)
     access.propagate = False
 
@@ -91,6 +90,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s,
         metrics_compat=getattr(args, "metrics_compat", None),
     )
+    identify("gateway", f"{args.host}:{args.port}")
     app = create_app(config)
     _log_access()
     print(f"pdserve gateway: http://{args.host}:{args.port}/v1 -> router {args.router}", flush=True)
@@ -99,6 +99,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
+        log_config=None if current().format == "json" else uvicorn.config.LOGGING_CONFIG,  # json: the root's
         access_log=False,  # pdserve.access writes one line per request, with its final status
         timeout_graceful_shutdown=int(_AFTER_DRAIN_S),
     )
@@ -109,7 +110,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve gateway")
     add_gateway_args(parser)
-    return cmd_gateway(parser.parse_args(argv))
+    add_log_format_arg(parser)
+    args = parser.parse_args(argv)
+    setup_logging(LogSetup(args.log_format))
+    return cmd_gateway(args)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError, shutting_down
+from serving.logs import announce
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +137,14 @@ class DrainingServer(uvicorn.Server):
 
     def _on_signal(self, name: str) -> None:
         if self._task is None:
-            print(f"pdserve gateway: {name}: draining {self.drain.in_flight} requests", flush=True)
+            announce(f"pdserve gateway: {name}: draining {self.drain.in_flight} requests")
             self._task = asyncio.create_task(self._drain_then_exit())
         else:
-            print(f"pdserve gateway: {name} again: stopping the requests in flight", flush=True)
+            announce(f"pdserve gateway: {name} again: stopping the requests in flight")
             self.drain.stop_all()
 
     async def _drain_then_exit(self) -> None:
         finished = await self.drain.run(self.drain_timeout_s)
         outcome = "every request finished" if finished else "requests past the timeout stopped"
-        print(f"pdserve gateway: drained ({outcome})", flush=True)
+        announce(f"pdserve gateway: drained ({outcome})")
         self.should_exit = True

@@ -95,6 +95,12 @@ class RouterStreams:
             self.cancel()
             raise
 
+    @property
+    def request_id(self) -> str:
+        """The id the router answered with (after `start`)."""
+        first = self._first[0] if self._first else None
+        return first.request_id if first is not None else ""
+
     def cancel(self) -> None:
         for call in self.calls:
             call.cancel()

@@ -18,6 +18,7 @@ from serving.drain import Drain
 from serving.engine_proc import EngineProcess
 from serving.grpc_common import logprobs_to_proto, params_from_proto
 from serving.kv_events import EventBatch
+from serving.logs import bind_request
 from serving.messages.from_engine import Error, FirstToken, KVEvents, KVSent, Snapshot
 from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot
 from serving.mux import RpcAbort, serve_many
@@ -86,6 +87,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def _prefill(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):
         """One call's replies; `later` yields the caller's next messages (the grant). Raises RpcAbort."""
         rid = request.request_id
+        bind_request(rid)
         trace.mark(rid, "pserver.recv")
         try:
             params = params_from_proto(request.sampling)
@@ -118,6 +120,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 elif isinstance(msg, KVSent):
                     done = True
                     trace.mark(rid, "pserver.kv_done")
+                    logger.info("request %s: prefilled %d prompt tokens", rid, len(request.prompt_token_ids))
                     yield pb.PrefillResponse(kv_done=True)
                     return
         finally:

@@ -18,6 +18,7 @@ from grpc_health.v1 import health
 from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servicer
 from router.supervise import run_forever
 from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
+from serving.logs import identify
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ async def serve_router(config: RouterConfig, address: str) -> None:
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     add_servicer(servicer, server)
     port = server.add_insecure_port(address)
+    identify(address=f"{address.rpartition(':')[0]}:{port}")
     if config.metrics_port:
         servicer.metrics.serve(config.metrics_port, compat=config.metrics_compat)
         logger.info("router metrics on port %d", config.metrics_port)

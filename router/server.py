@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from router.supervise import Failures, run_forever
 from router.workers import WorkerTable
 from serving.grpc_common import CHANNEL_OPTIONS, params_to_proto
 from serving.kv_events import EventBatch, Snapshot
+from serving.logs import bind_request, new_request_id
 from serving.mux import ManyCall, ManyStream
 
 logger = logging.getLogger(__name__)
@@ -280,7 +280,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         return self.model_info
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id or f"r-{uuid.uuid4().hex[:16]}"
+        rid = request.request_id or new_request_id()
+        bind_request(rid)
         trace.mark(rid, "router.recv")
         key = next(self._ids)
         out: asyncio.Queue = asyncio.Queue()
@@ -368,6 +369,12 @@ class RouterServicer(pb_grpc.RouterServicer):
                         usage.cached_tokens = item.usage.cached_tokens
                     item.ClearField("usage")
                     yield item
+            logger.info(
+                "request %s finished: %d prompt tokens, %d completion tokens",
+                rid,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+            )
             yield pb.GenerateResponse(request_id=rid, usage=usage)
         finally:
             for task in tasks:
@@ -440,6 +447,13 @@ class RouterServicer(pb_grpc.RouterServicer):
         sampling.n = 1
         by_ids = request.WhichOneof("prompt") == "token_ids"
         as_list = prompt_ids.tolist() if self.tokenizer or not by_ids else None  # once, where it is needed
+        logger.info(
+            "request %s: %d prompt tokens to prefill %s, decode %s",
+            sub_id,
+            len(prompt_ids),
+            decision.prefill_worker,
+            decision.decode_worker,
+        )
         trace.mark(sub_id, "router.call_decode")
         call = self._decode_stream(decision.decode_worker).open(
             request_id=sub_id,

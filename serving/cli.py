@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from engine.args import add_engine_args, engine_kwargs
 from engine.sampling_params import SamplingParams
 from kvtransfer import TRANSPORTS
+from serving.logs import LogSetup, add_log_format_arg, setup_logging
 from serving.roles import METRICS_COMPAT, METRICS_COMPAT_HELP
 
 
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR, for every process started"
     )
+    add_log_format_arg(parser)
     sub = parser.add_subparsers(dest="command", required=True, help="what to run")
     gen = sub.add_parser("generate", help="stream the model's answer to one prompt to the terminal")
     gen.add_argument("prompt", help="the prompt, or the user message with --chat")
@@ -201,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (vLLM `bench serve`'s flags)")
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+    for command in sub.choices.values():  # also after the command, as `pdserve router --log-format json`
+        if "--log-format" not in command._option_string_actions:
+            add_log_format_arg(command, argparse.SUPPRESS)
     return parser
 
 
@@ -209,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(LogSetup(args.log_format, args.log_level))
     try:
         if args.command == "up":
             from serving.roles import cmd_up

@@ -39,6 +39,7 @@ import numpy as np
 
 from engine import trace
 from serving.keep_warm import KEEP_WARM_LINGER_S, KEEP_WARM_S
+from serving.logs import LogSetup, current, setup_logging
 from serving.messages.from_engine import (
     Error,
     ForRequest,
@@ -63,10 +64,11 @@ def id_list(ids: np.ndarray | Sequence[int]) -> list[int]:
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
-def _child_main(core_path: str, config: Any, conn: Any) -> None:
+def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> None:
     # Ctrl-C reaches the whole process group; the server decides when this process stops (Shutdown),
     # and it stops by itself once the server is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(log_setup)  # its lines look like its server's
     module, _, name = core_path.rpartition(".")
 
     def send(batch: list[FromEngine]) -> None:
@@ -159,7 +161,9 @@ class EngineProcess:
     def __init__(self, core_path: str, config: Any) -> None:
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe(duplex=True)  # a socket pair
-        self.proc = ctx.Process(target=_child_main, args=(core_path, config, child_end), daemon=True)
+        self.proc = ctx.Process(
+            target=_child_main, args=(core_path, config, child_end, current()), daemon=True
+        )
         self._parent_end, self._child_end = parent_end, child_end
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvtransfer import TRANSPORTS
+from serving.logs import identify
 from serving.supervisor import Child, StopSignals, Supervisor
 
 METRICS_COMPAT = ("vllm",)  # serving/metrics_compat.py
@@ -82,6 +83,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         core = "prefill_worker.core.PrefillCore"
     servicer = mod.DecodeServicer if args.command == "decode" else mod.PrefillServicer  # type: ignore[attr-defined]
     address = f"{args.host}:{args.port}"
+    identify(args.command, address)
     asyncio.run(
         run_worker(
             core,
@@ -117,6 +119,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         metrics_compat=args.metrics_compat,
         speculate_ttl_s=args.speculate_ttl_s,
     )
+    identify("router", f"{args.host}:{args.port}")
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
     return 0
 
@@ -146,6 +149,7 @@ def supervise(
     (`healthy`; by default the gRPC health service at its address), list them and print `ready`; then keep
     them running until SIGTERM/SIGINT and drain them. `pdserve up`'s and `pdserve serve`'s body."""
     signals = StopSignals().install()
+    identify(command)
     supervisor = Supervisor(children, drain_timeout_s)
     try:
         supervisor.start_all()
@@ -187,7 +191,15 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
     from engine.bundled import model_dir
 
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
-    exe = [sys.executable, "-m", "serving.cli", "--log-level", args.log_level]
+    exe = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+    ]
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
     drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
     children = []

@@ -124,7 +124,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace, router: str, directory: str) -> Child:
-    cmd = [sys.executable, "-m", "serving.cli", "--log-level", args.log_level, "gateway", "--router", router]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+    ]
+    cmd += ["gateway", "--router", router]
     cmd += ["--host", args.host, "--port", str(args.port), "--model", directory]
     cmd += ["--drain-timeout-s", f"{args.drain_timeout_s:g}", *_argv(args.gateway_flags, args)]
     return Child("gateway", f"{args.host}:{args.port}", cmd, stops_first=True)

@@ -14,6 +14,7 @@ from protos import pdserve_pb2 as pb
 from serving.drain import SHUTTING_DOWN, Drain
 from serving.engine_proc import EngineProcess
 from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
+from serving.logs import identify
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,14 @@ async def run_worker(
     refused, those in flight finished within `drain_timeout_s` (past it ended with UNAVAILABLE), then the
     server and the engine process stop. Exits 1 (SystemExit) if the engine process died or never started."""
     stop = _stop_on_signals()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    port = server.add_insecure_port(address)
+    identify(address=f"{address.rpartition(':')[0]}:{port}")  # before the engine process takes the setup
     engine = EngineProcess(core_path, config)
     drain = Drain()
     servicer = make_servicer(engine, drain)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health = add_health_and_reflection(server, [service_name])
     add_servicer(servicer, server)
-    port = server.add_insecure_port(address)
     await server.start()  # health answers NOT_SERVING while the model loads
     logger.info("%s listening on port %d, loading the model", service_name, port)
     if not await _start_engine(engine, stop):
