@@ -4,6 +4,8 @@ There is no prefill or decode phase: each step gives every request "n more token
 shared token budget, running requests first (decodes, then unfinished prefill chunks), waiting
 requests after. When the pool runs out, the lowest-priority running request is preempted: its
 blocks are freed and it recomputes later (its computed prefix often comes back from the cache).
+Under the priority policy a waiting request that cannot be admitted (max_num_seqs running, or no
+blocks for its first chunk) preempts running requests of strictly lower priority, least urgent first.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
+        by_priority = self._preempt_for_priority() if self.policy == "priority" else []
         for seq in list(self.running):
             if budget == 0 or seq.status != SequenceStatus.RUNNING:
                 continue
@@ -176,7 +179,25 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         if self.proposer is not None and drafts:
             budget = self._add_drafts(scheduled, budget)
-        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+        return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, by_priority + preempted)
+
+    def _preempt_for_priority(self) -> list[str]:
+        """Make room for the most urgent waiting request: while it cannot be admitted (max_num_seqs are
+        running, or the pool cannot hold its first chunk) and the least urgent running request has a
+        strictly lower priority (a larger value), preempt that one. Returns the preempted request ids."""
+        preempted: list[str] = []
+        bs = self.block_manager.block_size
+        while len(self.waiting) and self.running:
+            head, victim = self.waiting.peek(), self.running[-1]
+            if head.num_pending or victim.priority <= head.priority:
+                break
+            first_chunk = min(head.num_tokens, self.max_num_batched_tokens)
+            full = len(self.running) >= self.max_num_seqs
+            if not full and self.block_manager.can_allocate(-(-first_chunk // bs)):
+                break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return preempted
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, preempted: list[str]) -> bool:
         while not self.block_manager.allocate(seq, seq.num_computed_tokens + num_new):

@@ -47,6 +47,7 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    priority: Int32 = 0  # under --scheduling-policy priority a lower value runs first (vLLM's server field)
 
     @property
     def include_usage(self) -> bool:

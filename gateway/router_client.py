@@ -52,7 +52,7 @@ def chat_requests(body: ChatCompletionRequest) -> list[pb.GenerateRequest]:
     messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
     chat = pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
     sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
-    return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model)]
+    return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model, priority=body.priority)]
 
 
 def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
@@ -61,7 +61,7 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
     sampling = sampling_proto(body, body.token_limit())
     out = []
     for prompt in body.prompts():
-        req = pb.GenerateRequest(sampling=sampling, model=body.model)
+        req = pb.GenerateRequest(sampling=sampling, model=body.model, priority=body.priority)
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -197,3 +197,44 @@ def test_abort_ends_a_held_request_and_ignores_an_unknown_one():
     step(sched)
     assert sched.abort("a") and not sched.abort("a") and not sched.abort("nobody")
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def _finish_order(sched, limit=300):
+    order = []
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return order
+        out = step(sched)
+        order += [it.request_id for it in out.scheduled if sched.seqs.get(it.request_id) is None]
+    raise AssertionError("did not finish")
+
+
+def test_an_urgent_arrival_preempts_a_less_urgent_request_when_max_num_seqs_run():
+    sched, bm = make(max_num_seqs=2, scheduling_policy="priority")
+    sched.add(seq("a", 4, max_tokens=20, priority=10, arrival=0.0))
+    sched.add(seq("b", 4, max_tokens=20, priority=10, arrival=1.0, start=50))
+    for _ in range(3):
+        step(sched)
+    sched.add(seq("urgent", 4, max_tokens=3, priority=0, arrival=2.0, start=100))
+    out = step(sched)
+    assert out.preempted == ["b"]  # the least urgent: equal priority, the later arrival
+    assert "urgent" in [it.request_id for it in out.scheduled]
+    order = _finish_order(sched)
+    assert order[0] == "urgent" and sorted(order) == ["a", "b", "urgent"]
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_urgent_arrival_preempts_when_the_pool_is_full_but_never_an_equal_priority():
+    sched, bm = make(num_blocks=8, max_num_seqs=8, scheduling_policy="priority")
+    sched.add(seq("a", 13, max_tokens=16, priority=10, arrival=0.0))
+    sched.add(seq("b", 13, max_tokens=16, priority=10, arrival=1.0, start=50))
+    step(sched)
+    assert bm.num_free_blocks == 0  # 14 tokens each: 4 blocks each
+    sched.add(seq("same", 8, max_tokens=2, priority=10, arrival=2.0, start=100))
+    assert step(sched).preempted == []  # not strictly more urgent: it waits
+    sched.add(seq("urgent", 8, max_tokens=2, priority=0, arrival=3.0, start=200))
+    out = step(sched)
+    assert out.preempted and "urgent" in [it.request_id for it in out.scheduled]
+    order = _finish_order(sched)
+    assert order[0] == "urgent" and sorted(order) == ["a", "b", "same", "urgent"]
+    assert bm.num_free_blocks == bm.num_blocks
