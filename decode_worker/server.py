@@ -151,6 +151,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             cache_salt=request.cache_salt,
             kv_descriptor=self._kv_descriptor,
             dst_block_ids=dst_block_ids or (),
+            priority=request.priority,
         )
         trace.mark(request.request_id, "dserver.call_prefill")
         return call

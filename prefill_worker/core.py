@@ -134,7 +134,7 @@ class PrefillCore:
             self.outbox.append(Error(rid, "INVALID_ARGUMENT", str(exc)))
             return
         job = self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
-        seq = self.engine.make_sequence(rid, id_list(prompt_ids), first_only, 0, msg.cache_salt)
+        seq = self.engine.make_sequence(rid, id_list(prompt_ids), first_only, msg.priority, msg.cache_salt)
         self.scheduler.add(seq)
         if job.dst_block_ids is not None:
             self._prepare(rid, job)

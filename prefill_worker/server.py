@@ -107,6 +107,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     request.cache_salt or None,
                     request.kv_descriptor,
                     tuple(request.dst_block_ids),
+                    request.priority,
                 )
             )
             while True:

@@ -290,3 +290,16 @@ def test_a_transfer_to_a_receiver_gone_is_counted_as_failed(setup) -> None:
     assert (
         core.counters()["kv_transfer_bytes/tcp"] == 0 and "kv_transfer_seconds/tcp" not in core.histograms()
     )
+
+
+def test_a_prompt_is_queued_with_the_request_priority(setup) -> None:
+    core, _, receiver, _ = setup
+    params = SamplingParams(temperature=0, max_tokens=8)
+    msg = PrefillPrompt(
+        "urgent", np.asarray(PROMPT, dtype=np.int64), params, None, json.dumps(receiver.descriptor()), (), -4
+    )
+    core.handle(msg)
+    assert core.scheduler.seqs["urgent"].priority == -4  # the prefill queue orders by it (priority policy)
+    core.handle(Abort("urgent"))
+    run_until_idle(core)
+    assert not any(b.ref_count for b in core.blocks.blocks)

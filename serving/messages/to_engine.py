@@ -54,6 +54,7 @@ class PrefillPrompt:
     cache_salt: str | None
     kv_descriptor: str  # JSON of the decode worker's kvtransfer receiver descriptor
     dst_block_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first under the priority policy
 
 
 @dataclass(frozen=True)
