@@ -192,24 +192,29 @@ def test_redis_killed_then_restarted_empty(
         async with running_router(redis_url=redis_server.url) as h:
             ids, holder = await held_by_second(h, 1)
             await h.wait_for("prefix routing through Redis", lambda: routes_by_prefix(h, ids, holder))
+            metric = h.servicer.metrics.registry.get_sample_value
+            decisions = "pdserve:router_routing_decisions_total"
             redis_server.kill()
+            routed_while_down = 0  # requests sent once the router knew the index was down
             for i in range(20):  # every request is served, by load, while Redis is gone
+                down = not h.servicer.index.up
                 t0 = time.monotonic()
                 rid, out = await h.generate(prompt(100 + i))
                 assert (
                     out[-1].HasField("usage") and time.monotonic() - t0 < 2.0
                 )  # never a hang on the dead index
                 assert await h.health() == SERVING
+                routed_while_down += down
                 await asyncio.sleep(0.05)
-            assert not h.servicer.index.up
-            metric = h.servicer.metrics.registry.get_sample_value
+            assert not h.servicer.index.up and routed_while_down >= 1
             assert metric("pdserve:router_index_state") == 0
             assert (metric("pdserve:router_index_errors_total") or 0) >= 1
             for operation in ("index", "follow"):  # the index's calls and the mirror's stream reader
                 assert (metric("pdserve:router_redis_errors_total", {"operation": operation}) or 0) >= 1
-            decisions = "pdserve:router_routing_decisions_total"
             assert (metric(decisions, {"reason": "prefix_hit"}) or 0) >= 1  # before the kill
-            assert (metric(decisions, {"reason": "fallback"}) or 0) >= 19  # by load while the index is down
+            # each one routed while the index was known down was a fallback decision (and maybe the one
+            # whose failed index call found it down)
+            assert (metric(decisions, {"reason": "fallback"}) or 0) >= routed_while_down
             assert all(h.servicer.workers.state(a) is State.UP for a in h.servicer.channels)
             redis_server.start()  # empty
             await h.wait_for("the index to be back", lambda: h.servicer.index.up)
