@@ -459,12 +459,8 @@ def markdown(
     )
     lines += [
         "",
-        f"Command: `{COMMAND}` (~25 min on 2 busy cores; it rewrites this section). Records:",
-        "`routing_<workers>w_<policy>_{hit_rate,mean_ttft,p90_ttft,max_share}.json` for every policy,",
-        "`routing_overhead_{inmemory,redis,redis_lua}_*.json`, `routing_redis_mirror_lag_p99_us.json`, "
-        "`routing_hash_4k_prompt_us.json`. "
-        f"The other policies at {fleets[0][0]} workers",
-        f"(hit rate, p90 TTFT): {others}.",
+        f"Command: `{COMMAND}` (~25 min on 2 busy cores; it rewrites this section). Records: `routing_*.json`.",
+        f"The other policies at {fleets[0][0]} workers (hit rate, p90 TTFT): {others}.",
         "",
         f"Tried and did not pay ({fleets[0][0]} workers; the tuning table in `docs/routing.md`): a tight queue guard "
         "instead of the",
