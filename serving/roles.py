@@ -191,15 +191,7 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
     from engine.bundled import model_dir
 
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
-    exe = [
-        sys.executable,
-        "-m",
-        "serving.cli",
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-    ]
+    exe = pdserve_command(args)
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
     drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
     children = []
@@ -224,6 +216,19 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
     cmd += _compat(args)
     children.append(Child("router", f"{args.host}:{port}", cmd, metrics_port=metrics))
     return children
+
+
+def pdserve_command(args: argparse.Namespace) -> list[str]:
+    """`pdserve` as a child process is started, with this process's log level and format."""
+    return [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "--log-level",
+        args.log_level,
+        "--log-format",
+        args.log_format,
+    ]
 
 
 def _compat(args: argparse.Namespace) -> list[str]:

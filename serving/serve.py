@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import copy
 import os
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -124,16 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace, router: str, directory: str) -> Child:
-    cmd = [
-        sys.executable,
-        "-m",
-        "serving.cli",
-        "--log-level",
-        args.log_level,
-        "--log-format",
-        args.log_format,
-    ]
-    cmd += ["gateway", "--router", router]
+    from serving.roles import pdserve_command
+
+    cmd = [*pdserve_command(args), "gateway", "--router", router]
     cmd += ["--host", args.host, "--port", str(args.port), "--model", directory]
     cmd += ["--drain-timeout-s", f"{args.drain_timeout_s:g}", *_argv(args.gateway_flags, args)]
     return Child("gateway", f"{args.host}:{args.port}", cmd, stops_first=True)
