@@ -102,11 +102,13 @@ def engine_part(shape: str) -> dict[str, Any]:
     # A-B: the graphs again with the other short-context plan (engine/attention.py: SHORT_SPLIT)
     import engine.attention as attention
 
-    attention.SHORT_SPLIT = not attention.SHORT_SPLIT
+    cfg = engine.model_config
+    default = attention.splits_short(cfg.num_key_value_heads, cfg.head_dim)
+    attention.SHORT_SPLIT = not default
     runner.capture_graphs()
-    out["short_split_other"] = {"short_split": attention.SHORT_SPLIT, **decode_tps(generate)}
-    attention.SHORT_SPLIT = not attention.SHORT_SPLIT
-    out["short_split"] = attention.SHORT_SPLIT
+    out["short_split_other"] = {"short_split": not default, **decode_tps(generate)}
+    attention.SHORT_SPLIT = None
+    out["short_split"] = default
     return out
 
 

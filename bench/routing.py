@@ -460,11 +460,7 @@ def markdown(
     lines += [
         "",
         f"Command: `{COMMAND}` (~25 min on 2 busy cores; it rewrites this section). Records: `routing_*.json`.",
-        f"The other policies at {fleets[0][0]} workers (hit rate, p90 TTFT): {others}.",
-        "",
-        f"Tried and did not pay ({fleets[0][0]} workers; the tuning table in `docs/routing.md`): a tight queue guard "
-        "instead of the",
-        "share penalty, no share penalty, `per_token_cost` 2.",
+        f"Other policies at {fleets[0][0]} workers (hit rate, p90 TTFT): {others}. Tuning: `docs/routing.md`.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -4,14 +4,16 @@
 # since the device tool returns only a few files per call. Run from the repo root:
 #   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
-# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency
+# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency tests_kv_memory
+# bench_kv_memory; not in the default list: tests_quant bench_quant (int4 weights), and on a machine with 2
+# GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/device-out}
 STEPS=${STEPS:-tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg}
-mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d" "$OUT/lat"
+mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d" "$OUT/lat" "$OUT/tp"
 if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio-health-checking / -reflection, see tests/gpu/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -43,6 +45,17 @@ if wanted bench_disagg; then
   kill $SMI 2>/dev/null
   python3 -m bench.trace_report "$OUT/d/trace" > "$OUT/d/trace_report.txt" 2>&1
 fi
+# int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
+mkdir -p "$OUT/q"
+step tests_quant 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no:cacheprovider
+step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # batch-1 decode against the roofline and transformers compiled, GPU busy, start-up (BENCHMARKS.md, Engine)
 step bench_latency 560 python3 -m bench.latency --out-dir "$OUT/lat"
-tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat steps.txt $(cd "$OUT" && ls *.txt)
+# tensor parallelism on 2 GPUs: TP 2 against TP 1 and transformers, then decode speed and all-reduce time
+step tests_tp 400 python3 -m pytest tests/gpu/test_tp_gpu.py -q -rfE -p no:cacheprovider
+step bench_tp 420 python3 -m bench.tp --out-dir "$OUT/tp"
+# fp8 KV decode, swap round trip, preemption throughput by mode (about 5 minutes; not in the default STEPS)
+mkdir -p "$OUT/kvm"
+step tests_kv_memory 300 python3 -m pytest tests/gpu/test_kv_memory_gpu.py -q $XDIST -rfE -p no:cacheprovider
+step bench_kv_memory 480 python3 -m bench.kv_memory --out-dir "$OUT/kvm"
+tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat tp q kvm steps.txt $(cd "$OUT" && ls *.txt)

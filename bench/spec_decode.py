@@ -4,9 +4,13 @@
 
 On the bundled SmolLM2-135M-Instruct (real weights; --model names its GGUF file where the package is not
 installed), greedy, fixed output lengths:
-- batch 1, n-gram on input-grounded prompts (rewrite or continue a given text): decode tok/s with
-  speculation over plain decoding's (goal >= 2.0x), with the acceptance rate and mean accepted length;
+- batch 1, n-gram on an input-grounded prompt (repeat a given 290-token notice; see GROUNDED): decode
+  tok/s with speculation over plain decoding's (goal >= 2.0x), with the acceptance rate and mean accepted
+  length;
 - batch 1, self_draft on chat prompts: the same, as measured;
+- batch 1, draft_model on chat prompts: the same, with the bundled model's first DRAFT_LAYERS layers (its
+  final norm and LM head too) written as a checkpoint of their own, the one draft here that shares the
+  bundled tokenizer: a LayerSkip-style draft with its own KV cache;
 - batch 64 and 256 of chat prompts, each method with adaptive draft lengths (the default): output tok/s
   over plain decoding's (goal >= 0.97x: speculation never costs throughput);
 - the Llama-3-8B shape with dummy weights: the time of a verification step against k at batch 1, 16, 64
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,14 +37,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 COMMAND = "python -m bench.spec_decode"
 GOALS = {"ngram_b1": 2.0, "adaptive": 0.97}
 REPEATS = 3  # timed generates per engine; the median is reported
+# The batch-1 n-gram prompt: the output is the given text, so all of it is grounded. On edit prompts
+# ("fix only the spelling", "write numbers as digits") the bundled 135M model paraphrases and leaves the
+# text within ~70 tokens, so most of a 256-token output would not be grounded in the input at all.
 GROUNDED = [
-    "Rewrite this paragraph, keeping every sentence, and fix only the spelling: {text}",
-    "Copy the following text exactly, then add one sentence at the end: {text}",
+    "Here is a notice. Repeat it word for word, then say nothing else.\n\n{text}",
+    "Rewrite this notice, keeping every sentence, and fix only the spelling: {text}",
 ]
-TEXT = (
+TEXT = (  # about 290 tokens: longer than the output, so the repeat never runs out of text
     "The city library opens at nine in the morning and closes at six in the evening. Visitors can borrow "
     "up to five books at a time, and each loan lasts three weeks. The reading room on the second floor is "
     "quiet, and the childrens corner on the first floor has games, puzzles and picture books. "
+    "On Saturdays the library holds a story hour for young children at ten, and a chess club meets in the "
+    "back room after lunch. Members can reserve a computer for one hour a day, and printing costs ten cents "
+    "a page. Books that are returned late cost twenty cents a day, up to a limit of five dollars per book. "
+    "The library also lends board games, musical instruments and tools, such as drills and ladders, to "
+    "anyone with a card. A small cafe near the entrance sells coffee, tea and sandwiches, and its tables "
+    "look out over the park. Every spring the friends of the library run a book sale in the main hall, and "
+    "the money they raise pays for new books, longer opening hours and repairs to the old building. "
+    "Volunteers help with the sale, shelve returned books and teach evening classes in reading and writing "
+    "for adults who want to improve their skills."
 )
 CHATS = [
     "What is the capital of France?",
@@ -50,10 +68,34 @@ CHATS = [
     "What are the benefits of regular exercise?",
     "Describe a good morning routine.",
 ]
+DRAFT_LAYERS = 10
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
-    "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 10},
+    "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": DRAFT_LAYERS},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},  # "model": truncated_draft()'s
 }
+
+
+def truncated_draft(model_dir: Path, layers: int, out: Path) -> Path:
+    """A checkpoint of `model_dir`'s first `layers` decoder layers, its embedding, final norm and LM head,
+    with the same tokenizer files: a draft model that shares the target's tokenizer by construction."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model_dir / "config.json").read_text())
+    kept = {
+        name: t
+        for name, t in load_file(str(model_dir / "model.safetensors")).items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+    }
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=2))
+    for f in model_dir.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
 
 
 def chat_prompts(llm: Any, texts: list[str]) -> list[list[int]]:
@@ -194,6 +236,30 @@ def main() -> None:
     def make(spec: dict | None, **kw: Any) -> Any:
         return LLM(args.model, dtype=dtype, device=device, max_model_len=2048, speculative_config=spec, **kw)
 
+    from engine.bundled import model_dir
+
+    draft_dir = Path(tempfile.mkdtemp(prefix="pdserve-draft-"))
+    methods = {
+        **METHODS,
+        "draft_model": {
+            **METHODS["draft_model"],
+            "model": str(truncated_draft(Path(model_dir(args.model)), DRAFT_LAYERS, draft_dir)),
+        },
+    }
+    try:
+        results = run_all(make, methods, device, out_len, big, args.quick)
+    finally:
+        shutil.rmtree(draft_dir, ignore_errors=True)
+    print(json.dumps(results, indent=1))
+    if device == "cuda" and not args.quick:
+        write_records(results, big, args.out_dir)
+
+
+def run_all(
+    make: Any, methods: dict[str, dict], device: str, out_len: int, big: list[int], quick: bool
+) -> dict[str, Any]:
+    """Every comparison: batch 1 for each method, then each method at each large batch, then (CUDA, full
+    run) the verify-cost curve."""
     probe = make(None)
     grounded = chat_prompts(probe, [g.format(text=TEXT) for g in GROUNDED])
     chats = chat_prompts(probe, CHATS)
@@ -204,17 +270,16 @@ def main() -> None:
     del probe
     free_device_memory()
     results: dict[str, Any] = {}
-    results["ngram_b1"] = compare(make, METHODS["ngram"], grounded[:1], out_len)
-    results["self_draft_b1"] = compare(make, METHODS["self_draft"], chats[:1], out_len)
+    results["ngram_b1"] = compare(make, methods["ngram"], grounded[:1], out_len)
+    results["self_draft_b1"] = compare(make, methods["self_draft"], chats[:1], out_len)
+    results["draft_model_b1"] = compare(make, methods["draft_model"], chats[:1], out_len)
     for b in big:
         batch = [chats[i % len(chats)] for i in range(b)]
-        for name, spec in METHODS.items():
+        for name, spec in methods.items():
             results[f"adaptive_b{b}_{name}"] = compare(make, spec, batch, out_len // 2)
-    if device == "cuda" and not args.quick:
+    if device == "cuda" and not quick:
         results["verify_cost"] = verify_cost(device, [1, 16, 64, 256], [0, 1, 2, 4, 8])
-    print(json.dumps(results, indent=1))
-    if device == "cuda" and not args.quick:
-        write_records(results, big, args.out_dir)
+    return results
 
 
 def write_records(results: dict[str, Any], big: list[int], out_dir: Path | None) -> None:
@@ -231,6 +296,7 @@ def write_records(results: dict[str, Any], big: list[int], out_dir: Path | None)
 
     spec_record("spec_ngram_b1_smollm2", results["ngram_b1"], f">= {GOALS['ngram_b1']}x plain")
     spec_record("spec_self_draft_b1_smollm2", results["self_draft_b1"], None)
+    spec_record("spec_draft_model_b1_smollm2", results["draft_model_b1"], None)
     for b in big:
         for name in METHODS:
             spec_record(

@@ -119,9 +119,9 @@ class StepTimers:
                 self.totals[key + "_s"] += time.perf_counter() - t
                 self.totals[key] += 1
 
-        def timed_schedule() -> Any:
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:  # drafts=False from an overlapped step
             t = time.perf_counter()
-            out = schedule()
+            out = schedule(*args, **kwargs)
             self._last_prefill = any(len(it.token_ids) > 1 for it in out.scheduled)
             self.totals["schedule_s"] += time.perf_counter() - t
             return out

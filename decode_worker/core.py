@@ -23,12 +23,11 @@ from collections import deque
 
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.model_runner import kv_bytes_per_block
-from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence, SequenceStatus
 from engine.stats import HistogramSnapshot
-from kvtransfer import KVTransferError, create_receiver
+from kvtransfer import KVTransferError
 from kvtransfer.stats import TransferStats
+from kvtransfer.tp import create_sharded_receiver
 from serving.engine_proc import id_list
 from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed, ToEngine
@@ -43,11 +42,19 @@ class DecodeCore:
         self.engine = EngineCore(config.engine)
         self.scheduler = self.engine.scheduler
         self.blocks = self.engine.block_manager
-        self.receiver = create_receiver(config.kv_transport, self.engine.runner.kv_cache, host=config.kv_host)
-        bytes_per_block = kv_bytes_per_block(
-            self.engine.model_config, self.blocks.block_size, self.engine.dtype
+        self.receiver = create_sharded_receiver(
+            config.kv_transport, self.engine.runner, host=config.kv_host, auth=config.kv_auth
         )
-        self.kv_stats = TransferStats(config.kv_transport, bytes_per_block)
+        address = self.receiver.descriptor()
+        logger.info(
+            "kv receiver (%s) listening on %s:%d, %s",
+            config.kv_transport,
+            address["host"],
+            address["port"],
+            config.kv_auth.describe(),
+        )
+        # the pool's bytes per block (fp8: half of bf16's)
+        self.kv_stats = TransferStats(config.kv_transport, self.engine.runner.bytes_per_block())
         self.pending: deque[Sequence] = deque()
         self.awaiting_kv: dict[str, Sequence] = {}
         # KVArrived came, the receiver has not seen every byte yet: (seq, that message, deadline), checked
@@ -75,10 +82,12 @@ class DecodeCore:
             "num_waiting": len(self.scheduler.waiting) + len(self.pending),
             "num_free_blocks": self.blocks.num_free_blocks,
             "num_total_blocks": self.blocks.num_blocks,
+            **self.scheduler.preemption.load(),
         }
 
-    def counters(self) -> dict[str, int]:
-        return {**self.engine.counters(), **self.kv_stats.counters()}
+    def counters(self) -> dict[str, float]:
+        refused = {f"kv_transfer_refused/{r}": n for r, n in self.receiver.refusal_counts().items()}
+        return {**self.engine.counters(), **self.kv_stats.counters(), **refused}
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
         return self.engine.histograms()
@@ -158,30 +167,18 @@ class DecodeCore:
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_cached_tokens = arrived.num_cached_tokens
         self.blocks.cache_computed_blocks(seq)
-        self._prefill_draft(seq)
         if arrived.first_logprobs is not None:
             seq.logprobs.append(arrived.first_logprobs)
         seq.append_token(arrived.first_token_id)
         self.scheduler.admit_prefilled(seq)
         self.outbox.append(Landed(rid, seq.status.finish_reason, _stop_text(seq)))
 
-    def _prefill_draft(self, seq: Sequence) -> None:
-        """A separate draft model (speculative_config draft_model) has its own KV cache, which the transfer
-        does not fill: it computes the prompt here, over the blocks the target's KV landed in (queued on
-        the stream, behind any step in flight; only the draft's cache is written)."""
-        draft = self.engine.runner.draft
-        if draft is None:
-            return
-        prompt = ScheduledSeq(
-            seq.request_id, seq.prompt_token_ids, 0, list(seq.block_table), False, seq.params, None
-        )
-        draft.catch_up([prompt])
-
     def _kv_failed(self, rid: str, reason: str) -> None:
         seq = self.awaiting_kv.pop(rid, None)
         if seq is None:
             seq = self._unland(rid)
         if seq is not None:
+            logger.warning("request %s: its prompt's KV did not arrive: %s", rid, reason)
             self.kv_stats.failed()
             self._drop_transfer(seq)
             self.outbox.append(Error(rid, "UNAVAILABLE", reason))
@@ -254,9 +251,10 @@ class DecodeCore:
             if not self.blocks.allocate(seq, seq.num_prompt_tokens):
                 break
             self.pending.popleft()
-            self.receiver.expect(seq.request_id, list(seq.block_table))
+            token = secrets.token_hex(16)  # the grant: only the prefill worker handed it may write these
+            self.receiver.expect(seq.request_id, list(seq.block_table), token)
             self.awaiting_kv[seq.request_id] = seq
-            self.outbox.append(BlocksReserved(seq.request_id, tuple(seq.block_table)))
+            self.outbox.append(BlocksReserved(seq.request_id, tuple(seq.block_table), token))
             trace.mark(seq.request_id, "dcore.reserved")
 
     def _emit(self, seq: Sequence, logprobs: list[dict[int, float]]) -> None:

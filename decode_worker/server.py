@@ -15,11 +15,12 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.drain import Drain
 from serving.engine_proc import EngineProcess
-from serving.grpc_common import CHANNEL_OPTIONS, logprobs_from_proto, logprobs_to_proto, params_from_proto
+from serving.grpc_common import logprobs_from_proto, logprobs_to_proto, params_from_proto
 from serving.logs import bind_request
 from serving.messages.from_engine import BlocksReserved, Error, FirstToken, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed
 from serving.mux import ManyCall, ManyStream, RpcAbort, serve_many
+from serving.tls import PLAINTEXT, TLSConfig
 from serving.worker import STATUS, worker_load
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,14 @@ SERVICE_NAME = "pdserve.v1.Decode"
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(
-        self, engine: EngineProcess, drain: Drain | None = None, prefill_timeout_s: float = 600.0
+        self,
+        engine: EngineProcess,
+        drain: Drain | None = None,
+        prefill_timeout_s: float = 600.0,
+        tls: TLSConfig = PLAINTEXT,
     ) -> None:
         self.engine = engine
+        self.tls = tls  # the channels to prefill workers
         self.drain = drain or Drain()
         self._admitted = self.drain.admit(lambda request, _: self._generate(request))
         self.prefill_timeout_s = prefill_timeout_s
@@ -103,9 +109,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                 if isinstance(msg, BlocksReserved) and grant is not None:  # for the prefill already running
                     self._promised, promised = self._promised - promised, 0
                     if not grant.done():
-                        grant.set_result(msg.block_ids)
+                        grant.set_result(msg)
                 elif isinstance(msg, BlocksReserved):
-                    prefill_call = self._open_prefill(request, msg.block_ids)
+                    prefill_call = self._open_prefill(request, msg)
                     prefill = asyncio.create_task(self._prefill(request, prefill_call, None, stream))
                 elif isinstance(msg, Error):
                     finished = True
@@ -140,9 +146,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         free = load.get("num_free_blocks", 0) - self._promised
         return need if load.get("num_waiting", 1) == 0 and free >= 2 * need else 0
 
-    def _open_prefill(self, request: pb.DecodeRequest, dst_block_ids: tuple[int, ...] | None) -> ManyCall:
-        """Ask the prefill worker to fill our reserved blocks: `dst_block_ids`, or (None) the blocks our
-        engine reserves next, sent as the call's second message (_write_grant). Queues the frame now."""
+    def _open_prefill(self, request: pb.DecodeRequest, reserved: BlocksReserved | None) -> ManyCall:
+        """Ask the prefill worker to fill our reserved blocks (with the receiver's token for them), or (None)
+        the blocks our engine reserves next, sent as the call's second message (_write_grant). Queues the
+        frame now."""
         call = self._prefill_stream(request.prefill_address).open(
             timeout=self.prefill_timeout_s,
             request_id=request.request_id,
@@ -150,7 +157,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             sampling=request.sampling,
             cache_salt=request.cache_salt,
             kv_descriptor=self._kv_descriptor,
-            dst_block_ids=dst_block_ids or (),
+            dst_block_ids=reserved.block_ids if reserved else (),
+            kv_token=reserved.kv_token if reserved else "",
             priority=request.priority,
         )
         trace.mark(request.request_id, "dserver.call_prefill")
@@ -201,10 +209,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def _write_grant(self, call: ManyCall, rid: str, grant: asyncio.Future) -> None:
         """The call's second message, once our engine has reserved the blocks of a prefill started ahead."""
-        dst = await grant
+        reserved: BlocksReserved = await grant
         trace.mark(rid, "dserver.grant")
         with contextlib.suppress(grpc.aio.UsageError):  # the call ended: the reading side reports how
-            await call.write(request_id=rid, dst_block_ids=dst)
+            await call.write(request_id=rid, dst_block_ids=reserved.block_ids, kv_token=reserved.kv_token)
 
     @property
     def _kv_descriptor(self) -> str:
@@ -216,7 +224,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         """One shared stream per prefill worker (serving/mux.py), on one channel each."""
         stream = self._streams.get(address)
         if stream is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self.tls.aio_channel(address)
             stub = pb_grpc.PrefillStub(channel)
             stream = self._streams[address] = ManyStream(stub.PrefillMany, pb.PrefillFrame, "response")
         return stream

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine.config import CacheConfig, SchedulerConfig
-
-if TYPE_CHECKING:
-    from engine.engine_core import EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 # the engine's max_model_len sets the scheduler's, so that one name is the engine's
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)} - {"max_model_len"}
@@ -29,6 +26,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "safetensors", "gguf", "dummy"],
         help="how to read the weights; dummy: random weights of a named shape (default: by the files)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["awq", "gptq", "gguf"],
+        help="serve int4 weights: awq, gptq (checkpoints with a quantization_config) or gguf (Q4_0, Q4_1 and "
+        "Q8_0 tensors kept quantized); default: what the checkpoint says, gguf for a .gguf file",
     )
     p.add_argument(
         "--max-model-len",
@@ -72,6 +76,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["fcfs", "priority"],
         help="fcfs: first come, first served; priority: by the request's priority, then arrival",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many GPUs, one process each (default: 1; gloo processes on the CPU)",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="GiB of pinned CPU memory that preempted requests' KV blocks move to (default: 0, none)",
+    )
+    p.add_argument(
+        "--preemption-mode",
+        default="auto",
+        choices=["auto", "swap", "recompute"],
+        help="a preempted request's KV: swap to the CPU, recompute later, or auto: whichever costs less "
+        "(default: auto; recompute without swap space)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        help="auto: the model's dtype; fp8 (e4m3, per-layer scales): twice the tokens in the same memory",
+    )
+    p.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8 KV cache: per-layer K and V scales from a calibration pass at start-up (default: 1.0)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (default: 0)")
     p.add_argument(
         "--enforce-eager",
@@ -109,10 +144,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of `add_engine_args` as `engine_config` / `LLM(...)` keyword arguments."""
     names = (
-        "model", "tokenizer", "dtype", "device", "load_format", "max_model_len", "block_size",
+        "model", "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "block_size",
         "gpu_memory_utilization", "cpu_kv_cache_space", "num_gpu_blocks_override", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy",
-        "seed", "enforce_eager", "served_model_name",
+        "seed", "enforce_eager", "served_model_name", "tensor_parallel_size", "swap_space", "preemption_mode",
+        "kv_cache_dtype", "calculate_kv_scales",
     )  # fmt: skip
     kwargs = {name: getattr(args, name) for name in names}
     kwargs["async_scheduling"] = args.async_scheduling
@@ -144,8 +180,6 @@ def engine_config(**kwargs: Any) -> EngineConfig:
     SchedulerConfig or CacheConfig (engine/config.py), and a field left out keeps its default; an unknown
     name is a TypeError. max_num_batched_tokens None (or left out) is the default budget, or max_model_len
     when that is longer and prompts are not chunked (each must fit in one step)."""
-    from engine.engine_core import EngineConfig  # torch: not when the CLI only parses flags
-
     scheduler = {k: kwargs.pop(k) for k in _SCHEDULER_FIELDS & kwargs.keys()}
     cache = {k: kwargs.pop(k) for k in _CACHE_FIELDS & kwargs.keys()}
     max_model_len = kwargs.get("max_model_len")

@@ -22,11 +22,18 @@ from kernels.paged_prefill_attention import paged_prefill_attention
 # (kernels/paged_decode_attention.py: plan_num_splits), a graph's short class may
 SHORT_CONTEXT = 2 * MIN_PARTITION
 # a graph's short class splits short contexts into partitions of SHORT_PARTITION keys (one 64-key tile)
-# when the batch leaves the GPU idle: a program walking its pages one tile after another pays two memory
-# latencies per tile (block table, then K/V), so at batch 1 the unsplit kernel takes ~9 us for 300 keys
-# at Llama-3-8B heads whatever the bandwidth; False: the short class is unsplit
-SHORT_SPLIT = True
+# when the batch leaves the GPU idle and the kv heads are wide: a program walking its pages one tile after
+# another pays two memory latencies per tile (block table, then K/V), so at batch 1 the unsplit kernel
+# takes ~9 us for 300 keys at Llama-3-8B heads (8 x 128) whatever the bandwidth, and splitting gains
+# (226 against 220 tok/s on the H200); with narrow heads (SmolLM2's 3 x 64) the merge's launch costs
+# more than the split saves (1,134 against 1,213 tok/s)
+SHORT_SPLIT_MIN_KV_WIDTH = 512  # num_kv_heads * head_dim from which the short class splits
+SHORT_SPLIT: bool | None = None  # None: by SHORT_SPLIT_MIN_KV_WIDTH; True / False force it (bench.latency)
 SHORT_PARTITION = 64
+
+
+def splits_short(num_kv_heads: int, head_dim: int) -> bool:
+    return SHORT_SPLIT if SHORT_SPLIT is not None else num_kv_heads * head_dim >= SHORT_SPLIT_MIN_KV_WIDTH
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ def decode_graph_plans(
     """What a captured decode batch of `num_seqs` rows passes the decode kernel on every replay, by the
     longest context in the batch, shortest class first. A batch big enough to fill the GPU unsplit has
     one plan, unsplit. Smaller batches have two: contexts up to SHORT_CONTEXT keys, split into as many
-    SHORT_PARTITION-key partitions as fill the GPU (SHORT_SPLIT); longer ones, the split count planned for
+    SHORT_PARTITION-key partitions as fill the GPU (`splits_short`); longer ones, the split count planned for
     max_model_len (the partitions come from the plan's max_seq_len, fixed too, so shorter sequences leave
     later splits idle). Each with the workspace its splits need."""
     splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device)
@@ -51,7 +58,7 @@ def decode_graph_plans(
     # splits > 1: max_model_len > SHORT_CONTEXT, and (sequence, kv head) programs leave the GPU idle
     target = 4 * _backend.num_sms(device)
     short = max(1, min(SHORT_CONTEXT // SHORT_PARTITION, target // (num_seqs * num_kv_heads)))
-    short = short if SHORT_SPLIT else 1
+    short = short if splits_short(num_kv_heads, head_dim) else 1
 
     def numel(s: int) -> int:
         return decode_workspace_size(num_seqs, num_heads, s, head_dim) if s > 1 else 0
@@ -77,6 +84,10 @@ class PagedAttention(nn.Module):
             head_dim,
             scale,
         )
+        # [k_scale, v_scale] of this layer's fp8 KV cache (engine/kv_scales.py sets them in place, so a
+        # captured graph reads the new values); unused by other caches. A plain attribute, not a buffer:
+        # model.to(bfloat16) must not round it
+        self.kv_scale = torch.ones(2, dtype=torch.float32)
 
     def forward(
         self,
@@ -89,11 +100,11 @@ class PagedAttention(nn.Module):
         if (
             k is not None and v is not None
         ):  # the model writes them fused with RoPE (kernels/rotary_kv_write.py)
-            kv_cache_write(k, v, kv_cache, meta.slot_mapping)
+            kv_cache_write(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
         if meta.is_decode_only:
             out = paged_decode_attention(
                 q, kv_cache, meta.seq_lens, meta.block_tables, self.scale, max_seq_len=meta.max_seq_len,
-                num_splits=meta.decode_num_splits, workspace=meta.decode_workspace,
+                num_splits=meta.decode_num_splits, workspace=meta.decode_workspace, kv_scale=self.kv_scale,
             )  # fmt: skip
         else:
             out = paged_prefill_attention(
@@ -104,5 +115,6 @@ class PagedAttention(nn.Module):
                 meta.block_tables,
                 self.scale,
                 max_query_len=meta.max_query_len,
+                kv_scale=self.kv_scale,
             )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.block_hash import BlockHash
 from engine.sequence import Sequence
 
@@ -48,6 +50,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # how often each block was taken from the free queue for new contents (a prefix hit keeps the
+        # old ones): what another cache kept in the same block ids, a draft model's, is valid only while
+        # the block's generation is the one it was written in
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
         self.cached: dict[BlockHash, int] = {}
         self.on_event = on_event
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -196,4 +202,5 @@ class BlockManager:
                 self.on_event("removed", [block.block_hash])
             block.block_hash = None
         block.ref_count = 1
+        self.generations[block_id] += 1
         return block_id

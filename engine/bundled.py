@@ -18,8 +18,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine.weights import gguf_field, gguf_model_config, iter_gguf, open_gguf
-
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERSION_VERSION = "1"  # bump to make every cache convert again
@@ -124,6 +122,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     """Write a Hugging Face model directory for a llama-architecture GGUF (fp32, dequantized)."""
     from safetensors.torch import save_file
 
+    from engine.weights import gguf_field, gguf_model_config, iter_gguf, open_gguf  # torch: only to convert
+
     reader = open_gguf(gguf_path)
     config = gguf_model_config(reader)
     tensors = dict(iter_gguf(reader, config))
@@ -148,6 +148,8 @@ def gguf_tokenizer_json(reader: Any) -> Any:
     which is what HF's SmolLM2 tokenizer.json does with Digits(individual) + ByteLevel.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from engine.weights import gguf_field
 
     kind, pre = (
         gguf_field(reader, "tokenizer.ggml.model"),
@@ -174,6 +176,8 @@ def gguf_tokenizer_json(reader: Any) -> Any:
 
 
 def _tokenizer_config(reader: Any, max_length: int) -> dict[str, Any]:
+    from engine.weights import gguf_field
+
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
 
     def token(key: str) -> str | None:

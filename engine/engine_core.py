@@ -8,9 +8,11 @@ import functools
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,7 +20,8 @@ import torch
 from engine import trace
 from engine.block_hash import extra_keys
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import DTYPE_NAMES, EngineConfig, SchedulerConfig
+from engine.kv_scales import CALIBRATION_TEXT, setup_kv_scales
 from engine.model_runner import LaunchedStep, ModelRunner, Sampled, kv_bytes_per_block
 from engine.prompt_checks import check_prompt
 from engine.sampling_params import SamplingParams
@@ -26,50 +29,15 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import Proposer, SpeculativeConfig
 from engine.stats import HistogramSnapshot
+from engine.swap_setup import build_preemption
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.tp.ranks import Ranks
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "float": torch.float32,
-}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str | None = None  # HF model dir, GGUF file, or a dummy shape name; None: the bundled model
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str | None = None  # None: cuda when available, else cpu
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's own
-    served_model_name: str | None = None  # None: the model directory's name
-    enforce_eager: bool = False  # True: never capture CUDA graphs (the CPU never does)
-    # plan and queue each step while the device runs the one before (LLMEngine.step, decode workers)
-    async_scheduling: bool = True
-    # vLLM's speculative_config, as a dict or a SpeculativeConfig; None: one token a step (engine/spec_decode.py)
-    speculative_config: SpeculativeConfig | dict | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, safetensors, gguf or dummy, got {self.load_format!r}"
-            )
-        if isinstance(self.speculative_config, dict):
-            object.__setattr__(
-                self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config)
-            )
+_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 
 def resolve_dtype(name: str, device: torch.device, config_dtype: str | None) -> torch.dtype:
@@ -92,13 +60,15 @@ class EngineCore:
                 gguf_model_dir(model_path)
             )  # converted once, tokenizer and chat template included
         self.model_id = config.served_model_name or Path(model_path).name  # in every block hash
+        self.ranks: Ranks | None = None  # tensor parallelism's other ranks (engine/tp/)
         model, self.model_config = self._load(model_path)
         self.tokenizer = self._load_tokenizer(config.tokenizer or model_path)
         spec = config.speculative_config
         draft = self._load_draft(spec) if isinstance(spec, SpeculativeConfig) and spec.model else None
         self.max_model_len = self._max_model_len(config)
         sched_cfg = SchedulerConfig(**{**config.scheduler.__dict__, "max_model_len": self.max_model_len})
-        self.runner = ModelRunner(
+        make_runner = ModelRunner if self.ranks is None else self._tp_runner()
+        self.runner = make_runner(
             model,
             self.model_config,
             config.cache,
@@ -118,14 +88,16 @@ class EngineCore:
                 draft[0], draft[1], min(draft[1].max_position_embeddings, self.max_model_len)
             )
         self._check_pool(self.runner.num_blocks, config.cache.block_size)
+        calibration = self.tokenizer.encode(CALIBRATION_TEXT) if self.tokenizer is not None else None
+        self.kv_scales = setup_kv_scales(self.runner, config.cache.calculate_kv_scales, calibration)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
+        if self.runner.draft is not None:  # what the draft's cache holds is valid per block generation
+            self.runner.draft.held.generations = self.block_manager.generations
         proposer = None
         if isinstance(spec, SpeculativeConfig):
-            layers = self.model_config.num_hidden_layers
-            fraction = (spec.num_draft_layers or 0) / layers if spec.method == "self_draft" else 0.0
-            proposer = Proposer(spec, draft_cost_fraction=fraction)
+            proposer = Proposer(spec, draft_cost_fraction=self._draft_cost_fraction(spec, model, draft))
             proposer.max_draft_len = self.runner.draft.max_model_len if self.runner.draft else None
         if isinstance(spec, SpeculativeConfig):
             spec.check_model(self.model_config.num_hidden_layers)
@@ -133,9 +105,27 @@ class EngineCore:
                 self.runner.draft_layers = spec.num_draft_layers
             if spec.adaptive and self.device.type == "cuda" and proposer is not None:
                 self._profile_step_cost(proposer, spec.num_speculative_tokens + 1, sched_cfg)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer)
+        preemption = build_preemption(
+            config.cache, sched_cfg.preemption_mode, self.runner, self.block_manager,
+            sched_cfg.max_num_batched_tokens,
+        )  # fmt: skip
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, self._eos_ids(), proposer, preemption)
         self._in_flight: _InFlight | None = None  # step_overlapped's step on the device
         self._step_numbers = itertools.count()
+
+    def _draft_cost_fraction(self, spec: SpeculativeConfig, model: Any, draft: Any) -> float:
+        """What one drafting pass costs against a target step, for the draft-length policy: self_draft runs
+        that share of the target's layers; a draft model, its parameters' share of the target's (at the
+        batch sizes that draft, a pass reads its weights once, as a step reads the target's)."""
+        if spec.method == "self_draft":
+            return (spec.num_draft_layers or 0) / self.model_config.num_hidden_layers
+        if draft is None:
+            return 0.0
+
+        def size(net: Any) -> int:
+            return sum(p.numel() for p in net.parameters())
+
+        return size(draft[0]) / size(model)
 
     def _profile_step_cost(self, proposer: Proposer, tokens_per_row: int, sched_cfg: SchedulerConfig) -> None:
         """Seed the draft-length policy's cost table: a step of n one-token rows (over a scratch slot of
@@ -173,8 +163,11 @@ class EngineCore:
 
     def _load(self, model_path: str):
         from engine.model_config import ModelConfig
+        from engine.quant_weights import quantized_source
         from engine.weights import load_model
 
+        cfg = self.config
+        weights = quantized_source(cfg.model, cfg.quantization, cfg.load_format) or model_path
         probe: ModelConfig | None = None
         if (
             self.config.dtype == "auto"
@@ -183,9 +176,40 @@ class EngineCore:
         ):
             probe = ModelConfig.from_dir(model_path)
         self.dtype = resolve_dtype(self.config.dtype, self.device, getattr(probe, "torch_dtype", None))
+        if self.config.tensor_parallel_size > 1:
+            from engine.tp.launch import load_sharded, shutdown
+
+            self.ranks, model, model_config = load_sharded(self.config, model_path, self.dtype, self.device)
+            self._stop_ranks = weakref.finalize(self, shutdown, self.ranks)  # a dropped engine's stop with it
+            return model, model_config
         return load_model(
-            model_path, dtype=self.dtype, load_format=self.config.load_format, device=self.device
-        )
+            weights, dtype=self.dtype, load_format=cfg.load_format, device=self.device,
+            quantization=cfg.quantization,
+        )  # fmt: skip
+
+    def _tp_runner(self) -> Callable[..., ModelRunner]:
+        """ModelRunner's constructor for rank 0 of a tensor-parallel engine."""
+        from engine.tp.heads import shard_heads
+        from engine.tp.runner import TPModelRunner
+
+        ranks, cfg = self.ranks, self.model_config
+        assert ranks is not None
+        shard = shard_heads(cfg.num_attention_heads, cfg.num_key_value_heads, ranks.size, 0)
+
+        def make(*args: Any, **kwargs: Any) -> ModelRunner:
+            try:
+                return TPModelRunner(ranks, shard, *args, **kwargs)
+            except BaseException:
+                self.shutdown()  # e.g. a KV cache that does not fit: the ranks stop with it
+                raise
+
+        return make
+
+    def shutdown(self) -> None:
+        """Stop what the engine started besides itself: its tensor-parallel ranks (nothing on one rank).
+        Idempotent; a dropped engine does it when collected, and at exit."""
+        if self.ranks is not None:
+            self._stop_ranks()
 
     @staticmethod
     def _load_tokenizer(path: str) -> Tokenizer | None:
@@ -218,12 +242,13 @@ class EngineCore:
         eos = self.model_config.eos_token_id
         return set(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         """The engine's running counts under vLLM's metric names (serving/worker_metrics.py exports them):
-        prompt and generated tokens, preemptions, prefix-cache queries and hits (in tokens), finished
-        requests by reason (`request_success/<reason>`), and speculative decoding's when it speculates."""
+        prompt and generated tokens, preemptions (and by mode, `num_preemptions_by_mode/<mode>`), prefix-cache
+        queries and hits (in tokens), finished requests by reason (`request_success/<reason>`), swaps' blocks,
+        bytes and seconds with a swap space, and speculative decoding's when it speculates."""
         s, bm = self.scheduler, self.block_manager
-        out = {
+        out: dict[str, float] = {
             "prompt_tokens": s.num_prompt_tokens,
             "generation_tokens": s.num_generation_tokens,
             "num_preemptions": s.num_preemptions,
@@ -231,6 +256,7 @@ class EngineCore:
             "prefix_cache_hits": bm.prefix_hits,
         }
         out.update({f"request_success/{reason}": n for reason, n in s.finished_by_reason.items()})
+        out.update(s.preemption.counters())
         if s.proposer is not None:
             stats = s.spec_stats
             out["spec_decode_num_drafts"] = stats.num_drafts

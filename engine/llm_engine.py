@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from engine.engine_core import EngineConfig, EngineCore
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams, completion_params

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from engine.engine_core import EngineCore
 
 PREFIX = "pdserve:"
+_LABELS = {"request_success": "finished_reason", "num_preemptions_by_mode": "mode"}  # counters by a label
 
 
 @dataclass
@@ -23,7 +24,7 @@ class Metric:
 
 @dataclass
 class Counter(Metric):
-    value: int
+    value: float
 
 
 @dataclass
@@ -48,18 +49,21 @@ class Histogram(Metric):
 def get_metrics(engine: EngineCore) -> list[Metric]:
     labels = {"model_name": engine.model_id}
     s, bm = engine.scheduler, engine.block_manager
+    swap = s.preemption.swap
     out: list[Metric] = [
         Gauge(PREFIX + "num_requests_running", dict(labels), len(s.running)),
         Gauge(PREFIX + "num_requests_waiting", dict(labels), len(s.waiting) + len(s.deferred)),
         Gauge(PREFIX + "kv_cache_usage_perc", dict(labels), 1 - bm.num_free_blocks / bm.num_blocks),
+        Gauge(PREFIX + "cpu_cache_usage_perc", dict(labels), swap.usage if swap is not None else 0.0),
+        Gauge(PREFIX + "num_requests_swapped", dict(labels), swap.num_swapped if swap is not None else 0),
     ]
     per_pos: list[int] = []
     for key, value in engine.counters().items():
         name, _, label = key.partition("/")
         if name == "spec_decode_num_accepted_tokens_per_pos":
-            per_pos.append(value)
-        elif name == "request_success":
-            out.append(Counter(PREFIX + name, {**labels, "finished_reason": label}, value))
+            per_pos.append(int(value))
+        elif name in _LABELS:
+            out.append(Counter(PREFIX + name, {**labels, _LABELS[name]: label}, value))
         else:
             out.append(Counter(PREFIX + name, dict(labels), value))
     if s.proposer is not None:

@@ -17,6 +17,7 @@ from engine.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
+    QuantizedLMHead,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
-        rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping)
+        rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale)
         out = self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)
 
@@ -143,13 +144,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, quantized_lm_head: bool = False
+    ) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: ParallelLMHead | QuantizedLMHead
+        if quantized_lm_head:  # a linear layer, which the quantization plan gives its method
+            self.lm_head = QuantizedLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -189,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def _tied(self) -> bool:
-        return self.config.tie_word_embeddings
+        return self.config.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead)
 
     def checkpoint_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint of this model holds."""

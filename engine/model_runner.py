@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from engine.attention import DecodeGraphPlan, decode_graph_plans, graph_capturable
 from engine.attention_metadata import AttentionMetadata
 from engine.config import CacheConfig
-from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, capture_sizes
+from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, Forward, capture_sizes
+from engine.kv_scales import kv_cache_dtype
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import PendingSample, Sampler, SamplerOutput
@@ -52,6 +54,7 @@ class ModelRunner:
         extra_bytes_per_block: int = 0,  # what else each block costs (a draft model's KV)
     ) -> None:
         self.extra_bytes_per_block = extra_bytes_per_block
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model
         self.model_config = model_config
         self.device = device
@@ -71,17 +74,21 @@ class ModelRunner:
         if not enforce_eager and device.type == "cuda" and not use_graphs:
             logger.info("CUDA graphs off: the attention backend is forced to the torch reference")
         self.graph_sizes = capture_sizes(max_num_seqs) if use_graphs else []
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, dtype)  # fp8: engine/kv_scales.py
         num_blocks = self._num_kv_blocks(cache_config, max_num_batched_tokens)
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): the worker's one KV allocation
         self.kv_cache = torch.zeros(
-            self.num_layers, 2, num_blocks, *self.kv_shape_tail, dtype=dtype, device=device
+            self.num_layers, 2, num_blocks, *self.kv_shape_tail, dtype=self.kv_dtype, device=device
         )
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        more = dtype.itemsize // self.kv_dtype.itemsize
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB)",
-            num_blocks,
-            self.block_size,
-            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30,
-        )
+            "KV cache: %d blocks of %d tokens, %d tokens (%.2f GiB, %s%s); weights %.2f GiB (%.2f GB)",
+            num_blocks, self.block_size, num_blocks * self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, str(self.kv_dtype).removeprefix("torch."),
+            f": {more}x the tokens {str(dtype).removeprefix('torch.')} would hold" if more > 1 else "",
+            weights / 2**30, weights / 1e9,
+        )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         if self.graph_sizes:
             self.capture_graphs()
@@ -94,11 +101,11 @@ class ModelRunner:
         """Speculate with a draft model: it gets a KV cache of its own, of the target's block count."""
         self.draft = DraftModel(
             model, config, self.num_blocks, self.block_size, max_model_len, self.model_config.vocab_size,
-            self.dtype, self.device,
+            self.dtype, self.device, self.max_num_batched_tokens,
         )  # fmt: skip
 
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:
@@ -114,12 +121,19 @@ class ModelRunner:
 
     # ---- CUDA graphs ---------------------------------------------------------------------------------
 
-    def _decode_graphs(self, kv_cache: torch.Tensor) -> DecodeGraphs:
-        cfg, model = self.model_config, self.model
+    def graph_forward(self, kv_cache: torch.Tensor) -> Forward:
+        """What a decode graph captures: the forward pass and the LM head, so a replayed step launches
+        nothing more before sampling. (rows,) ids and positions -> (rows, vocab) fp32 logits."""
+        model = self.model  # closes over the model, not the runner: no cycle keeps a dropped engine alive
 
         def forward(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            # closes over the model, not the runner: no reference cycle keeps a dropped engine's memory
-            return model(ids, positions, meta, kv_cache)
+            return model.compute_logits(model(ids, positions, meta, kv_cache))
+
+        return forward
+
+    def _decode_graphs(self, kv_cache: torch.Tensor) -> DecodeGraphs:
+        cfg = self.model_config
+        forward = self.graph_forward(kv_cache)
 
         def plans(num_seqs: int) -> list[DecodeGraphPlan]:
             return decode_graph_plans(
@@ -146,7 +160,7 @@ class ModelRunner:
         kernels), read from the device's free memory around three captures: the median, so another process
         allocating or freeing meanwhile moves at most one of the three, and at most GRAPH_DRIVER_CAP."""
         scratch = torch.zeros(
-            self.num_layers, 2, 1, *self.kv_shape_tail, dtype=self.dtype, device=self.device
+            self.num_layers, 2, 1, *self.kv_shape_tail, dtype=self.kv_dtype, device=self.device
         )
         probe = self._decode_graphs(scratch)
         keys = probe.keys
@@ -200,7 +214,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_blocks = -(-num_tokens // self.block_size)
         scratch = torch.zeros(
-            self.num_layers, 2, num_blocks, *self.kv_shape_tail, dtype=self.dtype, device=self.device
+            self.num_layers, 2, num_blocks, *self.kv_shape_tail, dtype=self.kv_dtype, device=self.device
         )
         meta = AttentionMetadata.build(
             [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
@@ -245,8 +259,15 @@ class ModelRunner:
         patches = [patch] if patch is not None else []
         model_drafts: list[tuple[int, int, int]] = []  # (sampling index, row of `drafted`, draft length)
         drafted_host = None
+        draft_kv: DraftKV | None = None
         if (self.draft_layers is not None or self.draft is not None) and any(it.num_draft for it in items):
             drafting = [i for i in sampling if items[i].num_draft]
+            if self.draft is not None:  # its KV first: every position before the drafts' first
+                self.draft.catch_up([items[i] for i in drafting])
+                index = {i: n for n, i in enumerate(sampling)}
+                draft_kv = DraftKV(
+                    self.draft, {index[i]: (items[i].block_table, items[i].start_pos) for i in drafting}
+                )
             drafted = self._draft_passes(items, drafting)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             k_max = drafted.shape[1]
@@ -258,24 +279,24 @@ class ModelRunner:
             drafted_host = drafted.to("cpu", non_blocking=True) if drafted.is_cuda else drafted
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
-        hidden = self._replay(items, patches)
-        if self.draft is not None:  # the draft model's KV follows every token the target computes
-            self.draft.catch_up([it for it in items if not it.num_draft])
+        logits = self._replay(items, patches)  # (rows, vocab) fp32 from a graph; None: run eagerly
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
         offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
-        if hidden is not None and not any(it.num_draft for it in items):  # row i is item i
+        hidden = self._forward_eager(items, patches) if logits is None else None  # (tokens, hidden)
+        if logits is not None and not any(it.num_draft for it in items):  # row i is item i
             rows = None if len(sampling) == len(items) else sampling
         else:  # a row per token, items in order (eager, or a verification replayed as decode rows)
-            if hidden is None:
-                hidden = self._forward_eager(items, patches)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
         if not sampling:
             return LaunchedStep([], [], None)
-        if rows is not None:
-            hidden = hidden[upload(torch.tensor(rows, dtype=torch.long), self.device)]
-        logits = self.model.compute_logits(hidden)  # (num_rows, vocab) float32
+        picked = None if rows is None else upload(torch.tensor(rows, dtype=torch.long), self.device)
+        if hidden is not None:
+            logits = self.model.compute_logits(hidden if picked is None else hidden[picked])
+        assert logits is not None
+        if hidden is None and picked is not None:
+            logits = logits[picked]  # (num_rows, vocab) float32
         sample = self.sampler.queue(
             logits,
             [items[i].params for i in owners],
@@ -285,7 +306,7 @@ class ModelRunner:
         )
         drafts = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft :] for i in sampling]
         return LaunchedStep(
-            [items[i].request_id for i in sampling], drafts, sample, model_drafts, drafted_host
+            [items[i].request_id for i in sampling], drafts, sample, model_drafts, drafted_host, draft_kv
         )
 
     @staticmethod
@@ -300,15 +321,19 @@ class ModelRunner:
             step.drafts[n] = step.drafted[row, :k].tolist()
         out: Sampled = {}
         at = 0
-        for rid, draft in zip(step.request_ids, step.drafts):
+        for n, (rid, draft) in enumerate(zip(step.request_ids, step.drafts)):
             targets = result.token_ids[at : at + len(draft) + 1]
             accepted = accepted_length(draft, targets)
             out[rid] = (targets[: accepted + 1], result.logprobs[at : at + accepted + 1])
             at += len(draft) + 1
+            if step.draft_kv is not None and n in step.draft_kv.rows:
+                # the drafting passes' inputs up to the last accepted token were the sequence's own
+                table, start = step.draft_kv.rows[n]
+                step.draft_kv.model.held.mark(table, start, start + accepted + 1)
         return out
 
     def _replay(self, items: list[ScheduledSeq], patches: list[_Patch] | None = None) -> torch.Tensor | None:
-        """The forward pass from a decode graph, a row per token, or None when the step has none (a prompt
+        """The logits from a decode graph, a row per token, or None when the step has none (a prompt
         chunk in it, too many rows). A row verifying a k-token draft is k + 1 decode rows, one per position,
         each attending up to its own position over the row's blocks: each layer writes every row's K/V
         before attending, so position j sees the draft's earlier positions as a prompt chunk would."""
@@ -399,9 +424,13 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 class DraftModel:
     """A draft model for speculative decoding, on a KV cache of its own laid out as the target's (the same
-    block count, block ids and block tables), so that it needs no block manager of its own. It computes
-    the tokens of every prompt chunk and plain row the target computes (`catch_up`) and drafts the rest
-    itself; positions at or past its own max_model_len are never computed (it does not draft there)."""
+    block count, block ids and block tables), so that it needs no block manager of its own.
+
+    Its KV is computed lazily: in a step that drafts for a sequence, the positions the draft's cache lacks
+    are computed first, as one chunk (`catch_up`); a step that drafts nothing costs no more than plain
+    decoding. What the cache holds is kept per block (`HeldSlots`), so a prefix hit on blocks the draft
+    has written reuses them, as the target does. Positions at or past its own max_model_len are never
+    computed (it does not draft there)."""
 
     def __init__(
         self,
@@ -413,11 +442,13 @@ class DraftModel:
         target_vocab: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_chunk_tokens: int,
     ) -> None:
         self.model, self.block_size, self.max_model_len = model, block_size, max_model_len
-        self.target_vocab, self.device = target_vocab, device
+        self.target_vocab, self.device, self.max_chunk_tokens = target_vocab, device, max_chunk_tokens
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_cache = torch.zeros(config.num_hidden_layers, 2, *shape, dtype=dtype, device=device)
+        self.held = HeldSlots(num_blocks, block_size)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The draft's logits over the target's vocabulary (padding rows beyond it dropped)."""
@@ -426,18 +457,80 @@ class DraftModel:
 
     @torch.inference_mode()
     def catch_up(self, items: list[ScheduledSeq]) -> None:
-        """Write the draft's KV for these items' tokens (each cut at the draft's max_model_len)."""
-        chunks = [(it, min(it.seq_len, self.max_model_len) - it.start_pos) for it in items]
-        chunks = [(it, n) for it, n in chunks if n > 0]
-        if not chunks:
-            return
-        ids = torch.tensor([t for it, n in chunks for t in it.token_ids[:n]], dtype=torch.long)
-        positions = torch.tensor([p for it, n in chunks for p in range(it.start_pos, it.start_pos + n)])
+        """Write the draft's KV for every position before each drafting item's newest token (the first its
+        drafting passes compute) that its cache lacks, reading the tokens from the item's context; in
+        passes of at most max_chunk_tokens tokens."""
+        todo = []  # (block table, start, tokens)
+        for it in items:
+            assert it.context is not None, "a drafting item carries its tokens"
+            upto = min(it.start_pos, self.max_model_len)
+            start = self.held.length(it.block_table, upto)
+            if start < upto:
+                todo.append((it.block_table, start, it.context[start:upto]))
+        while todo:
+            chunk, budget = [], self.max_chunk_tokens
+            while todo and budget > 0:
+                table, start, tokens = todo.pop(0)
+                take = tokens[:budget]
+                chunk.append((table, start, take))
+                budget -= len(take)
+                if len(take) < len(tokens):
+                    todo.insert(0, (table, start + len(take), tokens[len(take) :]))
+            self._forward(chunk)
+            for table, start, tokens in chunk:
+                self.held.mark(table, start, start + len(tokens))
+
+    def _forward(self, chunk: list[tuple[list[int], int, list[int]]]) -> None:
+        ids = upload(
+            torch.tensor([t for _, _, tokens in chunk for t in tokens], dtype=torch.long), self.device
+        )
+        positions = torch.tensor([p for _, s, tokens in chunk for p in range(s, s + len(tokens))])
         meta = AttentionMetadata.build(
-            [n for _, n in chunks], [it.start_pos + n for it, n in chunks], [it.block_table for it, _ in chunks],
-            self.block_size, self.device,
+            [len(tokens) for _, _, tokens in chunk], [s + len(tokens) for _, s, tokens in chunk],
+            [table for table, _, _ in chunk], self.block_size, self.device,
         )  # fmt: skip
-        self.model(upload(ids, self.device), upload(positions, self.device), meta, self.kv_cache)
+        self.model(ids, upload(positions, self.device), meta, self.kv_cache)
+
+
+class HeldSlots:
+    """Which positions a second KV cache on the target's block ids (a draft model's) holds: per block, how
+    many leading slots, valid while the block keeps the generation they were written in (a block the
+    block manager takes for new contents starts empty; `generations` is its array, set by the engine)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
+        self.filled = np.zeros(num_blocks, dtype=np.int64)
+        self.filled_in = np.full(num_blocks, -1, dtype=np.int64)  # the generation `filled` counts in
+
+    def length(self, block_table: list[int], upto: int) -> int:
+        """How many positions from 0 (at most `upto`) of the sequence with this block table are held."""
+        size = self.block_size
+        table = np.asarray(block_table[: -(-upto // size)], dtype=np.int64)
+        filled = np.where(self.filled_in[table] == self.generations[table], self.filled[table], 0)
+        short = np.flatnonzero(filled < size)
+        n = len(table) * size if not short.size else int(short[0]) * size + int(filled[short[0]])
+        return min(n, upto)
+
+    def mark(self, block_table: list[int], start: int, end: int) -> None:
+        """Positions [start, end) of the sequence with this block table are now held; `start` is at most
+        its `length`."""
+        size = self.block_size
+        for i in range(start // size, -(-end // size)):
+            block = block_table[i]
+            n = min(size, end - i * size)
+            if self.filled_in[block] == self.generations[block]:
+                n = max(n, int(self.filled[block]))
+            self.filled[block], self.filled_in[block] = n, self.generations[block]
+
+
+@dataclass
+class DraftKV:
+    """A step's drafts from a draft model: {index among the sampling items: (block table, position of the
+    newest known token)}, for marking what the draft's cache holds once the verification is read."""
+
+    model: DraftModel
+    rows: dict[int, tuple[list[int], int]]
 
 
 @dataclass
@@ -452,6 +545,7 @@ class LaunchedStep:
     # are on the device at launch and read with the sampled tokens
     model_drafts: list[tuple[int, int, int]] = field(default_factory=list)
     drafted: torch.Tensor | None = None
+    draft_kv: DraftKV | None = None
 
 
 class _Patch:

@@ -95,12 +95,18 @@ class Sampler:
         without one); its seed is `params.seed`, else its generator's initial seed, else one drawn from
         this sampler."""
         raw = logits
-        seeds = self._seeds(params, generators)
-        where = list(positions) if positions is not None else _positions(histories, len(params))
-        t = sampling_tensors(params, seeds, where, logits.shape[1], logits.device)
-        if histories is not None and any(p.has_penalties for p in params):
-            logits = apply_penalties_with(logits, t, params, histories)
-        tokens = sample_tokens(logits, t, stages_of(params, logits.shape[1]))  # (num_seqs,)
+        stages = stages_of(params, logits.shape[1])
+        penalized = histories is not None and any(p.has_penalties for p in params)
+        if stages.sample or penalized:
+            seeds = self._seeds(params, generators)
+            where = list(positions) if positions is not None else _positions(histories, len(params))
+            t = sampling_tensors(params, seeds, where, logits.shape[1], logits.device)
+            if penalized:
+                assert histories is not None
+                logits = apply_penalties_with(logits, t, params, histories)
+            tokens = sample_tokens(logits, t, stages)  # (num_seqs,)
+        else:  # every row greedy, nothing to adjust: no knobs to upload
+            tokens = logits.argmax(dim=-1)
         top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
         packed = tokens if top < 0 else _pack([tokens, *logprob_tensors(raw, tokens, top)])
         ready = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling_noise import gumbel_argmax
+from kernels.top_p_cutoff import top_k_top_p_cutoff
 
 INT_KNOBS = ("seed", "position")
 FLOAT_KNOBS = ("temperature", "top_k", "top_p", "min_p", "repetition", "frequency", "presence", "pad")
@@ -81,41 +82,12 @@ def history_counts(
     return counts[:, :vocab], seen[:, :vocab]
 
 
-def top_k_top_p_cutoff(
-    scaled: torch.Tensor,  # (rows, vocab) float32: logits / temperature
-    top_k: torch.Tensor,  # (rows, 1)
-    top_p: torch.Tensor,  # (rows, 1); 1: off
-) -> torch.Tensor:  # (rows, 1): the smallest logit the filters keep
-    """Top-k, then top-p over the top-k renormalized (vLLM's order): keep the fewest top tokens whose
-    probability reaches top_p. One sort of the rows; the cutoff is a value, so tokens tied with the last
-    kept one are kept too."""
-    vocab = scaled.shape[1]
-    ordered = scaled.sort(dim=-1, descending=True).values  # (rows, vocab)
-    in_k = torch.arange(vocab, device=scaled.device) < top_k  # (rows, vocab)
-    probs = ordered.masked_fill(~in_k, float("-inf")).softmax(dim=-1)
-    before = _cumsum(probs) - probs  # mass of the tokens ranked above each one
-    in_p = (before < top_p) | (top_p >= 1.0)  # the top token always stays
-    num_kept = (in_k & in_p).sum(dim=-1, keepdim=True)  # (rows, 1), at least 1
-    return ordered.gather(1, num_kept - 1)
-
-
 def top_k_cutoff(scaled: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
     """(rows, 1): the top_k-th largest of each row, from one topk of the largest k asked for (no sort);
     -inf for rows whose k is past max_k (top-k off)."""
     best = scaled.topk(max_k, dim=-1).values  # (rows, max_k), descending
     cut = best.gather(1, top_k.long().clamp(1, max_k) - 1)
     return cut.masked_fill(top_k > max_k, float("-inf"))
-
-
-def _cumsum(x: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Cumulative sum along the last dim in blocks: many short scans and one over the block totals run far
-    faster on a GPU than one scan per long row."""
-    rows, n = x.shape
-    pad = -n % block
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(rows, -1, block).cumsum(dim=-1)  # (rows, nb, block)
-    totals = blocks[..., -1]  # (rows, nb)
-    offsets = totals.cumsum(dim=-1) - totals  # exclusive
-    return (blocks + offsets.unsqueeze(-1)).view(rows, -1)[:, :n]
 
 
 def filter_threshold(scaled: torch.Tensor, t: SamplingTensors, stages: Stages) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+"""Continuous batching with chunked prefill, prefix caching and preemption (recompute or swap).
 
 There is no prefill or decode phase: each step gives every request "n more tokens" out of a
 shared token budget, running requests first (decodes, then unfinished prefill chunks), waiting
 requests after. When the pool runs out, the lowest-priority running request is preempted: its
-blocks are freed and it recomputes later (its computed prefix often comes back from the cache).
+blocks are freed and it recomputes later (its computed prefix often comes back from the cache), or its
+KV moves to the CPU swap space and back when it runs again (engine/preemption.py decides which).
 Under the priority policy a waiting request that cannot be admitted (max_num_seqs running, or no
 blocks for its first chunk) preempts running requests of strictly lower priority, least urgent first.
 """
@@ -19,6 +20,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.preemption import Preemption
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import Proposer, SpecDecodeStats
@@ -44,6 +46,9 @@ class ScheduledSeq:
     history: tuple[list[int], list[int]] | None = None
     # the last num_draft of token_ids are a speculative draft to verify (engine/spec_decode.py)
     num_draft: int = 0
+    # a drafting request's tokens so far (the sequence's own list, read at launch): a draft model computes
+    # the positions its KV lacks from them (engine/model_runner.py: DraftModel.catch_up)
+    context: list[int] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -105,7 +110,10 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: set[int],
         proposer: Proposer | None = None,
+        preemption: Preemption | None = None,
     ) -> None:
+        # how victims give their blocks back (recompute, or swap with a swap space)
+        self.preemption = preemption or Preemption(block_manager)
         self.proposer = proposer  # speculative drafts for decoding requests; None: one token a step
         self.spec_stats = SpecDecodeStats()
         self.eos_token_ids = eos_token_ids
@@ -161,6 +169,7 @@ class Scheduler:
         """The next step's plan. `drafts=False`: no speculative drafts in it (an overlapped step, planned
         before the tokens a draft would start from are known)."""
         self._release_deferred()
+        self.preemption.poll()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
@@ -179,6 +188,7 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         if self.proposer is not None and drafts:
             budget = self._add_drafts(scheduled, budget)
+        self.preemption.flush()
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, by_priority + preempted)
 
     def _preempt_for_priority(self) -> list[str]:
@@ -214,7 +224,10 @@ class Scheduler:
             if seq.num_pending:  # preempted while its last token was in flight: readmitted once it is known
                 break
             hits = self.block_manager.match_prefix(seq)
-            num_computed = len(hits) * self.block_manager.block_size
+            # a swapped-out request brings back its computed tokens past the hits from the CPU
+            num_computed = max(
+                len(hits) * self.block_manager.block_size, self.preemption.restorable_tokens(seq)
+            )
             num_new = seq.num_tokens - num_computed
             if num_new > budget and not self.chunked_prefill:
                 break
@@ -225,6 +238,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             self.block_manager.allocate_prefix(seq, hits)
+            self.preemption.restore(seq)
             self.block_manager.allocate(seq, num_computed + num_new)
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = num_computed
@@ -271,6 +285,7 @@ class Scheduler:
             item.token_ids = item.token_ids + draft
             item.num_draft = len(draft)
             item.block_table = list(seq.block_table)
+            item.context = seq.all_token_ids
             budget -= len(draft)
         return budget
 
@@ -318,7 +333,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.preemption.preempt(seq)
         seq.status = SequenceStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.push(seq, front=True)
@@ -366,6 +381,7 @@ class Scheduler:
                     self.finish(seq, status)
                     break
             updated.append(seq)
+        self.preemption.poll()  # the step ran after this plan's swap copies: they are done
         return updated
 
     def stop_status(self, seq: Sequence) -> SequenceStatus | None:
@@ -421,6 +437,7 @@ class Scheduler:
             if status is not None:
                 self.finish(seq, status)
             updated.append(seq)
+        self.preemption.poll()  # the step ran after its plan's swap copies: they are done
         return updated
 
     def _ends_by_length(self, seq: Sequence) -> bool:
@@ -443,4 +460,5 @@ class Scheduler:
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.preemption.forget(seq)
         seq.status = status

@@ -5,13 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.block_hash import NONE_HASH, BlockHash, hash_prompt_blocks
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import SpecDecodeStats
 from engine.stats import RequestTimes
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(enum.IntEnum):

@@ -7,10 +7,12 @@ Configured vLLM's way, `LLM(..., speculative_config={"method": "ngram", "num_spe
   longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens.
 - `draft_model`: a smaller model with the same tokenizer (checked at start-up: vocabulary sizes equal up to
   128 padding rows, the same special tokens, the same spelling of a sample of ids) drafts greedily on a KV
-  cache of its own that shares the target's block tables (`engine/model_runner.py: DraftModel`): it
-  catches up on every step's prompt chunks and plain rows, and its k + 1 drafting passes write its KV at
-  the draft's positions. It drafts only while a sequence fits its own max_model_len. Offline engine only
-  for now: a decode worker would have to prefill the draft on every transferred prompt.
+  cache of its own that shares the target's block tables (`engine/model_runner.py: DraftModel`). Its KV
+  is lazy: a step that drafts for a request first computes, as one chunk, the positions the draft's cache
+  lacks (the prompt, the tokens of plain steps; prefix-cache hits it wrote keep theirs), then its k + 1
+  drafting passes write the draft's positions. Steps that draft nothing run no draft pass. It drafts only
+  while a sequence fits its own max_model_len. On a decode worker no transfer carries the draft's KV: it
+  is computed there the same way.
 - `self_draft` (LayerSkip-style early exit): the target's own first `num_draft_layers` layers, its final
   norm and its LM head draft k tokens greedily, one batched pass per token (engine/model_runner.py:
   `_self_draft`). Their KV is the target's own for those layers, written at the draft's positions and
@@ -237,8 +239,9 @@ class Proposer:
     verifying costs nearly nothing (a memory-bound step: s ~ 0) requests draft up to k; when a large
     batch makes each token cost its share, drafts shrink to none and the step is a plain decode step.
 
-    A model-drafted method also pays a draft pass per depth, a fraction f of a step's time (its layers over
-    the target's), shared by the m requests drafting: so its tokens must clear f * R / m more."""
+    A model-drafted method also pays a draft pass per depth, a fraction f of a step's time (self_draft: its
+    layers over the target's; draft_model: its parameters over the target's), shared by the m requests
+    drafting: so its tokens must clear f * R / m more."""
 
     def __init__(self, config: SpeculativeConfig, draft_cost_fraction: float = 0.0) -> None:
         self.config = config

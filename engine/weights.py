@@ -6,18 +6,23 @@ Every failure is a ValueError that names the file and the problem.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig, dummy_config
+
+if TYPE_CHECKING:
+    from engine.quant_weights import QuantPlan
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -77,12 +82,20 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
 
 
 def open_gguf(path: str | Path) -> Any:
-    import gguf
-
+    """A GGUF file's reader (read-only; parsing the metadata takes seconds, so a file read again unchanged,
+    as the quantized path does on every load, gets the same reader)."""
     try:
-        return gguf.GGUFReader(str(path))
+        stat = Path(path).stat()
+        return _open_gguf(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
     except Exception as e:
         raise ValueError(f"{path}: corrupt or truncated GGUF file: {e}") from e
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, size: int, mtime_ns: int) -> Any:
+    import gguf
+
+    return gguf.GGUFReader(path)
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
@@ -144,13 +157,20 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iter_gguf(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized fp32 tensors under Hugging Face names, q/k un-permuted for the llama architecture."""
+def iter_gguf(
+    reader: Any,
+    config: ModelConfig,
+    skip: set[str] = frozenset(),  # type: ignore[assignment]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized fp32 tensors under Hugging Face names, q/k un-permuted for the llama architecture;
+    `skip`: names left out (the ones engine/quant_weights.py loads quantized)."""
     from gguf.quants import dequantize
 
     permuted = gguf_field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
+        if name in skip:
+            continue
         try:
             data = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
@@ -179,16 +199,57 @@ def gguf_file(path: Path) -> Path:
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Random weights for speed work: normal(0, 0.02) everywhere, norms at 1; same seed, same weights."""
+    """Random weights for speed work: normal(0, 0.02) everywhere, norms at 1; same seed, same weights, at
+    any tensor-parallel size (each tensor is drawn whole, from its own seed, and loaded as a checkpoint's)."""
     device = next(model.parameters()).device
     if device.type == "meta":
         return
-    gen = torch.Generator(device=device).manual_seed(seed)
+    if any(getattr(m, "quant_method", None) is not None for m in model.modules()):
+        _fill_dummy_floats(model, seed)  # the int4 tensors: engine/quant_weights.py
+        return
+    model.load_weights(iter_dummy(model.config, next(model.parameters()).dtype, device, seed))
+
+
+def _fill_dummy_floats(model: LlamaForCausalLM, seed: int) -> None:
+    """A quantized model's floating-point parameters (norms, embeddings, dense layers, scales) in place."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+
+
+def iter_dummy(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A dummy checkpoint under Hugging Face names: each unsharded tensor from a generator seeded by its name."""
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(config)  # the unsharded shapes
+    for name, param in whole.named_parameters():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(param.shape, dtype=dtype, device=device)
+        else:
+            gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            tensor = torch.empty(param.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+        yield from split_stacked(name, tensor, config)
+
+
+def split_stacked(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """An unsharded parameter as the checkpoint tensors it is stacked from (qkv_proj: q, k, v; gate_up_proj:
+    gate, up), each under its Hugging Face name; any other parameter as it is."""
+    if ".qkv_proj." in name:
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        for part, piece in zip(("q", "k", "v"), tensor.split([q, kv, kv])):
+            yield name.replace(".qkv_proj.", f".{part}_proj."), piece
+    elif ".gate_up_proj." in name:
+        for part, piece in zip(("gate", "up"), tensor.chunk(2)):
+            yield name.replace(".gate_up_proj.", f".{part}_proj."), piece
+    else:
+        yield name, tensor
 
 
 # ---- load_model ----------------------------------------------------------------------------------
@@ -204,10 +265,28 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
-    """The model with uninitialized parameters, allocated directly in `dtype` on `device`."""
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    plan: QuantPlan | None = None,
+) -> LlamaForCausalLM:
+    """The model (tensor-parallel rank `tp_rank`'s share) with uninitialized parameters, allocated directly in
+    `dtype` on `device`; with a quantization plan, its linear layers get their methods' tensors instead of
+    dense weights."""
+    from engine.layers.linear import deferred_weights
+    from engine.quant_weights import attach_methods
+
     with _default_dtype(dtype), torch.device(device):
-        return LlamaForCausalLM(config).eval()
+        if plan is None:
+            return LlamaForCausalLM(config, tp_rank, tp_size).eval()
+        with deferred_weights():
+            head = getattr(plan, "quantized_lm_head", False)
+            net = LlamaForCausalLM(config, tp_rank, tp_size, quantized_lm_head=head).eval()
+        attach_methods(net, plan)
+        return net
 
 
 def resolve_format(path: Path, load_format: str) -> str:
@@ -228,26 +307,49 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     load_format: str = "auto",
     device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load a model: a HF directory, a .gguf file, or (load_format="dummy") a DUMMY_SHAPES name."""
+    """Build and load a model: a HF directory, a .gguf file, or (load_format="dummy") a DUMMY_SHAPES name;
+    with tp_size > 1, tensor-parallel rank tp_rank's share of it. `quantization` (awq, gptq, gguf; None: what
+    the files say) is engine/quant_weights.py's."""
+    from engine.quant_weights import (
+        gguf_kept,
+        init_dummy_quantized,
+        iter_gguf_quantized,
+        process_weights,
+        quant_plan,
+    )
+
     path = Path(model)
     if load_format == "dummy":
         config = dummy_config(str(model)) if not path.is_dir() else ModelConfig.from_dir(path)
-        net = build_model(config, dtype, device)
+        net = build_model(
+            config, dtype, device, tp_rank, tp_size, quant_plan(path, quantization, load_format)
+        )
         init_dummy_weights(net)
+        init_dummy_quantized(net)
+        process_weights(net)
         return net, config
     if not path.exists():
         raise ValueError(f"model path does not exist: {path}")
-    if resolve_format(path, load_format) == "gguf":
-        reader = open_gguf(gguf_file(path))
+    gguf = resolve_format(path, load_format) == "gguf"
+    if not gguf and not path.is_dir():
+        raise ValueError(f"not a model directory: {path}")
+    reader = open_gguf(gguf_file(path)) if gguf else None
+    plan = quant_plan(path, quantization, "gguf" if gguf else load_format, reader)
+    if gguf:
         config = gguf_model_config(reader)
-        weights = iter_gguf(reader, config)
     else:
-        if not path.is_dir():
-            raise ValueError(f"not a model directory: {path}")
         config = ModelConfig.from_dir(path)
         safetensors_files(path)  # fail early when there are none
+    net = build_model(config, dtype, device, tp_rank, tp_size, plan)
+    if gguf:
+        kept = gguf_kept(net)
+        weights = iter_gguf_quantized(reader, config, kept) if kept else iter_gguf(reader, config)
+    else:
         weights = iter_safetensors(path)
-    net = build_model(config, dtype, device)
     net.load_weights(weights)
+    process_weights(net)
     return net, config

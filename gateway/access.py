@@ -39,6 +39,7 @@ class AccessRecord:
     completion_tokens: int = 0
     ttft: float | None = None
     request_id: str | None = None
+    tenant: str | None = None  # set by the auth middleware (gateway/auth.py); never logged
 
     def first_token(self) -> None:
         if self.ttft is None:

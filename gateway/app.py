@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -25,18 +26,21 @@ from starlette.types import Receive, Scope, Send
 from engine.tokenizer import Tokenizer
 from gateway.access import AccessLog, AccessRecord, record_of
 from gateway.auth import BearerAuth
+from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from gateway.drain import Admission, Drain
 from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
-from gateway.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from gateway.limits import BodyLimit
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.rate_limit import TenantLimits, retry_after
 from gateway.responses import Choice, Formatter, TokenText, Totals
 from gateway.router_client import RouterStreams, build, chat_requests, completion_requests
+from gateway.tenants import CacheSalts, TenantKeys
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from serving.grpc_common import CHANNEL_OPTIONS
 from serving.logs import new_request_id
 from serving.metrics_compat import add_compat
+from serving.tls import PLAINTEXT, TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +48,18 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GatewayConfig:
     router: str  # host:port of pdserve.v1.Router
-    api_key: str | None = None  # bearer token the /v1 endpoints require; None: open
+    api_key: str | None = field(
+        default=None, repr=False
+    )  # bearer token the /v1 endpoints require; None: open
     model_dir: str | None = None  # tokenizer for logprobs' token text; None: the bundled model's
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413, unread
     drain_timeout_s: float = 30.0  # on SIGTERM: how long requests in flight may run on
     metrics_compat: str | None = None  # "vllm": /metrics under vllm: as well (serving/metrics_compat.py)
+    tls: TLSConfig = PLAINTEXT  # the channel to the router (serving/tls.py)
+    api_keys_file: str | None = None  # `KEY TENANT` lines (gateway/tenants.py); reloaded on SIGHUP
+    cache_salt_secret: str | None = field(default=None, repr=False)  # tenants' cache salts' HMAC key
+    rate_limit_requests_per_s: float | None = None  # per tenant (gateway/rate_limit.py); None: no limit
+    rate_limit_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -80,12 +91,18 @@ class Gateway:
         self.stub: pb_grpc.RouterStub | None = None
         self.token_text = TokenText(None)
         self._info: pb.ModelInfo | None = None
+        has_keys = config.api_key or config.api_keys_file
+        self.keys = TenantKeys(config.api_keys_file, config.api_key) if has_keys else None
+        self.salts = CacheSalts(config.cache_salt_secret)
+        self.limits = TenantLimits(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        self.channel = grpc.aio.insecure_channel(self.config.router, options=CHANNEL_OPTIONS)
+        self.channel = self.config.tls.aio_channel(self.config.router)
         self.stub = pb_grpc.RouterStub(self.channel)
         self.token_text = TokenText(await asyncio.to_thread(_load_tokenizer, self.config.model_dir))
+        if self.keys is not None and self.keys.has_tenants:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.keys.reload_or_keep)
         try:
             yield
         finally:
@@ -124,6 +141,7 @@ class Gateway:
         record = record_of(request.scope)
         chat = isinstance(body, ChatCompletionRequest)
         try:
+            self._admit(record.tenant)
             info = await self.model_info()
             if body.model != info.model:
                 msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
@@ -132,8 +150,9 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
+            salt = self.salts.salt(record.tenant, body.cache_salt)
             for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
-                req.request_id = rid
+                req.request_id, req.cache_salt = rid, salt
             assert self.stub is not None
             streams = RouterStreams(self.stub, reqs)
             self.drain.watch(streams)
@@ -152,8 +171,17 @@ class Gateway:
         self._finished((endpoint, start, record), 200, totals)
         return JSONResponse(fmt.whole(choices, totals))
 
+    def _admit(self, tenant: str | None) -> None:
+        """The tenant's rate limits: 429 with Retry-After when it is over one."""
+        wait = self.limits.admit(tenant)
+        if wait is not None:
+            after = retry_after(wait)
+            message = f"rate limit reached for this API key; retry in {after} s"
+            raise APIError(429, message, None, "rate_limit_exceeded", {"Retry-After": after})
+
     def _finished(self, where: tuple[str, float, AccessRecord], status: int, totals: Totals) -> None:
         endpoint, start, record = where
+        self.limits.charge(record.tenant, totals.prompt_tokens + totals.completion_tokens)
         self.metrics.done(endpoint, status, totals.prompt_tokens, totals.completion_tokens)
         if status < 400:
             self.metrics.e2e.labels(endpoint).observe(time.monotonic() - start)
@@ -278,8 +306,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     # outermost last: access log, drain admission, auth, then the body limit (no body read before auth)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, on_refused=refused)
-    if config.api_key:
-        app.add_middleware(BearerAuth, key=config.api_key, on_refused=refused)
+    if gw.keys is not None:
+        app.add_middleware(BearerAuth, keys=gw.keys, on_refused=refused)
     app.add_middleware(Admission, drain=gw.drain, on_refused=refused)
     app.add_middleware(AccessLog)
 

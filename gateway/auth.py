@@ -1,13 +1,15 @@
-"""Bearer-token auth for the /v1 endpoints; /health and /metrics stay open."""
+"""Bearer-token auth for the /v1 endpoints; /health and /metrics stay open. A key may name a tenant
+(gateway/tenants.py): the request's access record carries it on, for its cache salt and rate limits."""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.access import record_of
 from gateway.errors import APIError
+from gateway.tenants import TenantKeys
 
 
 def bearer_token(header: bytes) -> bytes | None:
@@ -19,20 +21,23 @@ def bearer_token(header: bytes) -> bytes | None:
 
 
 class BearerAuth:
-    """ASGI middleware: paths under /v1/ need the key; the comparison takes the same time wherever the
-    given token differs. `on_refused(path, status)` is told of every refusal."""
+    """ASGI middleware: paths under /v1/ need a key of `keys`; keys are looked up by their SHA-256, so the
+    time taken says nothing about how close a wrong token came. `on_refused(path, status)` is told of
+    every refusal."""
 
-    def __init__(self, app: ASGIApp, key: str, on_refused: Callable[[str, int], None]) -> None:
+    def __init__(self, app: ASGIApp, keys: TenantKeys, on_refused: Callable[[str, int], None]) -> None:
         self.app = app
-        self.expected = key.encode()
+        self.keys = keys
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-            if not secrets.compare_digest(token or b"", self.expected):
+            known, tenant = self.keys.lookup(token or b"") if token else (False, None)
+            if not known:
                 self.on_refused(scope["path"], 401)
                 error = APIError(401, "invalid or missing API key", None, "invalid_api_key")
                 await error.response({"WWW-Authenticate": "Bearer"})(scope, receive, send)
                 return
+            record_of(scope).tenant = tenant
         await self.app(scope, receive, send)

@@ -11,8 +11,10 @@ import logging
 import os
 import sys
 
-from gateway.limits import DEFAULT_MAX_REQUEST_BYTES
+from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
+from gateway.tenants import SALT_SECRET_ENV
 from serving.logs import LogSetup, add_log_format_arg, current, identify, make_handler, setup_logging
+from serving.tls import TLSConfig, add_tls_args
 
 _AFTER_DRAIN_S = 5.0  # uvicorn's own graceful shutdown, once the drain is over: nothing should be left
 
@@ -33,6 +35,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("PDSERVE_API_KEY") or None,
         help="require `Authorization: Bearer KEY` on /v1 (default: $PDSERVE_API_KEY; unset: open)",
     )
+    add_tenant_args(p)
     p.add_argument(
         "--model", default=None, help="tokenizer directory for logprobs' token text (default: bundled)"
     )
@@ -41,6 +44,34 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level", default="warning", help="uvicorn's own log level (default: warning)"
     )
     add_metrics_compat_arg(p)
+    add_tls_args(p)  # for its channel to the router
+
+
+def add_tenant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="API keys and their tenants, one `KEY TENANT` a line (reread on SIGHUP): each tenant gets its "
+        "own prefix cache (a cache_salt derived from it) and its own rate limits",
+    )
+    p.add_argument(
+        "--cache-salt-secret",
+        default=None,
+        help=f"the key tenants' cache salts are derived with (default: ${SALT_SECRET_ENV}, else random at "
+        "start; gateways that share a cluster should share it)",
+    )
+    p.add_argument(
+        "--rate-limit-requests-per-s",
+        type=float,
+        default=None,
+        help="each tenant's requests per second (default: no limit); over it: 429 with Retry-After",
+    )
+    p.add_argument(
+        "--rate-limit-tokens-per-s",
+        type=float,
+        default=None,
+        help="each tenant's prompt and completion tokens per second (default: no limit)",
+    )
 
 
 def add_metrics_compat_arg(p: argparse.ArgumentParser) -> None:
@@ -89,6 +120,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         drain_timeout_s=args.drain_timeout_s,
         metrics_compat=getattr(args, "metrics_compat", None),
+        tls=TLSConfig.from_args(args),
+        api_keys_file=args.api_keys_file,
+        cache_salt_secret=args.cache_salt_secret,
+        rate_limit_requests_per_s=args.rate_limit_requests_per_s,
+        rate_limit_tokens_per_s=args.rate_limit_tokens_per_s,
     )
     identify("gateway", f"{args.host}:{args.port}")
     app = create_app(config)

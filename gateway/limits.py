@@ -21,7 +21,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import APIError
 
 MAX_JSON_DEPTH = 64
-DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 _DISCARD_BYTES = 64 * 1024 * 1024  # past the limit, at most this much is discarded on a kept connection
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)

@@ -48,6 +48,9 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     priority: Int32 = 0  # under --scheduling-policy priority a lower value runs first (vLLM's server field)
+    # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
+    # scoped to the caller's tenant (gateway/tenants.py)
+    cache_salt: Annotated[str, Field(max_length=1024)] | None = None
 
     @property
     def include_usage(self) -> bool:

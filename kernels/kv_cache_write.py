@@ -1,4 +1,5 @@
-"""Write new K/V rows into a layer's paged KV cache through the slot mapping."""
+"""Write new K/V rows into a layer's paged KV cache through the slot mapping (quantized for an fp8 cache,
+kernels/kv_quant.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.kv_quant import as_stored, load_scales, scale_args, store_quantized
 
 
 @triton.jit
@@ -16,6 +18,7 @@ def _kv_cache_write_kernel(
     value_ptr,
     kv_cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,  # FP8: [k_scale, v_scale]
     # sizes
     num_kv_heads,
     head_dim,
@@ -32,6 +35,7 @@ def _kv_cache_write_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -45,9 +49,9 @@ def _kv_cache_write_kernel(
     v = tl.load(value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
     dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_off
     dst += heads[:, None] * stride_c_head + dims[None, :]
-    elem = kv_cache_ptr.dtype.element_ty
-    tl.store(kv_cache_ptr + dst, k.to(elem), mask=mask)
-    tl.store(kv_cache_ptr + stride_c_kv + dst, v.to(elem), mask=mask)
+    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
+    store_quantized(kv_cache_ptr + dst, k.to(tl.float32), mask, k_scale, FP8)
+    store_quantized(kv_cache_ptr + stride_c_kv + dst, v.to(tl.float32), mask, v_scale, FP8)
 
 
 def kv_cache_write_triton(
@@ -55,6 +59,7 @@ def kv_cache_write_triton(
     value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64; a negative slot means "skip"
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape, f"key {tuple(key.shape)} vs value {tuple(value.shape)}"
@@ -62,17 +67,19 @@ def kv_cache_write_triton(
     assert kv_cache.shape[3:] == (num_kv_heads, head_dim), "kv_cache heads/head_dim differ from key"
     assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)}"
     assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim not contiguous"
+    scale_ptr, fp8 = scale_args(kv_cache, kv_scale)
     if num_tokens == 0:
         return
     block_size = kv_cache.shape[2]
     _kv_cache_write_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache, slot_mapping, scale_ptr,
         num_kv_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )  # fmt: skip
 
@@ -82,17 +89,21 @@ def kv_cache_write_reference(
     value: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,) int64; a negative slot means "skip"
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> None:
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    if flat.dtype.itemsize == 1:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+        flat = flat.view(torch.uint8)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    flat[0].index_copy_(0, slots, key[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value[keep].to(kv_cache.dtype))
+    for i, x in enumerate((key, value)):
+        scale = kv_scale[i] if kv_scale is not None else None
+        flat[i].index_copy_(0, slots, as_stored(x[keep], kv_cache, scale).view(flat.dtype))
 
 
-def kv_cache_write(key, value, kv_cache, slot_mapping) -> None:
+def kv_cache_write(key, value, kv_cache, slot_mapping, kv_scale=None) -> None:
     if _backend.use_triton(key):
-        kv_cache_write_triton(key, value, kv_cache, slot_mapping)
+        kv_cache_write_triton(key, value, kv_cache, slot_mapping, kv_scale)
     else:
-        kv_cache_write_reference(key, value, kv_cache, slot_mapping)
+        kv_cache_write_reference(key, value, kv_cache, slot_mapping, kv_scale)

@@ -6,7 +6,9 @@ them, and walks its key range BLOCK_N rows (several pages) at a time with an onl
 The grid is head-major, so a sequence's kv heads start side by side and between them read its
 pages whole. Long contexts at small batch split the key range across programs (flash-decoding);
 the partial states then merge in kernels/decode_reduce.py's separate launch, which on CUDA is a
-programmatic dependent launch: its start-up overlaps this kernel's tail.
+programmatic dependent launch: its start-up overlaps this kernel's tail. An fp8 cache is read as fp8 (half
+the bytes) and dequantized in registers (kernels/kv_quant.py: k_scale folded into the softmax scale,
+v_scale applied to the output).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
+from kernels.kv_quant import as_read, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile
 from kernels.paged_prefill_attention import gather_kv
 
@@ -50,6 +53,7 @@ def _paged_decode_kernel(
     kv_cache_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    kv_scale_ptr,  # FP8: [k_scale, v_scale]
     # sizes
     qk_scale,
     partition_size,
@@ -79,6 +83,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
@@ -104,6 +109,8 @@ def _paged_decode_kernel(
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_cache_ptr + kv_head * stride_c_head
+    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
+    qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -121,6 +128,8 @@ def _paged_decode_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
         )  # fmt: skip
 
+    if FP8:
+        acc = acc * v_scale  # likewise V's, once, on the output
     if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py
         part_rows = (
             part_ptr + seq.to(tl.int64) * stride_p_seq + heads * stride_p_head + split * stride_p_split
@@ -156,6 +165,7 @@ def paged_decode_attention_triton(
     workspace: torch.Tensor | None = None,  # flat fp32, >= decode_workspace_size(...) elements
     config: dict | None = None,
     out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
     """config: tile keys (block_n, num_warps, num_stages) and the merge launch's "merge_warps" and
     "merge_block_d" (head_dim elements per program; default MERGE_WARPS and MERGE_BLOCK_D).
@@ -170,6 +180,7 @@ def paged_decode_attention_triton(
     assert seq_lens.shape == (num_seqs,) and block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    scale_ptr, fp8 = scale_args(kv_cache, kv_scale)
     cfg = {**default_config(head_dim, query.dtype), **(config or {})}
     if out is None:
         out = torch.empty_like(query)
@@ -193,7 +204,7 @@ def paged_decode_attention_triton(
     else:  # the pointers are unused: the kernel writes the normalised output directly
         part, ml, ws_strides = out, out, (0, 0, 0, 0, 0, 0)
     _paged_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        out, part, ml, query, kv_cache, seq_lens, block_tables,
+        out, part, ml, query, kv_cache, seq_lens, block_tables, scale_ptr,
         scale * LOG2E, partition,
         out.stride(0), out.stride(1), *ws_strides,
         query.stride(0), query.stride(1),
@@ -208,6 +219,7 @@ def paged_decode_attention_triton(
         SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
+        FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -231,14 +243,16 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (None, None)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
-        k = k.to(query.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.to(query.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len)  # fp8: dequantized, then attended
+        k = as_read(k, kv_cache, k_scale, query.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = as_read(v, kv_cache, v_scale, query.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
         o = F.scaled_dot_product_attention(
             query[i].unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
         )  # (num_heads, 1, head_dim)
@@ -247,18 +261,14 @@ def paged_decode_attention_reference(
 
 
 def paged_decode_attention(
-    query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None, *, num_splits=None, workspace=None
-):
-    """num_splits / workspace (Triton only, see paged_decode_attention_triton): fixed for CUDA graphs."""
+    query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None, *, num_splits=None, workspace=None,
+    kv_scale=None,
+):  # fmt: skip
+    """num_splits / workspace (Triton only, see paged_decode_attention_triton): fixed for CUDA graphs.
+    kv_scale: an fp8 cache's (2,) [k_scale, v_scale]."""
     if _backend.use_triton(query):
         return paged_decode_attention_triton(
-            query,
-            kv_cache,
-            seq_lens,
-            block_tables,
-            scale,
-            max_seq_len,
-            num_splits=num_splits,
-            workspace=workspace,
-        )
-    return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale)
+            query, kv_cache, seq_lens, block_tables, scale, max_seq_len,
+            num_splits=num_splits, workspace=workspace, kv_scale=kv_scale,
+        )  # fmt: skip
+    return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale, kv_scale)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.kv_quant import as_read, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile
 
 
@@ -29,6 +30,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    kv_scale_ptr,  # FP8: [k_scale, v_scale]
     # sizes
     qk_scale,
     # strides
@@ -49,6 +51,7 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal ranges first
     seq = tl.program_id(1)
@@ -71,6 +74,8 @@ def _paged_prefill_kernel(
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_cache_ptr + (head // QUERY_GROUP) * stride_c_head
+    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
+    qk_scale = qk_scale * k_scale  # fp8: K's scale on the scores, V's on the output (kernels/kv_quant.py)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -89,6 +94,8 @@ def _paged_prefill_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
         )  # fmt: skip
 
+    if FP8:
+        acc = acc * v_scale
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + dims[None, :], out, mask=io_mask)
 
@@ -115,6 +122,7 @@ def paged_prefill_attention_triton(
     *,
     config: dict | None = None,
     out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -125,6 +133,7 @@ def paged_prefill_attention_triton(
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    scale_ptr, fp8 = scale_args(kv_cache, kv_scale)
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
@@ -135,7 +144,7 @@ def paged_prefill_attention_triton(
     cfg = {**pick_config(max_query_len, head_dim, query.dtype), **(config or {})}
     grid = (triton.cdiv(max_query_len, cfg["block_m"]), num_seqs, num_heads)
     _paged_prefill_kernel[grid](
-        out, query, kv_cache, query_start_loc, seq_lens, block_tables,
+        out, query, kv_cache, query_start_loc, seq_lens, block_tables, scale_ptr,
         scale * LOG2E,
         out.stride(0), out.stride(1), query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -147,6 +156,7 @@ def paged_prefill_attention_triton(
         BLOCK_M=cfg["block_m"],
         BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        FP8=fp8,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -162,8 +172,9 @@ def gather_kv(
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:num_blocks].long()
-    k = kv_cache[0, ids].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, ids].flatten(0, 1)[:seq_len]
+    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache  # fp8: index the bytes
+    k = cache[0, ids].flatten(0, 1)[:seq_len].view(kv_cache.dtype)
+    v = cache[1, ids].flatten(0, 1)[:seq_len].view(kv_cache.dtype)
     return k, v
 
 
@@ -174,9 +185,11 @@ def paged_prefill_attention_reference(
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
     scale: float,
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
     num_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
+    k_scale, v_scale = (kv_scale[0], kv_scale[1]) if kv_scale is not None else (None, None)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -184,9 +197,9 @@ def paged_prefill_attention_reference(
         q_len = q.shape[0]
         if q_len == 0:
             continue
-        k, v = gather_kv(kv_cache, block_tables[i], seq_len)
-        k = k.to(q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.to(q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        k, v = gather_kv(kv_cache, block_tables[i], seq_len)  # fp8: dequantized, then attended
+        k = as_read(k, kv_cache, k_scale, q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = as_read(v, kv_cache, v_scale, q.dtype).repeat_interleave(num_heads // num_kv_heads, dim=1)
         # query row r sits at position seq_len - q_len + r and sees keys 0..that position
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # (q_len, seq_len)
@@ -198,10 +211,13 @@ def paged_prefill_attention_reference(
 
 
 def paged_prefill_attention(
-    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len=None
+    query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len=None, kv_scale=None
 ):
+    """kv_scale: an fp8 cache's (2,) [k_scale, v_scale]."""
     if _backend.use_triton(query):
         return paged_prefill_attention_triton(
-            query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len
+            query, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_query_len, kv_scale=kv_scale
         )
-    return paged_prefill_attention_reference(query, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_prefill_attention_reference(
+        query, kv_cache, query_start_loc, seq_lens, block_tables, scale, kv_scale
+    )

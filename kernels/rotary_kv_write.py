@@ -11,7 +11,8 @@ row per position; every RoPE variant (default, llama3 scaling) differs only in t
     x = [x1 | x2] (halves of head_dim) -> [x1 cos - x2 sin | x2 cos + x1 sin]
 
 q is rotated in place (or into q_out); k is rotated and written with v into the cache at
-slot_mapping (a negative slot writes nothing), so the rotated k never goes back to memory.
+slot_mapping (a negative slot writes nothing), so the rotated k never goes back to memory. An fp8 cache
+stores both quantized with the layer's scales (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ import triton.language as tl
 
 from kernels import _backend
 from kernels.kv_cache_write import kv_cache_write_reference
+from kernels.kv_quant import load_scales, scale_args, store_quantized
 
 
 @triton.jit
-def _rotate_store(src, dst, mask, cos, sin, HALF: tl.constexpr):
-    """Rows of neox halves at src (pointers to the first half) -> rotated rows at dst."""
+def _rotate_store(src, dst, mask, cos, sin, HALF: tl.constexpr, scale, FP8: tl.constexpr):
+    """Rows of neox halves at src (pointers to the first half) -> rotated rows at dst (FP8: quantized)."""
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+    store_quantized(dst, x1 * cos - x2 * sin, mask, scale, FP8)
+    store_quantized(dst + HALF, x2 * cos + x1 * sin, mask, scale, FP8)
 
 
 @triton.jit
@@ -44,6 +46,7 @@ def _rotary_kv_write_kernel(
     cos_sin_ptr,
     kv_cache_ptr,
     slot_mapping_ptr,
+    kv_scale_ptr,  # FP8: [k_scale, v_scale]
     # sizes
     num_heads,
     num_kv_heads,
@@ -70,6 +73,7 @@ def _rotary_kv_write_kernel(
     KV_HEADS: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Program (token, j): kv heads j * KV_HEADS .. + KV_HEADS of one token and their query heads."""
     token = tl.program_id(0).to(tl.int64)
@@ -87,7 +91,7 @@ def _rotary_kv_write_kernel(
     q_mask = (q_heads < q_end)[:, None] & dmask[None, :]  # (BLOCK_Q, BLOCK_HALF)
     q_src = q_ptr + token * stride_q_tok + q_heads[:, None] * stride_q_head + dims[None, :]
     q_dst = q_out_ptr + token * stride_qo_tok + q_heads[:, None] * stride_qo_head + dims[None, :]
-    _rotate_store(q_src, q_dst, q_mask, cos, sin, HALF)
+    _rotate_store(q_src, q_dst, q_mask, cos, sin, HALF, 1.0, False)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     kv_heads = kv0 + tl.arange(0, BLOCK_KV)
@@ -96,12 +100,15 @@ def _rotary_kv_write_kernel(
     kv_mask = kv_rows[:, None] & dmask[None, :]  # (BLOCK_KV, BLOCK_HALF)
     dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_off
     dst += kv_heads[:, None] * stride_c_head + dims[None, :]
+    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
     k_src = k_ptr + token * stride_k_tok + kv_heads[:, None] * stride_k_head + dims[None, :]
-    _rotate_store(k_src, dst, kv_mask, cos, sin, HALF)
+    _rotate_store(k_src, dst, kv_mask, cos, sin, HALF, k_scale, FP8)
     v_src = v_ptr + token * stride_v_tok + kv_heads[:, None] * stride_v_head + dims[None, :]
-    elem = kv_cache_ptr.dtype.element_ty
-    tl.store(dst + stride_c_kv, tl.load(v_src, mask=kv_mask).to(elem), mask=kv_mask)
-    tl.store(dst + stride_c_kv + HALF, tl.load(v_src + HALF, mask=kv_mask).to(elem), mask=kv_mask)
+    v1 = tl.load(v_src, mask=kv_mask).to(tl.float32)
+    store_quantized(dst + stride_c_kv, v1, kv_mask, v_scale, FP8)
+    store_quantized(
+        dst + stride_c_kv + HALF, tl.load(v_src + HALF, mask=kv_mask).to(tl.float32), kv_mask, v_scale, FP8
+    )
 
 
 def _check(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, q_out) -> None:
@@ -137,9 +144,11 @@ def rotary_kv_write_triton(
     slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64; a negative slot means "skip"
     q_out: torch.Tensor | None = None,  # (num_tokens, num_heads, head_dim); None: rotate q in place
     kv_heads_per_program: int | None = None,  # None: 1 for small batches (more programs), else all
+    kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
 ) -> torch.Tensor:  # q_out (q itself when in place)
     q_out = q if q_out is None else q_out
     _check(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, q_out)
+    scale_ptr, fp8 = scale_args(kv_cache, kv_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
@@ -152,13 +161,13 @@ def rotary_kv_write_triton(
     block_half = triton.next_power_of_2(head_dim // 2)
     grid = (num_tokens, triton.cdiv(num_kv_heads, per_prog))
     _rotary_kv_write_kernel[grid](
-        q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping,
+        q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping, scale_ptr,
         num_heads, num_kv_heads, group, cos_sin_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         HALF=head_dim // 2, BLOCK_HALF=block_half, BLOCK_SIZE=kv_cache.shape[2],
-        KV_HEADS=per_prog, BLOCK_KV=block_kv, BLOCK_Q=block_q,
+        KV_HEADS=per_prog, BLOCK_KV=block_kv, BLOCK_Q=block_q, FP8=fp8,
         num_warps=_num_warps((block_q + 2 * block_kv) * 2 * block_half),
     )  # fmt: skip
     return q_out
@@ -182,6 +191,7 @@ def rotary_kv_write_reference(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int64
     q_out: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # (n, 1, d / 2)
     if q_out is None:
@@ -189,12 +199,16 @@ def rotary_kv_write_reference(
     else:
         q_out.copy_(q)
     _rotate_(q_out, cos, sin)
-    kv_cache_write_reference(_rotate_(k.clone(), cos, sin), v, kv_cache, slot_mapping)
+    kv_cache_write_reference(_rotate_(k.clone(), cos, sin), v, kv_cache, slot_mapping, kv_scale)
     return q_out
 
 
-def rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping) -> torch.Tensor:
-    """Rotate q in place and write rotated k and v into kv_cache; returns q."""
+def rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, kv_scale=None) -> torch.Tensor:
+    """Rotate q in place and write rotated k and v into kv_cache (quantized with kv_scale when fp8); returns q."""
     if _backend.use_triton(q):
-        return rotary_kv_write_triton(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)
-    return rotary_kv_write_reference(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)
+        return rotary_kv_write_triton(
+            q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, kv_scale=kv_scale
+        )
+    return rotary_kv_write_reference(
+        q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping, kv_scale=kv_scale
+    )

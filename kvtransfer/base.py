@@ -24,11 +24,15 @@ import abc
 import importlib
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvtransfer import TRANSPORTS
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtransfer.auth import PeerAuth
+    from kvtransfer.layout import Lane
 
 Descriptor = dict[str, Any]  # JSON-able: str / int / float / bool / list / dict only
 DoneCallback = Callable[[str, "KVTransferError | None"], None]
@@ -61,12 +65,12 @@ class KVSender(abc.ABC):
     # the prefill worker calls it while the GPU still computes the step, before it reads the step's tokens
     queues_copy: bool = False
 
-    def prepare(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+    def prepare(self, request_id: str, dst_block_ids: Sequence[int], token: str = "") -> None:
         """Announce a `send` of these destination blocks to come (when the request is admitted, before its
         forward pass), so a transport that needs the receiver's grant before writing (cuda_ipc) asks for
         it now and `send` does not wait for it. Optional: `send` asks itself when nothing was prepared.
         A prepared request must end in `send` or `release`. Raises KVTransferError (a broken sender)."""
-        del request_id, dst_block_ids  # the transports that write through the receiver need no grant
+        del request_id, dst_block_ids, token  # the transports that write through the receiver need no grant
 
     def release(self, request_id: str) -> None:
         """A prepared request will not be sent (cancelled, failed): the receiver stops holding it as
@@ -74,9 +78,13 @@ class KVSender(abc.ABC):
         del request_id
 
     @abc.abstractmethod
-    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+    def send(
+        self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], token: str = ""
+    ) -> None:
         """Move the blocks. Returns once every byte arrived (the receiver confirmed it), or, for a sender
-        that only queues the copy (cuda_ipc), once it is queued and the receiver told to wait for it."""
+        that only queues the copy (cuda_ipc), once it is queued and the receiver told to wait for it.
+        `token` is the one the receiver's `expect` was given for the request (the decode worker hands it
+        to the prefill worker it asks); a write without it is refused."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -112,8 +120,9 @@ class KVReceiver(abc.ABC):
         """What a prefill worker needs to `connect`: transport, address, pool layout (JSON-able)."""
 
     @abc.abstractmethod
-    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
-        """Announce that `request_id` will fill exactly these blocks (in this order)."""
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], token: str = "") -> None:
+        """Announce that `request_id` will fill exactly these blocks (in this order), written by the sender
+        that shows `token`."""
 
     @abc.abstractmethod
     def wait(self, request_id: str, timeout: float) -> None:
@@ -143,6 +152,11 @@ class KVReceiver(abc.ABC):
     def has_drained(self) -> bool:
         """Whether drained() has anything (cheap, no lock)."""
 
+    def refusal_counts(self) -> dict[str, int]:
+        """Peers refused so far, by reason: "auth" (did not authenticate), "grant" (wrote what was not
+        granted to it)."""
+        return {}
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop serving; every pending request fails. Idempotent."""
@@ -162,17 +176,30 @@ def create_receiver(
     port: int = 0,
     advertise_host: str | None = None,
     on_done: DoneCallback | None = None,
+    auth: PeerAuth | None = None,
 ) -> KVReceiver:
-    """Start a receiver of `transport` serving `pool` on host:port (port 0: any free port)."""
+    """Start a receiver of `transport` serving `pool` on host:port (port 0: any free port); `auth` says how
+    senders must prove themselves (kvtransfer/auth.py; None: they need not)."""
+    from kvtransfer.auth import NO_AUTH
+
     module = _transport(transport, f"unknown kv transport {transport!r}")
     receiver: KVReceiver = module.RECEIVER(
-        pool, host=host, port=port, advertise_host=advertise_host, on_done=on_done
+        pool, host=host, port=port, advertise_host=advertise_host, on_done=on_done, auth=auth or NO_AUTH
     )
     return receiver
 
 
-def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> KVSender:
+def connect(
+    descriptor: Descriptor,
+    local_pool: torch.Tensor,
+    *,
+    timeout: float = 30.0,
+    auth: PeerAuth | None = None,
+    lane: Lane | None = None,
+) -> KVSender:
     """Connect to the receiver that `descriptor` names; the transport is `descriptor["transport"]`.
+    `lane`: send only those KV heads of each block, into those of the receiver's blocks (tensor-parallel
+    ranks that split the heads differently: kvtransfer/tp.py); None: every head.
 
     Raises KVTransferError with the reason for a malformed descriptor, a pool whose layout differs from
     the receiver's (all but num_blocks must match), or a receiver that cannot be reached in `timeout` s.
@@ -181,8 +208,15 @@ def connect(descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float 
         raise KVTransferError(f"kv descriptor must be a dict, got {type(descriptor).__name__}")
     transport = descriptor.get("transport")
     module = _transport(transport, f"kv descriptor names unknown transport {transport!r}")
+    import torch  # the transports need it; the interface alone does not (a worker's server process)
+
+    from kvtransfer.auth import NO_AUTH
+
     with torch.inference_mode(False):  # a sender's own tensors are updated in place on every send
-        sender: KVSender = module.SENDER(descriptor, local_pool, timeout=timeout)
+        extra = {"lane": lane} if lane is not None else {}
+        sender: KVSender = module.SENDER(
+            descriptor, local_pool, timeout=timeout, auth=auth or NO_AUTH, **extra
+        )
     return sender
 
 

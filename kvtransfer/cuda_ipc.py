@@ -31,10 +31,11 @@ import torch
 
 from engine import trace
 from kernels.kv_block_copy import GraphedBlockCopy
+from kvtransfer.auth import NO_AUTH, PeerAuth
 from kvtransfer.base import Descriptor, KVTransferError
 from kvtransfer.grants import Completion, GrantReceiver, GrantSender
 from kvtransfer.landings import MAX_SENDERS, NBYTES, LandingCounters
-from kvtransfer.layout import PoolLayout, copy_blocks, field, gather, scatter, uses_kernel
+from kvtransfer.layout import Lane, PoolLayout, copy_blocks, field, gather, lane_layouts, scatter, uses_kernel
 from kvtransfer.wire import Channel
 
 logger = logging.getLogger(__name__)
@@ -184,15 +185,23 @@ class CudaIpcKVReceiver(GrantReceiver):
 class CudaIpcKVSender(GrantSender):
     queues_copy = True
 
-    def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
-        remote_layout = PoolLayout.from_dict(field(descriptor, "layout", dict))
+    def __init__(
+        self,
+        descriptor: Descriptor,
+        local_pool: torch.Tensor,
+        *,
+        timeout: float = 30.0,
+        auth: PeerAuth = NO_AUTH,
+        lane: Lane | None = None,
+    ) -> None:
         ipc, uuid = field(descriptor, "ipc", dict), field(descriptor, "device_uuid", str)
         host, port = field(descriptor, "host", str), field(descriptor, "port", int)
         if not local_pool.is_cuda:
             raise KVTransferError(
                 f"cuda_ipc needs the prefill pool on a CUDA device, got {local_pool.device}"
             )
-        PoolLayout.of(local_pool).check_peer(remote_layout)
+        _, remote_layout, _ = lane_layouts(local_pool, descriptor, lane)  # raises when they cannot exchange
+        self._lane = lane
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         index = _local_index(uuid)
@@ -220,7 +229,7 @@ class CudaIpcKVSender(GrantSender):
             self._seq = 0  # transfers launched on this connection
             self._seq_dev = torch.zeros(1, dtype=torch.int64, device=self._remote.device)
             self._keep: tuple[torch.Tensor, ...] = ()  # the cross-GPU path's staging, until the next copy
-            super().__init__(local_pool, remote_layout, host, port, timeout, {})
+            super().__init__(local_pool, remote_layout, host, port, timeout, {}, auth, lane)
             slot = self._ch.welcome.get("slot")
             if not isinstance(slot, int) or not 0 <= slot < MAX_SENDERS:
                 super().close()
@@ -229,8 +238,10 @@ class CudaIpcKVSender(GrantSender):
             self._unmap()
             raise
         self._landing = cells[slot : slot + 1]  # written by this sender's stream only
-        self._one_gpu = self._remote.device == local_pool.device
-        if uses_kernel(local_pool, self._remote, [], []):
+        # whole blocks on one GPU: the block-copy kernel; a lane's share of the heads, or another GPU:
+        # gathered here, copied there, scattered into the lane's heads
+        self._one_gpu = self._remote.device == local_pool.device and lane is None
+        if self._one_gpu and uses_kernel(local_pool, self._remote, [], []):
             self._graphed = GraphedBlockCopy(local_pool, self._remote, landing=self._landing)
 
     def _stage(self, src: np.ndarray, dst: np.ndarray) -> torch.Tensor | None:
@@ -238,7 +249,7 @@ class CudaIpcKVSender(GrantSender):
         graphed copy has nothing to do ahead)."""
         if self._one_gpu:
             return None
-        return gather(self._pool, src.tolist())
+        return gather(self._pool, src.tolist(), self._lane.src if self._lane is not None else None)
 
     def _launch(self, request_id: str, src: np.ndarray, dst: np.ndarray, staged: Any) -> dict[str, Any]:
         self._seq += 1
@@ -246,7 +257,7 @@ class CudaIpcKVSender(GrantSender):
             self._copy_one_gpu(src, dst, self._seq)
         else:  # the decode pool is on another GPU of this host: peer copy, then scatter there
             peer = staged.to(self._remote.device)
-            scatter(self._remote, dst.tolist(), peer)
+            scatter(self._remote, dst.tolist(), peer, self._lane.dst if self._lane is not None else None)
             self._keep = (staged, peer)
             self._mark_landing(self._seq)
         trace.mark(request_id, "kv.copy_queued")

@@ -7,9 +7,11 @@ the sender's completion signal after it on the same stream (cuda_ipc: a landing 
 memory) and says DONE; the receiver, already awake, watches that signal and reports the request complete.
 
     sender                                         receiver (a thread per connection)
-    HELLO {layout, what the transport adds} ->     check layout, set up the completion signal
+    HELLO {layout, what the transport adds} ->     authenticate (kvtransfer/auth.py: TLS, CHALLENGE
+                                                   first), check layout, set up the completion signal
                                         <-  WELCOME {what the transport adds}
-    prepare: BEGIN {request_id, dst, nbytes} ->    begin(): only announced blocks, only once
+    prepare: BEGIN {request_id, dst, nbytes, token} -> begin(): only announced blocks, with the request's
+                                                   token, only once
                                         <-  READY {request_id} (granted) or {request_id, error}
     send: copy queued, signal marked
           DONE {request_id, nbytes, ...} ->        watch the signal until the copy has landed,
@@ -42,8 +44,9 @@ import numpy as np
 import torch
 
 from engine import trace
+from kvtransfer.auth import NO_AUTH, PeerAuth
 from kvtransfer.base import KVSender, KVTransferError
-from kvtransfer.layout import PoolLayout
+from kvtransfer.layout import HeadRange, Lane, PoolLayout
 from kvtransfer.registry import TableReceiver
 from kvtransfer.wire import Channel, Kind, pack_ids, unpack_ids
 
@@ -83,9 +86,12 @@ class GrantReceiver(TableReceiver):
 
         granted: dict[str, int] = {}  # request id -> bytes announced, begun on this connection
         gone = "the connection closed"
+        heads: HeadRange | None = None  # the pool's heads this connection writes (a lane's, or all)
         try:
-            if self._welcome(ch, check) is None:
+            hello = self._welcome(ch, check)
+            if hello is None:
                 return
+            heads = HeadRange.from_meta(hello.get("heads"), self.layout)
             completion = opened[0]
             ch.settimeout(None)  # idle between messages: the sender's liveness shows as EOF
             while True:
@@ -94,14 +100,13 @@ class GrantReceiver(TableReceiver):
                 if msg.payload_len:
                     raise KVTransferError(f"kv peer {ch.peer} sent a payload with {msg.kind.name}")
                 if msg.kind == Kind.BEGIN:
-                    self._grant(ch, rid, msg.meta, granted)
+                    self._grant(ch, rid, msg.meta, granted, heads)
                 elif msg.kind == Kind.DONE:
-                    self._done(ch, rid, msg.meta, granted, completion)
+                    self._done(ch, rid, msg.meta, granted, completion, heads)
                 elif msg.kind == Kind.RELEASE:
                     if granted.pop(rid, None) is not None:
-                        self.finish(
-                            rid, f"the sender released it: {msg.meta.get('reason', 'no reason given')}"
-                        )
+                        reason = msg.meta.get("reason", "no reason given")
+                        self.finish(rid, f"the sender released it: {reason}", heads)
                 else:
                     raise KVTransferError(f"kv peer {ch.peer} sent {msg.kind.name} on a cuda_ipc connection")
         except KVTransferError as e:
@@ -109,15 +114,19 @@ class GrantReceiver(TableReceiver):
             raise
         finally:
             for rid in granted:
-                self.finish(rid, f"sender gone before completing the copy: {gone}")
+                self.finish(rid, f"sender gone before completing the copy: {gone}", heads)
             for c in opened:
                 c.close()
 
-    def _grant(self, ch: Channel, rid: str, meta: dict[str, Any], granted: dict[str, int]) -> None:
+    def _grant(
+        self, ch: Channel, rid: str, meta: dict[str, Any], granted: dict[str, int], heads: HeadRange
+    ) -> None:
         nbytes = meta.get("nbytes")
         nbytes = nbytes if isinstance(nbytes, int) else -1
+        revoke = functools.partial(_revoke, ch, rid)
         try:
-            self.begin(rid, unpack_ids(meta.get("dst")), nbytes, abort=functools.partial(_revoke, ch, rid))
+            dst, token = unpack_ids(meta.get("dst")), meta.get("token", "")
+            self.begin(rid, dst, nbytes, token, revoke, ch.peer, heads=heads)
         except KVTransferError as e:
             ch.send(Kind.READY, {"request_id": rid, "error": str(e)})
             return
@@ -125,7 +134,13 @@ class GrantReceiver(TableReceiver):
         ch.send(Kind.READY, {"request_id": rid})
 
     def _done(
-        self, ch: Channel, rid: str, meta: dict[str, Any], granted: dict[str, int], completion: Completion
+        self,
+        ch: Channel,
+        rid: str,
+        meta: dict[str, Any],
+        granted: dict[str, int],
+        completion: Completion,
+        heads: HeadRange,
     ) -> None:
         nbytes = granted.pop(rid, None)
         if nbytes is None:  # a write nobody granted: the sender is broken, drop it
@@ -139,7 +154,7 @@ class GrantReceiver(TableReceiver):
                 error = completion.landed(meta, ch)
             except RuntimeError as e:
                 error = f"waiting for the copy failed: {type(e).__name__}: {e}"
-        self.finish(rid, error)
+        self.finish(rid, error, heads)
 
 
 def _revoke(ch: Channel, rid: str) -> None:
@@ -175,17 +190,23 @@ class GrantSender(KVSender):
         port: int,
         timeout: float,
         hello: dict[str, Any],
+        auth: PeerAuth = NO_AUTH,
+        lane: Lane | None = None,
     ) -> None:
         self._pool = local_pool
         self._layout = PoolLayout.of(local_pool)
         self._remote_layout = remote_layout
+        if lane is not None:  # a share of the heads: the layout of what it sends, into the same share there
+            self._layout = self._layout.part(lane.src.count)
+            hello = {**hello, "heads": [lane.dst.start, lane.dst.count]}
+            remote_layout = remote_layout.part(lane.dst.count)
         self._layout.check_peer(remote_layout)
         self._cond = threading.Condition()
         self._grants: dict[str, _Grant] = {}
         self._broken: str | None = None
         self._closing = False
         self._ch = Channel.greet(
-            host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict(), **hello}
+            host, port, timeout, IO_TIMEOUT_S, {"layout": self._layout.to_dict(), **hello}, auth
         )
         self._ch.settimeout(None)  # the reader waits for grants as long as it takes; wait_for bounds it
         self._reader = threading.Thread(target=self._read, name="kv-grants", daemon=True)
@@ -205,13 +226,13 @@ class GrantSender(KVSender):
         """Return once every launched copy has landed (close() waits for it)."""
 
     # -- KVSender -----------------------------------------------------------------------------------
-    def prepare(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+    def prepare(self, request_id: str, dst_block_ids: Sequence[int], token: str = "") -> None:
         dst = list(map(int, dst_block_ids))
         self._remote_layout.check_ids(dst, "destination")
         with self._cond:
             if request_id in self._grants:
                 raise KVTransferError(f"request {request_id!r} is already prepared on this sender")
-            self._ask(request_id, dst)
+            self._ask(request_id, dst, token)
 
     def release(self, request_id: str) -> None:
         with self._cond:
@@ -220,7 +241,9 @@ class GrantSender(KVSender):
                 return  # nothing held at the receiver (a revoked grant's RELEASE went with its answer)
             self._say(Kind.RELEASE, {"request_id": request_id, "reason": "the prefill worker dropped it"})
 
-    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+    def send(
+        self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], token: str = ""
+    ) -> None:
         # Every microsecond here is on the transfer's path (the copy is queued at the end): ids travel as
         # numpy arrays, and a prepared request's destination is the grant's, checked by prepare().
         trace.mark(request_id, "kv.send")
@@ -244,7 +267,7 @@ class GrantSender(KVSender):
         with self._cond:
             grant = self._grants.get(request_id)
             if grant is None:
-                grant = self._ask(request_id, dst)
+                grant = self._ask(request_id, dst, token)
             elif grant.ids is not dst and grant.dst != tuple(dst.tolist()):
                 self.release(request_id)
                 raise KVTransferError(
@@ -297,14 +320,19 @@ class GrantSender(KVSender):
         self._reader.join(timeout=IO_TIMEOUT_S)
 
     # -- internals (with self._cond held) -------------------------------------------------------------
-    def _ask(self, rid: str, dst: Sequence[int] | np.ndarray) -> _Grant:
+    def _ask(self, rid: str, dst: Sequence[int] | np.ndarray, token: str) -> _Grant:
         if self._broken or self._closing:
             raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken or 'closed'}")
         ids = np.asarray(dst, dtype=np.int64)
         grant = self._grants[rid] = _Grant(tuple(ids.tolist()), ids)
         self._say(
             Kind.BEGIN,
-            {"request_id": rid, "dst": pack_ids(ids), "nbytes": len(ids) * self._layout.block_nbytes},
+            {
+                "request_id": rid,
+                "dst": pack_ids(ids),
+                "nbytes": len(ids) * self._layout.block_nbytes,
+                "token": token,
+            },
         )
         trace.mark(rid, "kv.begin_sent")
         return grant

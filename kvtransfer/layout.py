@@ -74,14 +74,22 @@ class PoolLayout:
         elem = self.torch_dtype.itemsize  # not torch.empty(): this is on every send's path
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
+    def part(self, num_kv_heads: int) -> PoolLayout:
+        """The layout of a transfer that carries `num_kv_heads` of this pool's KV heads (a lane between
+        tensor-parallel ranks that split the heads differently)."""
+        return PoolLayout(
+            self.num_layers, self.num_blocks, self.block_size, num_kv_heads, self.head_dim, self.dtype
+        )
+
     def check_peer(self, peer: PoolLayout) -> None:
         """Raise unless a pool of layout `peer` can exchange blocks with this one."""
         mine = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
         theirs = (peer.num_layers, peer.block_size, peer.num_kv_heads, peer.head_dim, peer.dtype)
         if mine != theirs:
+            hint = "; start both workers with the same --kv-cache-dtype" if self.dtype != peer.dtype else ""
             raise KVTransferError(
                 "kv pool layouts differ (num_layers, block_size, num_kv_heads, head_dim, dtype): "
-                f"local {mine} vs remote {theirs}"
+                f"local {mine} vs remote {theirs}{hint}"
             )
 
     def check_ids(self, ids: Sequence[int], what: str) -> None:
@@ -102,6 +110,58 @@ class PoolLayout:
         if a.size and int(a.view(np.uint64).max()) >= self.num_blocks:
             self.check_ids(a.tolist(), what)  # raises, naming the first bad id
         return a
+
+
+@dataclass(frozen=True)
+class HeadRange:
+    """KV heads [start, start + count) of a pool: what one lane of a transfer reads or writes."""
+
+    start: int
+    count: int
+
+    def whole(self, layout: PoolLayout) -> bool:
+        return self.start == 0 and self.count == layout.num_kv_heads
+
+    def overlaps(self, other: HeadRange) -> bool:
+        return self.start < other.start + other.count and other.start < self.start + self.count
+
+    @classmethod
+    def from_meta(cls, value: Any, layout: PoolLayout) -> HeadRange:
+        """A HELLO's "heads" ([start, count]) checked against the pool; absent: every head."""
+        if value is None:
+            return cls(0, layout.num_kv_heads)
+        ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+        if not ok or value[0] < 0 or value[1] < 1 or value[0] + value[1] > layout.num_kv_heads:
+            raise KVTransferError(f"bad kv heads {value!r} for a pool of {layout.num_kv_heads} kv heads")
+        return cls(value[0], value[1])
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One sender's part of a transfer between pools that hold different KV heads (tensor-parallel
+    ranks): its `src` heads land in the receiver's `dst` heads (as many)."""
+
+    src: HeadRange
+    dst: HeadRange
+
+
+def lane_layouts(
+    pool: torch.Tensor, descriptor: Descriptor, lane: Lane | None
+) -> tuple[PoolLayout, PoolLayout, dict[str, Any]]:
+    """A sender's (layout of what it sends, the receiver's layout, its HELLO): the local pool's layout, or
+    with a lane the layout of its share of the heads, which the receiver checks against the same share
+    of its own pool (the HELLO's "heads"). KVTransferError when the two cannot exchange blocks."""
+    local = PoolLayout.of(pool)
+    remote = PoolLayout.from_dict(field(descriptor, "layout", dict))
+    if lane is None:
+        local.check_peer(remote)
+        return local, remote, {"layout": local.to_dict()}
+    if lane.src.count != lane.dst.count or lane.src.start + lane.src.count > local.num_kv_heads:
+        raise KVTransferError(f"bad kv lane {lane} for a pool of {local.num_kv_heads} kv heads")
+    HeadRange.from_meta([lane.dst.start, lane.dst.count], remote)  # raises when out of range
+    sent = local.part(lane.src.count)
+    sent.check_peer(remote.part(lane.dst.count))
+    return sent, remote, {"layout": sent.to_dict(), "heads": [lane.dst.start, lane.dst.count]}
 
 
 def field(desc: Descriptor, key: str, kind: type) -> Any:
@@ -152,13 +212,25 @@ def rows(pool: torch.Tensor, word: torch.dtype | None = None) -> torch.Tensor:
     return flat
 
 
-def gather(pool: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
-    """The blocks `ids`, contiguous: (num_layers * 2, len(ids), words), i.e. (L, 2, n, bs, h, d) in bytes."""
+def gather(pool: torch.Tensor, ids: Sequence[int], heads: HeadRange | None = None) -> torch.Tensor:
+    """The blocks `ids`, contiguous: (num_layers * 2, len(ids), words), i.e. (L, 2, n, bs, h, d) in bytes;
+    with `heads`, only those KV heads: (L, 2, n, bs, heads.count, d)."""
+    if heads is not None and heads.count != pool.shape[4]:
+        index = index_tensor(ids, pool.device)
+        return pool.index_select(2, index)[:, :, :, :, heads.start : heads.start + heads.count].contiguous()
     return rows(pool).index_select(1, index_tensor(ids, pool.device))
 
 
-def scatter(pool: torch.Tensor, ids: Sequence[int], data: torch.Tensor) -> None:
-    """pool[:, :, ids[i]] = block i of `data`, a contiguous tensor laid out as gather() returns (any dtype)."""
+def scatter(
+    pool: torch.Tensor, ids: Sequence[int], data: torch.Tensor, heads: HeadRange | None = None
+) -> None:
+    """pool[:, :, ids[i]] = block i of `data`, a contiguous tensor laid out as gather() returns (any dtype);
+    with `heads`, into those KV heads of each block only."""
+    if heads is not None and heads.count != pool.shape[4]:
+        L, two, _, bs, _, d = pool.shape
+        part = data.reshape(-1).view(torch.uint8).view(pool.dtype).view(L, two, len(ids), bs, heads.count, d)
+        pool[:, :, index_tensor(ids, pool.device), :, heads.start : heads.start + heads.count] = part
+        return
     target = rows(pool)
     words = data.reshape(-1).view(torch.uint8).view(target.dtype).view(target.shape[0], len(ids), -1)
     target.index_copy_(1, index_tensor(ids, pool.device), words)

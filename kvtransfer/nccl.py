@@ -9,10 +9,11 @@ and never touches torch.distributed's global default group:
     P1 <==== group "pair/<id1>" ====> D <==== group "pair/<id2>" ====> P2
 
     sender                                      receiver (thread per pair)
-    HELLO {layout, pair_id}          ->         check layout
+    HELLO {layout, pair_id}          ->         authenticate (kvtransfer/auth.py), check layout
                                      <-  WELCOME
     both build ProcessGroupNCCL / ProcessGroupGloo(PrefixStore(pair_id, store), rank, 2)
-    BEGIN {request_id, dst, nbytes}  ->         begin(); recv into staging buffers on the pool's device
+    BEGIN {request_id, dst, nbytes,  ->         begin(); recv into staging buffers on the pool's device
+           token}
     per layer chunk: gather, pg.send ==>        per layer chunk: recv, scatter into the pool
                                                 (a refused request is still received, then dropped,
                                                  so both sides stay in step); synchronise
@@ -33,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import select
-import socket
 import threading
 import time
 import uuid
@@ -44,8 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvtransfer.auth import NO_AUTH, PeerAuth
 from kvtransfer.base import Descriptor, KVSender, KVTransferError
-from kvtransfer.layout import PoolLayout, check_pair, field, gather, scatter
+from kvtransfer.layout import HeadRange, Lane, check_pair, field, gather, lane_layouts, scatter
 from kvtransfer.registry import TableReceiver, next_begin
 from kvtransfer.wire import Channel, Kind
 
@@ -86,16 +86,6 @@ def layer_chunks(num_layers: int, nbytes: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i] < bounds[i + 1]]
 
 
-def _peer_gone(sock: socket.socket) -> bool:
-    readable, _, _ = select.select([sock], [], [], 0)
-    if not readable:
-        return False
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
 def _complete(work: Any, pg: Any, ch: Channel, cuda: bool, timeout: float) -> None:
     """Wait for a send/recv (on CUDA: and everything queued on the current stream before this call);
     raise KVTransferError if it fails, times out, or the peer disappears.
@@ -129,7 +119,7 @@ def _complete(work: Any, pg: Any, ch: Channel, cuda: bool, timeout: float) -> No
         finished = done.is_set
     deadline = time.monotonic() + timeout
     while not finished():
-        if _peer_gone(ch.sock):
+        if ch.peer_closed():
             raise KVTransferError(f"kv peer {ch.peer} disconnected mid-transfer")
         if time.monotonic() > deadline:
             raise KVTransferError(f"kv transfer with {ch.peer} timed out after {timeout:g} s")
@@ -168,6 +158,7 @@ class NcclKVReceiver(TableReceiver):
         hello = self._welcome(ch, _check_pair_id)
         if hello is None:
             return
+        heads = HeadRange.from_meta(hello.get("heads"), self.layout)  # every head, or a lane's share
         pair_id = hello["pair_id"]
         store = dist.PrefixStore(f"pdserve-kv/{pair_id}", self._store)
         pg = _make_group(self._backend, store, 0, ch.sock.getsockname()[0], TIMEOUT_S)
@@ -178,20 +169,23 @@ class NcclKVReceiver(TableReceiver):
             while True:
                 msg = next_begin(ch, TIMEOUT_S)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    self._receive(ch, pg, msg.meta)
+                    self._receive(ch, pg, msg.meta, heads)
         finally:  # the pair ends: the sender hung up, failed, or the receiver closed
             _abort(pg)
 
-    def _receive(self, ch: Channel, pg: Any, meta: dict[str, Any]) -> None:
+    def _receive(self, ch: Channel, pg: Any, meta: dict[str, Any], heads: HeadRange) -> None:
         rid, nbytes = str(meta.get("request_id")), meta.get("nbytes")
+        block_nbytes = self.layout.part(heads.count).block_nbytes
         if (
             not isinstance(nbytes, int)
-            or not 0 <= nbytes <= self.layout.num_blocks * self.layout.block_nbytes
-            or nbytes % self.layout.block_nbytes
+            or not 0 <= nbytes <= self.layout.num_blocks * block_nbytes
+            or nbytes % block_nbytes
         ):
             raise KVTransferError(f"kv peer {ch.peer} announced a bad size {nbytes!r}")
         try:
-            dst: tuple[int, ...] | None = self.begin(rid, meta.get("dst"), nbytes)
+            dst: tuple[int, ...] | None = self.begin(
+                rid, meta.get("dst"), nbytes, meta.get("token", ""), peer=ch.peer, heads=heads
+            )
             refusal = None
         except KVTransferError as e:
             dst, refusal = None, str(e)
@@ -215,28 +209,35 @@ class NcclKVReceiver(TableReceiver):
                         raise KVTransferError(f"kv transfer with {ch.peer} failed: {e}") from e
                     if scatter_now:
                         assert dst is not None
-                        scatter(self.pool[l0:l1], dst, buf)
+                        scatter(self.pool[l0:l1], dst, buf, heads)
                 _complete(None, pg, ch, True, TIMEOUT_S)  # the last recv and scatter, watching the peer
             else:
                 for (l0, l1), buf in zip(chunks, bufs, strict=True):
                     _complete(pg.recv([buf], 1, 0), pg, ch, False, TIMEOUT_S)
                     if scatter_now:
                         assert dst is not None
-                        scatter(self.pool[l0:l1], dst, buf)
+                        scatter(self.pool[l0:l1], dst, buf, heads)
         except KVTransferError as e:
             if dst is not None:
-                self.finish(rid, str(e))
+                self.finish(rid, str(e), heads)
             raise
         if dst is not None:
-            refusal = self.finish(rid, None)
+            refusal = self.finish(rid, None, heads)
         ch.send(Kind.ACK, {"request_id": rid, **({"error": refusal} if refusal else {})})
 
 
 class NcclKVSender(KVSender):
-    def __init__(self, descriptor: Descriptor, local_pool: torch.Tensor, *, timeout: float = 30.0) -> None:
-        self._layout = PoolLayout.of(local_pool)
-        self._remote = PoolLayout.from_dict(field(descriptor, "layout", dict))
-        self._layout.check_peer(self._remote)
+    def __init__(
+        self,
+        descriptor: Descriptor,
+        local_pool: torch.Tensor,
+        *,
+        timeout: float = 30.0,
+        auth: PeerAuth = NO_AUTH,
+        lane: Lane | None = None,
+    ) -> None:
+        self._layout, self._remote, hello = lane_layouts(local_pool, descriptor, lane)
+        self._heads = lane.src if lane is not None else None
         backend = field(descriptor, "backend", str)
         if backend != _backend_for(local_pool):
             raise KVTransferError(
@@ -247,8 +248,9 @@ class NcclKVSender(KVSender):
         store_port = field(descriptor, "store_port", int)
         self._pool = local_pool
         pair_id = uuid.uuid4().hex
-        hello = {"layout": self._layout.to_dict(), "pair_id": pair_id}
-        self._ch = Channel.greet(host, field(descriptor, "port", int), timeout, TIMEOUT_S, hello)
+        hello = {**hello, "pair_id": pair_id}
+        # the group is formed only after the handshake: with an authenticated peer
+        self._ch = Channel.greet(host, field(descriptor, "port", int), timeout, TIMEOUT_S, hello, auth)
         td = datetime.timedelta(seconds=timeout)
         try:
             store = dist.TCPStore(host, store_port, is_master=False, timeout=td)
@@ -261,12 +263,15 @@ class NcclKVSender(KVSender):
         self._lock = threading.Lock()
         self._broken: str | None = None
 
-    def send(self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+    def send(
+        self, request_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], token: str = ""
+    ) -> None:
         check_pair(src_block_ids, dst_block_ids)
         self._layout.check_ids(src_block_ids, "source")
         self._remote.check_ids(dst_block_ids, "destination")
         nbytes = len(src_block_ids) * self._layout.block_nbytes
-        meta = {"request_id": request_id, "dst": [int(b) for b in dst_block_ids], "nbytes": nbytes}
+        dst = [int(b) for b in dst_block_ids]
+        meta = {"request_id": request_id, "dst": dst, "nbytes": nbytes, "token": token}
         with self._lock:
             if self._broken:
                 raise KVTransferError(f"kv sender to {self._ch.peer} is broken: {self._broken}")
@@ -288,7 +293,7 @@ class NcclKVSender(KVSender):
         chunks = layer_chunks(self._layout.num_layers, nbytes)
         if self._stream is None:
             for l0, l1 in chunks:
-                buf = gather(self._pool[l0:l1], src)
+                buf = gather(self._pool[l0:l1], src, self._heads)
                 work = self._pg.send([buf.view(-1).view(torch.uint8)], 0, 0)
                 _complete(work, self._pg, self._ch, False, TIMEOUT_S)
             return
@@ -297,7 +302,7 @@ class NcclKVSender(KVSender):
             # each send waits (NCCL's stream on this one) for its own gather, so the next gather overlaps it
             bufs, works = [], []
             for l0, l1 in chunks:
-                bufs.append(gather(self._pool[l0:l1], src))
+                bufs.append(gather(self._pool[l0:l1], src, self._heads))
                 works.append(self._pg.send([bufs[-1].view(-1).view(torch.uint8)], 0, 0))
             for work in works[:-1]:
                 try:

@@ -8,8 +8,17 @@
     wait() / poll() (True or raising) / cancel()  -> forgotten
     cancel(wait=False) of an IN_FLIGHT request -> detached; finish() -> drained() hands its id back
 
-Only `begin` admits writes to a request's blocks, and only for the exact blocks announced, so a late or
-stray sender can never write into blocks that were freed and handed to another request.
+Only `begin` admits writes to a request's blocks, and only for the exact blocks announced and with the
+request's token (a random value the decode worker hands only to the prefill worker it asks), so a late or
+stray sender can never write into blocks that were freed and handed to another request, nor a peer into
+blocks granted to another. Before any of that, `_welcome` authenticates the peer (kvtransfer/auth.py).
+Refusals of both kinds are logged and counted (`refusals`: "auth", "grant").
+
+A transfer may come in parts, each carrying some of the pool's KV heads (lanes from tensor-parallel
+ranks that split the heads differently, engine/tp/heads.py): `begin` admits a part whose heads no earlier
+part took, the request is IN_FLIGHT while a part writes, back to EXPECTED between parts, and DONE once
+parts covered every head. A part that fails stops the others (their abort) and the request FAILS when
+the last one has stopped. A sender of every head at once is the one-part case. Every part carries the token.
 """
 
 from __future__ import annotations
@@ -17,17 +26,22 @@ from __future__ import annotations
 import abc
 import collections
 import enum
+import hmac
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvtransfer.auth import NO_AUTH, PeerAuth, new_nonce
 from kvtransfer.base import Descriptor, DoneCallback, KVReceiver, KVTransferError
-from kvtransfer.layout import PoolLayout
-from kvtransfer.wire import Channel, ControlServer, Kind, Message
+from kvtransfer.layout import HeadRange, PoolLayout
+from kvtransfer.wire import HANDSHAKE_S, Channel, ControlServer, Kind, Message
+
+logger = logging.getLogger(__name__)
 
 CANCEL_GRACE_S = 10.0  # how long cancel() waits for a transfer already writing to end
 CANCELLED_KEPT = 4096  # cancelled request ids remembered, for wait()'s error
@@ -43,11 +57,18 @@ class State(enum.IntEnum):
 @dataclass
 class _Entry:
     dst: tuple[int, ...]
+    token: str = ""  # what the sender must show with its write (the decode worker gave it to one worker)
     state: State = State.EXPECTED
     error: str | None = None
     cancelled: bool = False
-    abort: Callable[[], None] | None = None  # stops an in-flight write (closes its connection)
+    # the parts writing now, by first head: what stops each (closes its connection)
+    writing: dict[int, Callable[[], None] | None] = field(default_factory=dict)
+    begun: list[HeadRange] = field(default_factory=list)  # every part admitted
+    landed: int = 0  # KV heads whose part finished without error
     detached: bool = False  # cancelled without waiting: finish() hands it to drained()
+
+    def abort_all(self) -> list[Callable[[], None]]:
+        return [a for a in self.writing.values() if a is not None]
 
 
 def next_begin(ch: Channel, io_timeout: float) -> Message:
@@ -76,8 +97,11 @@ class TableReceiver(KVReceiver):
         port: int = 0,
         advertise_host: str | None = None,
         on_done: DoneCallback | None = None,
+        auth: PeerAuth = NO_AUTH,
     ) -> None:
         self.pool = pool
+        self._auth = auth
+        self.refusals: collections.Counter[str] = collections.Counter()  # "auth", "grant": refused peers
         self.layout = PoolLayout.of(pool)
         self._on_done = on_done
         self._entries: dict[str, _Entry] = {}
@@ -110,21 +134,51 @@ class TableReceiver(KVReceiver):
     def _welcome(
         self, ch: Channel, check: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
     ) -> dict[str, Any] | None:
-        """A receiver's side of the handshake: the sender's HELLO if its pool layout (and `check`, which
-        raises KVTransferError and may return fields for WELCOME) pass, after WELCOME; else None, after
-        WELCOME {error}."""
-        hello = ch.expect(Kind.HELLO)
+        """A receiver's side of the handshake (kvtransfer/auth.py): the sender's HELLO once it has
+        authenticated and its pool layout (and `check`, which raises KVTransferError and may return fields
+        for WELCOME) pass, after WELCOME; else None, after WELCOME {error} where the peer can read it."""
+        ch.settimeout(HANDSHAKE_S)
+        nonce = new_nonce()
         try:
-            self.layout.check_peer(PoolLayout.from_dict(hello.get("layout")))
+            if self._auth.tls:
+                ch.start_tls(self._auth.server_context(), server_side=True)
+            ch.send(Kind.CHALLENGE, {"nonce": nonce})
+            hello = ch.expect(Kind.HELLO)
+        except KVTransferError as e:
+            if self._auth.authenticates:  # no certificate, another CA's, or no HELLO at all
+                self.refused("auth", ch.peer, str(e))
+            return None
+        try:
+            self._auth.check_mac("hello", nonce, hello)
+        except KVTransferError as e:
+            self.refused("auth", ch.peer, str(e))
+            ch.send(Kind.WELCOME, {"error": "authentication failed"})
+            return None
+        try:
+            heads = HeadRange.from_meta(hello.get("heads"), self.layout)  # the pool's heads its parts write
+            self.layout.part(heads.count).check_peer(PoolLayout.from_dict(hello.get("layout")))
             fields = check(hello) if check is not None else None
         except KVTransferError as e:
             ch.send(Kind.WELCOME, {"error": str(e)})
             return None
-        ch.send(Kind.WELCOME, fields or {})
+        ch.send(Kind.WELCOME, self._auth.signed("welcome", hello.get("nonce"), fields or {}))
         return hello
 
+    def refused(self, reason: str, peer: str, why: str) -> None:
+        """A peer that failed to authenticate ("auth") or wrote what it was not granted ("grant"): logged
+        and counted; nothing of it reached the pool."""
+        logger.warning(
+            "kv receiver refused %s from %s: %s", "a connection" if reason == "auth" else "a write", peer, why
+        )
+        with self._cond:
+            self.refusals[reason] += 1
+
+    def refusal_counts(self) -> dict[str, int]:
+        with self._cond:
+            return dict(self.refusals)
+
     # -- decode worker side -------------------------------------------------------------------------
-    def expect(self, request_id: str, dst_block_ids: Sequence[int]) -> None:
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], token: str = "") -> None:
         dst = tuple(int(b) for b in dst_block_ids)
         self.layout.check_ids(dst, "destination")
         if len(set(dst)) != len(dst):
@@ -134,7 +188,7 @@ class TableReceiver(KVReceiver):
                 raise KVTransferError("kv receiver is closed")
             if request_id in self._entries:
                 raise KVTransferError(f"request {request_id!r} is already expected")
-            self._entries[request_id] = _Entry(dst)
+            self._entries[request_id] = _Entry(dst, token)
             self._cancelled.pop(request_id, None)
 
     def wait(self, request_id: str, timeout: float) -> None:
@@ -178,9 +232,9 @@ class TableReceiver(KVReceiver):
                 del self._entries[request_id]
                 self._note_cancelled(request_id)
                 return True
-            abort = entry.abort
+            aborts = entry.abort_all()
             entry.detached = not wait
-        if abort is not None:
+        for abort in aborts:
             abort()
         if not wait:
             return False
@@ -217,9 +271,13 @@ class TableReceiver(KVReceiver):
             self._closed = True
         self._shutdown()
         with self._cond:
-            pending = [rid for rid, e in self._entries.items() if e.state < State.DONE]
-        for rid in pending:
-            self.finish(rid, "kv receiver closed")
+            pending = [(rid, e) for rid, e in self._entries.items() if e.state < State.DONE]
+            for rid, entry in pending:
+                entry.error, entry.writing = entry.error or "kv receiver closed", {}
+                self._settle(rid, entry)
+        if self._on_done is not None:
+            for rid, entry in pending:
+                self._on_done(rid, KVTransferError(entry.error or "kv receiver closed"))
 
     def _shutdown(self) -> None:
         """Stop the transport's threads and sockets (a transport with more to release extends it)."""
@@ -227,25 +285,65 @@ class TableReceiver(KVReceiver):
 
     # -- transport threads --------------------------------------------------------------------------
     def begin(
-        self, request_id: str, dst_block_ids: object, nbytes: int, abort: Callable[[], None] | None = None
+        self,
+        request_id: str,
+        dst_block_ids: object,
+        nbytes: int,
+        token: object = "",
+        abort: Callable[[], None] | None = None,
+        peer: str = "?",
+        heads: HeadRange | None = None,
     ) -> tuple[int, ...]:
-        """Admit a sender's transfer; returns the destination blocks, or raises with the refusal."""
+        """Admit a sender's transfer (of the KV heads `heads`; None: all of them); returns the destination
+        blocks, or raises with the refusal. A write that was not granted (unknown request, other blocks, a
+        wrong token, a second write of the same heads) is logged and counted too; one for a request the
+        receiver cancelled is the ordinary race with a client gone."""
+        try:
+            return self._admit(request_id, dst_block_ids, nbytes, token, abort, heads)
+        except KVTransferError as e:
+            with self._cond:
+                race = (
+                    self._closed
+                    or request_id in self._cancelled
+                    or (request_id in self._entries and self._entries[request_id].cancelled)
+                )
+            if not race:
+                self.refused("grant", peer, str(e))
+            raise
+
+    def _admit(
+        self,
+        request_id: str,
+        dst_block_ids: object,
+        nbytes: int,
+        token: object,
+        abort: Callable[[], None] | None,
+        heads: HeadRange | None,
+    ) -> tuple[int, ...]:
+        part = heads if heads is not None else HeadRange(0, self.layout.num_kv_heads)
         with self._cond:
             entry = self._entries.get(request_id)
             if self._closed or entry is None or entry.cancelled:
                 raise KVTransferError(
                     f"receiver does not expect request {request_id!r} (unknown or cancelled)"
                 )
-            if entry.state != State.EXPECTED:
+            if not isinstance(token, str) or not hmac.compare_digest(token, entry.token):
+                raise KVTransferError(f"request {request_id!r}: the write's token is not the one granted")
+            if entry.state >= State.DONE or entry.error is not None:
                 raise KVTransferError(f"request {request_id!r} is already {entry.state.name.lower()}")
+            if any(part.overlaps(b) for b in entry.begun):
+                state = entry.state.name.lower() if part.whole(self.layout) else "sent for these kv heads"
+                raise KVTransferError(f"request {request_id!r} is already {state}")
             if not isinstance(dst_block_ids, list) or tuple(dst_block_ids) != entry.dst:
                 raise KVTransferError(
                     f"request {request_id!r}: destination blocks differ from the ones the receiver reserved"
                 )
-            want = len(entry.dst) * self.layout.block_nbytes
+            want = len(entry.dst) * self.layout.part(part.count).block_nbytes
             if nbytes != want:
                 raise KVTransferError(f"request {request_id!r}: {nbytes} bytes announced, {want} expected")
-            entry.state, entry.abort = State.IN_FLIGHT, abort
+            entry.state = State.IN_FLIGHT
+            entry.writing[part.start] = abort
+            entry.begun.append(part)
             return entry.dst
 
     def is_cancelled(self, request_id: str) -> bool:
@@ -253,21 +351,41 @@ class TableReceiver(KVReceiver):
             entry = self._entries.get(request_id)
             return entry is None or entry.cancelled
 
-    def finish(self, request_id: str, error: str | None) -> str | None:
-        """Record the outcome of a begun transfer; returns the error the sender is told (None: complete)."""
+    def finish(self, request_id: str, error: str | None, heads: HeadRange | None = None) -> str | None:
+        """Record the outcome of a begun transfer (its part of `heads`); returns the error the sender is
+        told (None: this part landed)."""
+        part = heads if heads is not None else HeadRange(0, self.layout.num_kv_heads)
+        aborts: list[Callable[[], None]] = []
         with self._cond:
             entry = self._entries.get(request_id)
-            if entry is None or entry.state >= State.DONE:
+            if entry is None or entry.state >= State.DONE or part.start not in entry.writing:
                 return error or f"request {request_id!r} was forgotten by the receiver"
+            del entry.writing[part.start]
             if entry.cancelled and error is None:
                 error = f"request {request_id!r} was cancelled by the receiver"
-            entry.state = State.DONE if error is None else State.FAILED
-            entry.error, entry.abort = error, None
-            if entry.detached:  # its blocks go back through drained(); a wait() on it hears "cancelled"
-                del self._entries[request_id]
-                self._drained.append(request_id)
-                self._note_cancelled(request_id)
-            self._cond.notify_all()
-        if self._on_done is not None:
-            self._on_done(request_id, None if error is None else KVTransferError(error))
+            if error is None:
+                entry.landed += part.count
+            elif entry.error is None:
+                entry.error = error
+                aborts = entry.abort_all()  # the other parts cannot make the request whole any more
+            ended = self._settle(request_id, entry)
+        for abort in aborts:
+            abort()
+        if ended and self._on_done is not None:
+            self._on_done(request_id, None if entry.error is None else KVTransferError(entry.error))
         return error
+
+    def _settle(self, request_id: str, entry: _Entry) -> bool:
+        """(With the lock) after a part finished: whether the request ended (DONE or FAILED)."""
+        if entry.writing:
+            return False  # another part still writes
+        if entry.error is None and entry.landed < self.layout.num_kv_heads:
+            entry.state = State.EXPECTED  # between parts: the next may begin, a cancel frees at once
+            return False
+        entry.state = State.DONE if entry.error is None else State.FAILED
+        if entry.detached:  # its blocks go back through drained(); a wait() on it hears "cancelled"
+            del self._entries[request_id]
+            self._drained.append(request_id)
+            self._note_cancelled(request_id)
+        self._cond.notify_all()
+        return True

@@ -12,7 +12,9 @@ import base64
 import contextlib
 import enum
 import json
+import select
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -21,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
+from kvtransfer.auth import NO_AUTH, PeerAuth, new_nonce
 from kvtransfer.base import KVTransferError
 
 MAGIC = b"PDKV"
 VERSION = 1
 _FRAME = struct.Struct("!4sBBIQ")
 MAX_META = 1 << 24
+HANDSHAKE_S = 10.0  # a connection that has not completed TLS and HELLO by then is dropped
 
 
 def pack_ids(ids: Sequence[int] | np.ndarray) -> str:
@@ -56,6 +60,7 @@ class Kind(enum.IntEnum):
     ACK = 6  # receiver -> sender: {request_id} or {request_id, error}
     RELEASE = 7  # sender -> receiver (cuda_ipc): {request_id, reason}: a granted request it will not write
     REVOKE = 8  # receiver -> sender (cuda_ipc): {request_id}: the request was cancelled, do not write it
+    CHALLENGE = 9  # receiver -> sender, first: {nonce} the HELLO's HMAC covers (kvtransfer/auth.py)
 
 
 @dataclass
@@ -84,18 +89,43 @@ class Channel:
         return cls(sock, f"{host}:{port}")
 
     @classmethod
-    def greet(cls, host: str, port: int, timeout: float, io_timeout: float, hello: dict[str, Any]) -> Channel:
-        """A sender's connection, past the handshake: HELLO `hello` -> WELCOME (kept as `welcome`), or
-        KVTransferError with the receiver's reason for refusing (the connection closed)."""
+    def greet(
+        cls,
+        host: str,
+        port: int,
+        timeout: float,
+        io_timeout: float,
+        hello: dict[str, Any],
+        auth: PeerAuth = NO_AUTH,
+    ) -> Channel:
+        """A sender's connection, past the handshake (kvtransfer/auth.py): TLS when `auth` has it,
+        CHALLENGE -> HELLO `hello` (signed) -> WELCOME (checked, kept as `welcome`), or KVTransferError with
+        the reason it failed (the connection closed)."""
         ch = cls.connect(host, port, timeout)
-        ch.settimeout(max(timeout, io_timeout))
-        ch.send(Kind.HELLO, hello)
-        welcome = ch.expect(Kind.WELCOME)
-        if "error" in welcome:
+        try:
+            ch.settimeout(max(timeout, io_timeout))
+            if auth.tls:
+                ch.start_tls(auth.client_context(), server_side=False, hostname=host)
+            nonce_r = ch.expect(Kind.CHALLENGE).get("nonce")
+            nonce_s = new_nonce()
+            ch.send(Kind.HELLO, auth.signed("hello", nonce_r, {**hello, "nonce": nonce_s}))
+            welcome = ch.expect(Kind.WELCOME)
+            if "error" in welcome:
+                raise KVTransferError(f"kv receiver at {ch.peer} refused the connection: {welcome['error']}")
+            auth.check_mac("welcome", nonce_s, welcome)
+        except BaseException:
             ch.close()
-            raise KVTransferError(f"kv receiver at {ch.peer} refused the connection: {welcome['error']}")
+            raise
         ch.welcome = welcome
         return ch
+
+    def start_tls(self, context: ssl.SSLContext, server_side: bool, hostname: str | None = None) -> None:
+        """Wrap the connection in TLS (the handshake runs now, within the socket's timeout); KVTransferError
+        if it fails: no certificate, one signed by another CA, a wrong name."""
+        try:
+            self.sock = context.wrap_socket(self.sock, server_side=server_side, server_hostname=hostname)
+        except (ssl.SSLError, OSError) as e:
+            raise KVTransferError(f"TLS handshake with {self.peer} failed: {e}") from e
 
     def settimeout(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
@@ -155,11 +185,17 @@ class Channel:
     def peer_closed(self) -> bool:
         """Whether the peer has closed the connection (EOF next, with no message before it); for a reader
         thread that waits on something else meanwhile. Never blocks, never consumes a byte."""
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return False  # a decrypted record waits to be read
         try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if not readable:
+                return False  # nothing to read: open
+            # the raw socket's bytes (an SSLSocket refuses flags): EOF there is EOF of the connection
+            return socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):
-            return False  # nothing to read: open
-        except OSError:
+            return False
+        except (OSError, ValueError):  # closed here meanwhile
             return True
 
     def close(self) -> None:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 from engine import trace
 from engine.engine_core import EngineCore
-from engine.model_runner import kv_bytes_per_block
 from engine.scheduler import SchedulerOutput
 from engine.stats import HistogramSnapshot
-from kvtransfer import KVSender, KVTransferError, connect
+from kvtransfer import KVSender, KVTransferError
 from kvtransfer.stats import TransferStats
+from kvtransfer.tp import connect_sharded
 from serving.engine_proc import id_list
 from serving.kv_events import KVEventPublisher
 from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent, Snapshot
@@ -39,6 +39,7 @@ class _Job:
     sender_key: str  # the descriptor's canonical JSON: one sender per decode worker
     dst_block_ids: list[int] | None  # None: the decode worker's grant has not come yet
     need: int  # blocks of the prompt
+    kv_token: str = ""  # the decode worker's token for those blocks: the receiver admits a write showing it
     error: str | None = None
     # computed before the grant came: the held source blocks; `computed` once its step ended (KVSent is due
     # when they are sent)
@@ -57,10 +58,8 @@ class PrefillCore:
         self.scheduler = self.engine.scheduler
         self.blocks = self.engine.block_manager
         self.jobs: dict[str, _Job] = {}
-        bytes_per_block = kv_bytes_per_block(
-            self.engine.model_config, self.blocks.block_size, self.engine.dtype
-        )
-        self.kv_stats = TransferStats(config.kv_transport, bytes_per_block)
+        # the pool's bytes per block (fp8: half of bf16's)
+        self.kv_stats = TransferStats(config.kv_transport, self.engine.runner.bytes_per_block())
         self.senders: dict[str, KVSender] = {}
         self.outbox: list[FromEngine] = []
         # prefix-cache events for the router's index: every block hashed or evicted here
@@ -94,9 +93,10 @@ class PrefillCore:
             "num_waiting": len(self.scheduler.waiting),
             "num_free_blocks": self.blocks.num_free_blocks,
             "num_total_blocks": self.blocks.num_blocks,
+            **self.scheduler.preemption.load(),
         }
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         return {**self.engine.counters(), **self.kv_stats.counters()}
 
     def histograms(self) -> dict[str, HistogramSnapshot]:
@@ -110,7 +110,7 @@ class PrefillCore:
         if isinstance(msg, PrefillPrompt):
             self._add(msg)
         elif isinstance(msg, Grant):
-            self._grant(msg.request_id, msg.dst_block_ids)
+            self._grant(msg.request_id, msg.dst_block_ids, msg.kv_token)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, TakeSnapshot):
@@ -133,7 +133,7 @@ class PrefillCore:
         except ValueError as exc:
             self.outbox.append(Error(rid, "INVALID_ARGUMENT", str(exc)))
             return
-        job = self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need)
+        job = self.jobs[rid] = _Job(descriptor, key, list(dst_block_ids) or None, need, msg.kv_token)
         seq = self.engine.make_sequence(rid, id_list(prompt_ids), first_only, msg.priority, msg.cache_salt)
         self.scheduler.add(seq)
         if job.dst_block_ids is not None:
@@ -233,7 +233,7 @@ class PrefillCore:
         grant; a no-op for the other transports), so the transfer does not wait for it."""
         assert job.dst_block_ids is not None
         try:
-            self._sender(job).prepare(rid, job.dst_block_ids)
+            self._sender(job).prepare(rid, job.dst_block_ids, job.kv_token)
             job.prepared = True
         except KVTransferError as exc:
             self.kv_stats.failed()
@@ -258,7 +258,7 @@ class PrefillCore:
         job.prepared = False  # send() consumes the grant, or fails it
         started = time.perf_counter()
         try:
-            self._sender(job).send(rid, src, dst)
+            self._sender(job).send(rid, src, dst, job.kv_token)
             trace.mark(rid, "pcore.sent")
             self.kv_stats.moved(len(src), time.perf_counter() - started)
         except KVTransferError as exc:
@@ -266,7 +266,7 @@ class PrefillCore:
             job.error = f"KV transfer to the decode worker failed: {exc}"
             self._drop_sender(job)
 
-    def _grant(self, rid: str, dst_block_ids: tuple[int, ...]) -> None:
+    def _grant(self, rid: str, dst_block_ids: tuple[int, ...], kv_token: str = "") -> None:
         """The decode worker reserved the prompt's blocks: send now if the prompt is already computed."""
         job = self.jobs.get(rid)
         if job is None or job.dst_block_ids is not None or job.error is not None:
@@ -275,7 +275,7 @@ class PrefillCore:
         if len(dst) != job.need:
             job.error = f"the grant holds {len(dst)} blocks, the prompt needs {job.need}"
         else:
-            job.dst_block_ids = dst
+            job.dst_block_ids, job.kv_token = dst, kv_token
         if job.parked is None:
             if job.error is None:
                 self._prepare(rid, job)
@@ -316,7 +316,8 @@ class PrefillCore:
     def _sender(self, job: _Job) -> KVSender:
         sender = self.senders.get(job.sender_key)
         if sender is None:
-            sender = self.senders[job.sender_key] = connect(job.descriptor, self.engine.runner.kv_cache)
+            sender = connect_sharded(job.descriptor, self.engine.runner, auth=self.config.kv_auth)
+            self.senders[job.sender_key] = sender
         return sender
 
     def _drop_sender(self, job: _Job) -> None:
@@ -327,4 +328,7 @@ class PrefillCore:
 
 def _outcome(rid: str, job: _Job) -> KVSent | Error:
     """A finished request's last message: its blocks are in the decode worker's pool, or they are not."""
-    return KVSent(rid) if job.error is None else Error(rid, "UNAVAILABLE", job.error)
+    if job.error is None:
+        return KVSent(rid)
+    logger.warning("request %s failed: %s", rid, job.error)
+    return Error(rid, "UNAVAILABLE", job.error)

@@ -108,6 +108,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     request.kv_descriptor,
                     tuple(request.dst_block_ids),
                     request.priority,
+                    request.kv_token,
                 )
             )
             while True:
@@ -136,7 +137,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         async for request in later:
             if request.dst_block_ids:
                 trace.mark(rid, "pserver.grant")
-                self.engine.send(Grant(rid, tuple(request.dst_block_ids)))
+                self.engine.send(Grant(rid, tuple(request.dst_block_ids), request.kv_token))
                 return
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:

@@ -179,7 +179,7 @@ class DecodeChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "kv_descriptor", "dst_block_ids", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "kv_descriptor", "dst_block_ids", "priority", "kv_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class PrefillRequest(_message.Message):
     KV_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -194,7 +195,8 @@ class PrefillRequest(_message.Message):
     kv_descriptor: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_descriptor: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
+    kv_token: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., kv_descriptor: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., kv_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "num_cached_tokens", "kv_done")

@@ -12,12 +12,11 @@ import contextlib
 import logging
 import signal
 
-import grpc
 from grpc_health.v1 import health
 
 from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servicer
 from router.supervise import run_forever
-from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
+from serving.grpc_common import add_health_and_reflection, mark_serving
 from serving.logs import identify
 
 logger = logging.getLogger(__name__)
@@ -28,16 +27,20 @@ _UNWIND_S = 5.0  # for requests ended at the drain timeout to finish their calls
 
 async def serve_router(config: RouterConfig, address: str) -> None:
     servicer = RouterServicer(config)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = config.tls.aio_server()
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     add_servicer(servicer, server)
-    port = server.add_insecure_port(address)
+    port = config.tls.add_port(server, address)
     identify(address=f"{address.rpartition(':')[0]}:{port}")
     if config.metrics_port:
         servicer.metrics.serve(config.metrics_port, compat=config.metrics_compat)
         logger.info("router metrics on port %d", config.metrics_port)
     await server.start()
-    logger.info("router listening on port %d; serving once a prefill and a decode worker answer", port)
+    logger.info(
+        "router listening on port %d (%s); serving once a prefill and a decode worker answer",
+        port,
+        config.tls.describe(),
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -38,10 +38,11 @@ from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_po
 from router.prompts import PromptEncoder
 from router.supervise import Failures, run_forever
 from router.workers import WorkerTable
-from serving.grpc_common import CHANNEL_OPTIONS, params_to_proto
+from serving.grpc_common import params_to_proto
 from serving.kv_events import EventBatch, Snapshot
 from serving.logs import bind_request, new_request_id
 from serving.mux import ManyCall, ManyStream
+from serving.tls import PLAINTEXT, TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class RouterConfig:
     # prompts being tokenized or queued for it, and their characters; past either RESOURCE_EXHAUSTED
     max_pending_prompts: int = 1024
     max_pending_prompt_chars: int = 1 << 24
+    tls: TLSConfig = PLAINTEXT  # its server and its channels to the workers (serving/tls.py)
+    log_prompts: bool = False  # each prompt's text at DEBUG (never at INFO)
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.heartbeat_ttl_s, self.redis_timeout_s) <= 0 or self.drain_timeout_s < 0:
@@ -122,10 +125,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             index or _make_index(config, self.metrics), retry_s=config.poll_s, metrics=self.metrics
         )
         self.router: PrefixRouter | DecodeOnlyRouter | None = None
-        self.channels = {
-            a: grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
-            for a in (*config.prefill, *config.decode)
-        }
+        self.channels = {a: config.tls.aio_channel(a) for a in (*config.prefill, *config.decode)}
         self.roles = {**{a: "prefill" for a in config.prefill}, **{a: "decode" for a in config.decode}}
         self.workers = WorkerTable(self.roles, config.heartbeat_ttl_s, self.metrics)
         self._poll_failures = {a: Failures(f"polling {a}", logger) for a in self.channels}
@@ -290,6 +290,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             if self.draining:
                 raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
             prompt_ids, params = await self._admit(request)
+            if self.config.log_prompts and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("request %s prompt: %r", rid, _prompt_of(request))
             async for chunk in self._fan_out(rid, request, prompt_ids, params, out):
                 yield chunk
         except _Stop as stop:
@@ -555,6 +557,14 @@ def _detokenize(text: TextStream | None, chunk: pb.DecodeChunk) -> tuple[bool, i
         if text.add(token, last=i == last and bool(chunk.finish_reason)):
             return True, i + 1
     return False, len(ids)
+
+
+def _prompt_of(request: pb.GenerateRequest) -> object:
+    """The request's prompt as the client sent it (for --log-prompts at DEBUG only)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "chat":
+        return [(m.role, m.content) for m in request.chat.messages]
+    return list(request.token_ids.ids) if kind == "token_ids" else request.text
 
 
 def _make_index(config: RouterConfig, metrics: RouterMetrics) -> PrefixIndex:

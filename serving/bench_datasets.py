@@ -8,11 +8,12 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.tokenizer import Tokenizer
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ from engine.sampling_params import SamplingParams
 from kvtransfer import TRANSPORTS
 from serving.logs import LogSetup, add_log_format_arg, setup_logging
 from serving.roles import METRICS_COMPAT, METRICS_COMPAT_HELP
+from serving.tls import TLSConfig, add_kv_secret_arg, add_tls_args
+
+LOG_PROMPTS_HELP = "log each prompt's text at DEBUG (with --log-level DEBUG); never logged otherwise"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,8 +52,10 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     from serving.grpc_common import check_health
 
+    tls = TLSConfig.from_args(args)
+
     async def check_all() -> list[bool]:
-        return await asyncio.gather(*(check_health(a, timeout=args.timeout) for a in args.address))
+        return await asyncio.gather(*(check_health(a, args.timeout, tls) for a in args.address))
 
     failing = [a for a, ok in zip(args.address, asyncio.run(check_all()), strict=True) if not ok]
     for address in failing:
@@ -122,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a routing decision marks a prompt's blocks as held before the worker's events confirm "
         "them (0: only the workers' events)",
     )
+    r.add_argument("--log-prompts", action="store_true", help=LOG_PROMPTS_HELP)
+    add_tls_args(r)
     r.set_defaults(func=cmd_router)
     up = sub.add_parser(
         "up",
@@ -135,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill workers (default: 1; 0: aggregated, each decode worker prefills its own requests)",
     )
     up.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    for role in ("prefill", "decode"):
+        up.add_argument(
+            f"--{role}-tp",
+            type=int,
+            default=None,
+            help=f"tensor parallel size of each {role} worker, a GPU per rank, the GPUs handed out in order "
+            "(default: the workers' --tensor-parallel-size, else 1)",
+        )
     up.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     up.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default: 50051)")
     up.add_argument(
@@ -179,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds the router and workers get to finish what they hold",
     )
+    up.add_argument(
+        "--log-prompts", action="store_true", help="the router's --log-prompts: " + LOG_PROMPTS_HELP
+    )
+    add_tls_args(up)
+    add_kv_secret_arg(up)
     up.set_defaults(func=None)
 
     h = sub.add_parser(
@@ -187,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     h.add_argument("address", nargs="+", help="host:port of a router, prefill or decode worker")
     h.add_argument("--timeout", type=float, default=3.0, help="seconds per address")
+    add_tls_args(h)
     h.set_defaults(func=cmd_health)
 
     from gateway.cli import add_gateway_parser
@@ -196,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     from serving.serve import add_serve_parser
 
     add_serve_parser(sub)  # after `up` and `gateway`: it takes their flags
+
+    from serving.quantize_cli import add_quantize_parser
+
+    add_quantize_parser(sub)
 
     from serving.bench_cli import add_bench_args, cmd_bench
 

@@ -105,6 +105,9 @@ def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> 
 
     if hasattr(core, "bind"):  # a core that sends some messages mid-step (prefill: first tokens)
         core.bind(send_traced, take_inbound)
+    ranks = getattr(getattr(core, "engine", None), "ranks", None)
+    if ranks is not None:  # tensor parallel: a rank that dies ends this process, so its requests fail now
+        ranks.exit_on_failure = True
 
     def load() -> Load:
         counters = core.counters() if hasattr(core, "counters") else {}
@@ -170,10 +173,10 @@ class EngineProcess:
         self.streams: dict[str, asyncio.Queue] = {}
         self.info: dict[str, Any] = {}
         self.load: dict[str, int] = {}  # the engine's latest load report (running, waiting, free blocks)
-        self.counters: dict[str, int] = {}  # and its running counters (serving/worker_metrics.py)
+        self.counters: dict[str, float] = {}  # and its running counters (serving/worker_metrics.py)
         self.histograms: dict[str, Any] = {}  # and histograms
         # (time, counters) of the reports of the last 10 s, oldest first: recent rates
-        self.history: deque[tuple[float, dict[str, int]]] = deque(maxlen=int(10 / _LOAD_EVERY_S))
+        self.history: deque[tuple[float, dict[str, float]]] = deque(maxlen=int(10 / _LOAD_EVERY_S))
         # messages for the whole worker, not one request, by type (prefill: KVEvents); run on the server's loop
         self.handlers: dict[type, Callable[[Any], None]] = {}
         self.alive = False

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from serving.tls import TLSConfig
 
 _OPTIONAL = (
     "temperature",
@@ -116,8 +121,10 @@ def mark_serving(servicer: health.HealthServicer, service_names: list[str], serv
         servicer.set(name, status)
 
 
-async def check_health(address: str, timeout: float = 1.0) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, timeout: float = 1.0, tls: TLSConfig | None = None) -> bool:
+    from serving.tls import PLAINTEXT
+
+    async with (tls or PLAINTEXT).aio_channel(address) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout

@@ -197,6 +197,7 @@ class ManyStream:
         self._busy: asyncio.Event | None = None  # set while calls are open (the pinger waits on it)
         self._last_io = 0.0
         self._last_call_end = 0.0  # when the last open call ended (the linger counts from there)
+        self.pings = 0  # sent; `pings - pongs` are in flight
         self.pongs = 0
 
     def open(self, timeout: float | None = None, **request: Any) -> ManyCall:
@@ -259,6 +260,7 @@ class ManyStream:
                 await busy.wait()  # no call for a while: nothing to keep warm, no wake-ups
             await asyncio.sleep(self._keep_warm_s)
             if self._warm_wanted() and time.monotonic() - self._last_io >= self._keep_warm_s:
+                self.pings += 1
                 self._send(self._frame_cls(stream=0))
 
     async def _write_loop(self, call: Any, writes: asyncio.Queue) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from kvtransfer import TRANSPORTS
 from serving.logs import identify
 from serving.supervisor import Child, StopSignals, Supervisor
+from serving.tls import KV_SECRET_ENV, TLSConfig, add_kv_secret_arg, add_tls_args, kv_secret
 
 METRICS_COMPAT = ("vllm",)  # serving/metrics_compat.py
 METRICS_COMPAT_HELP = (
@@ -51,6 +52,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=None, help="serve the worker's Prometheus /metrics here (0: off)"
     )
     p.add_argument("--metrics-compat", choices=METRICS_COMPAT, default=None, help=METRICS_COMPAT_HELP)
+    add_tls_args(p)
+    add_kv_secret_arg(p)
+
+
+def kv_auth(args: argparse.Namespace, tls: TLSConfig):
+    """The KV channel's credentials: the gRPC certificates when there is a CA (mutual TLS), the secret."""
+    from kvtransfer.auth import PeerAuth
+
+    files = (tls.cert, tls.key, tls.ca) if tls.ca else (None, None, None)
+    return PeerAuth(kv_secret(args), *(str(Path(f).resolve()) if f else None for f in files))
 
 
 def worker_config(args: argparse.Namespace, role: str):
@@ -66,14 +77,20 @@ def worker_config(args: argparse.Namespace, role: str):
         kv_transport=args.kv_transport,
         kv_host=args.kv_host,
         local_prefill_threshold=args.local_prefill_threshold,
+        kv_auth=kv_auth(args, TLSConfig.from_args(args)),
     )
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    import functools
+
     from serving.worker import run_worker
 
+    tls = TLSConfig.from_args(args)
+    tls.check_listen(args.host, f"the {args.command} worker's gRPC")
     config = worker_config(args, args.command)
     if args.command == "decode":
+        tls.check_listen(args.kv_host, "the KV receiver", authenticated=config.kv_auth.authenticates)
         from decode_worker import server as mod
 
         core = "decode_worker.core.DecodeCore"
@@ -81,7 +98,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from prefill_worker import server as mod  # type: ignore[no-redef]
 
         core = "prefill_worker.core.PrefillCore"
-    servicer = mod.DecodeServicer if args.command == "decode" else mod.PrefillServicer  # type: ignore[attr-defined]
+    servicer = (
+        functools.partial(mod.DecodeServicer, tls=tls)  # type: ignore[attr-defined]
+        if args.command == "decode"
+        else mod.PrefillServicer  # type: ignore[attr-defined]
+    )
     address = f"{args.host}:{args.port}"
     identify(args.command, address)
     asyncio.run(
@@ -95,6 +116,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             args.drain_timeout_s,
             args.metrics_port or None,
             args.metrics_compat,
+            tls,
         )  # fmt: skip
     )
     return 0
@@ -105,6 +127,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     from router.main import serve_router
     from router.server import RouterConfig
 
+    tls = TLSConfig.from_args(args)
+    tls.check_listen(args.host, "the router's gRPC")
     directory = model_dir(args.model)
     config = RouterConfig(
         prefill=tuple(a for a in args.prefill.split(",") if a),
@@ -118,6 +142,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port or None,
         metrics_compat=args.metrics_compat,
         speculate_ttl_s=args.speculate_ttl_s,
+        tls=tls,
+        log_prompts=args.log_prompts,
     )
     identify("router", f"{args.host}:{args.port}")
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
@@ -134,7 +160,8 @@ def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
     """Start router + N prefill + M decode workers as processes; wait until healthy; keep them running
     (serving/supervisor.py) until SIGTERM/SIGINT, then drain them all."""
     children = cluster_children(args, passthrough)
-    return supervise(children, args.drain_timeout_s, args.startup_timeout, "up")
+    healthy = grpc_healthy(TLSConfig.from_args(args))
+    return supervise(children, args.drain_timeout_s, args.startup_timeout, "up", healthy)
 
 
 def supervise(
@@ -153,7 +180,7 @@ def supervise(
     supervisor = Supervisor(children, drain_timeout_s)
     try:
         supervisor.start_all()
-        check = healthy or _grpc_healthy
+        check = healthy or grpc_healthy(TLSConfig())
         if not asyncio.run(_wait_healthy(children, check, supervisor, signals, startup_timeout)):
             if signals.stopping:
                 return supervisor.drain(signals)
@@ -189,28 +216,44 @@ def _announce(children: list[Child]) -> None:
 def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     """Every worker, then the router; each with the command line it is started (and restarted) with."""
     from engine.bundled import model_dir
+    from serving.gpus import assign_gpus, cpu_threads, role_sizes, visible_gpus
 
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
     exe = pdserve_command(args)
+    tls = TLSConfig.from_args(args)
+    tls.check_listen(args.host, "the router's gRPC")  # before any child starts
+    if args.kv_secret:  # the workers read it from their environment: out of `ps`
+        os.environ[KV_SECRET_ENV] = args.kv_secret
     model = ["--model", directory, "--served-model-name", args.served_model_name or Path(directory).name]
     drain = ["--drain-timeout-s", f"{args.drain_timeout_s:g}"]
-    children = []
-    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        for i in range(count):
-            port = free_port()
-            cmd = [*exe, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
-            cmd += ["--kv-transport", args.kv_transport, *model, *drain, *passthrough]
-            metrics = free_port() if args.metrics else None
-            cmd += ["--metrics-port", str(metrics)] if metrics else []
-            cmd += _compat(args)
-            children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics))
+    tp, on_cpu = role_sizes(args, passthrough)
+    roles = [
+        role for role, count in (("prefill", args.prefill), ("decode", args.decode)) for _ in range(count)
+    ]
+    gpus = assign_gpus([] if on_cpu else visible_gpus(), [(r, tp[r]) for r in roles], args.kv_transport)
+    threads = cpu_threads(sum(tp[r] for r in roles)) if all(g is None for g in gpus) else None
+    children: list[Child] = []
+    for role, devices in zip(roles, gpus):
+        port = free_port()
+        i = sum(c.role == role for c in children)
+        cmd = [*exe, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
+        cmd += ["--kv-transport", args.kv_transport, *model, *drain, *tls.argv(), *passthrough]
+        cmd += ["--tensor-parallel-size", str(tp[role])]
+        metrics = free_port() if args.metrics else None
+        cmd += ["--metrics-port", str(metrics)] if metrics else []
+        cmd += _compat(args)
+        env = {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else None
+        if threads is not None:  # no GPUs: the engines share the cores
+            env = {"OMP_NUM_THREADS": threads}
+        children.append(Child(role, f"127.0.0.1:{port}", cmd, metrics_port=metrics, env=env))
     port = args.port or free_port()
     prefill = ",".join(c.address for c in children if c.role == "prefill")
     decode = ",".join(c.address for c in children if c.role == "decode")
     cmd = [*exe, "router", "--host", args.host, "--port", str(port), "--prefill", prefill]
     cmd += ["--decode", decode, "--policy", args.policy, *drain, *model]
     cmd += ["--redis-url", args.redis_url] if args.redis_url else []
-    cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}"]
+    cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}", *tls.argv()]
+    cmd += ["--log-prompts"] if args.log_prompts else []
     metrics = free_port() if args.metrics else None
     cmd += ["--metrics-port", str(metrics)] if metrics else []
     cmd += _compat(args)
@@ -235,10 +278,14 @@ def _compat(args: argparse.Namespace) -> list[str]:
     return ["--metrics-compat", args.metrics_compat] if args.metrics_compat else []
 
 
-async def _grpc_healthy(child: Child) -> bool:
+def grpc_healthy(tls: TLSConfig) -> Callable[[Child], Awaitable[bool]]:
+    """A child is healthy when its gRPC health service answers SERVING (over `tls`)."""
     from serving.grpc_common import check_health
 
-    return await check_health(child.address)
+    async def healthy(child: Child) -> bool:
+        return await check_health(child.address, tls=tls)
+
+    return healthy
 
 
 async def _wait_healthy(

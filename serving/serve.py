@@ -14,9 +14,12 @@ import asyncio
 import copy
 import os
 import urllib.request
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from gateway.tenants import SALT_SECRET_ENV
 from serving.supervisor import Child
+from serving.tls import TLSConfig
 
 # flags of the other parsers that `serve` does not take (it sets them itself) or takes from another
 _GATEWAY_SKIP = {"router", "model"}  # the router it starts, the served model's directory
@@ -58,7 +61,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.set_defaults(
         func=cmd_serve,
         gateway_flags=[
-            a for a in gateway_flags if a.dest not in {"host", "port", "api_key", "drain_timeout_s"}
+            a
+            for a in gateway_flags
+            if a.dest not in {"host", "port", "api_key", "cache_salt_secret", "drain_timeout_s"}
         ],
         worker_flags=[a for a in worker_flags if a.dest not in _ENGINE_SHARED],
     )
@@ -115,11 +120,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     up = argparse.Namespace(**{**vars(args), "host": "127.0.0.1", "port": args.router_port})
     up.model, up.served_model_name = directory, name
     children = cluster_children(up, _argv(args.worker_flags, args))
-    if args.api_key:  # the gateway reads it from its environment: out of `ps`
+    if args.api_key:  # the gateway reads its secrets from its environment: out of `ps`
         os.environ["PDSERVE_API_KEY"] = args.api_key
+    if args.cache_salt_secret:
+        os.environ[SALT_SECRET_ENV] = args.cache_salt_secret
     children.append(_gateway(args, children[-1].address, directory))
     ready = f"pdserve serve: {name} at http://{args.host}:{args.port}/v1 (OpenAI API)"
-    return supervise(children, args.drain_timeout_s, args.startup_timeout, "serve", _healthy, ready)
+    healthy = _healthy(TLSConfig.from_args(args))
+    return supervise(children, args.drain_timeout_s, args.startup_timeout, "serve", healthy, ready)
 
 
 def _gateway(args: argparse.Namespace, router: str, directory: str) -> Child:
@@ -131,16 +139,21 @@ def _gateway(args: argparse.Namespace, router: str, directory: str) -> Child:
     return Child("gateway", f"{args.host}:{args.port}", cmd, stops_first=True)
 
 
-async def _healthy(child: Child) -> bool:
+def _healthy(tls: TLSConfig) -> Callable[[Child], Awaitable[bool]]:
     """The gateway: its /health answers 200 (the router behind it serving); the others: gRPC health."""
-    from serving.grpc_common import check_health
+    from serving.roles import grpc_healthy
 
-    if child.role != "gateway":
-        return await check_health(child.address)
-    host, port = child.address.rsplit(":", 1)
-    host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
-    host = f"[{host}]" if ":" in host else host
-    return await asyncio.to_thread(_http_ok, f"http://{host}:{port}/health")
+    grpc_ok = grpc_healthy(tls)
+
+    async def healthy(child: Child) -> bool:
+        if child.role != "gateway":
+            return await grpc_ok(child)
+        host, port = child.address.rsplit(":", 1)
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        return await asyncio.to_thread(_http_ok, f"http://{host}:{port}/health")
+
+    return healthy
 
 
 def _http_ok(url: str) -> bool:

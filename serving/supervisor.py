@@ -51,13 +51,15 @@ class Child:
     cmd: list[str]
     metrics_port: int | None = None  # its Prometheus /metrics, when it serves one
     stops_first: bool = False  # drained before the children without it
+    env: dict[str, str] | None = None  # set on top of this process's environment (e.g. CUDA_VISIBLE_DEVICES)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
     failures: int = 0  # deaths in a row, each within Backoff.stable_s of its start
     restart_at: float | None = None  # set while it waits for its restart
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, env=env)
         self.started_at = time.monotonic()
         self.restart_at = None
 

@@ -13,8 +13,9 @@ import grpc
 from protos import pdserve_pb2 as pb
 from serving.drain import SHUTTING_DOWN, Drain
 from serving.engine_proc import EngineProcess
-from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection, mark_serving
+from serving.grpc_common import add_health_and_reflection, mark_serving
 from serving.logs import identify
+from serving.tls import PLAINTEXT, TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ STATUS = {
 }
 
 
+_LOAD_FIELDS = frozenset(pb.WorkerLoad.DESCRIPTOR.fields_by_name)
+
+
 def worker_load(engine: EngineProcess, draining: bool = False) -> pb.WorkerLoad:
     """The worker's identity and limits (fixed at start) with its engine's latest load report."""
     info = engine.info
@@ -41,7 +45,7 @@ def worker_load(engine: EngineProcess, draining: bool = False) -> pb.WorkerLoad:
         vocab_size=info["vocab_size"],
         epoch=info["epoch"],
         draining=draining,
-        **engine.load,
+        **{k: v for k, v in engine.load.items() if k in _LOAD_FIELDS},  # the rest is for /metrics only
     )
 
 
@@ -60,13 +64,14 @@ async def run_worker(
     drain_timeout_s: float = 30.0,
     metrics_port: int | None = None,
     metrics_compat: str | None = None,
+    tls: TLSConfig = PLAINTEXT,
 ) -> None:
     """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING and `draining` in GetLoad at once, new requests
     refused, those in flight finished within `drain_timeout_s` (past it ended with UNAVAILABLE), then the
     server and the engine process stop. Exits 1 (SystemExit) if the engine process died or never started."""
     stop = _stop_on_signals()
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    port = server.add_insecure_port(address)
+    server = tls.aio_server()
+    port = tls.add_port(server, address)
     identify(address=f"{address.rpartition(':')[0]}:{port}")  # before the engine process takes the setup
     engine = EngineProcess(core_path, config)
     drain = Drain()
@@ -74,7 +79,7 @@ async def run_worker(
     health = add_health_and_reflection(server, [service_name])
     add_servicer(servicer, server)
     await server.start()  # health answers NOT_SERVING while the model loads
-    logger.info("%s listening on port %d, loading the model", service_name, port)
+    logger.info("%s listening on port %d (%s), loading the model", service_name, port, tls.describe())
     if not await _start_engine(engine, stop):
         await server.stop(0)
         await engine.shutdown()

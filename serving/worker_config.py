@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.engine_core import EngineConfig
+from engine.config import EngineConfig
 from kvtransfer import TRANSPORTS
+from kvtransfer.auth import NO_AUTH, PeerAuth
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class WorkerConfig:
     local_prefill_threshold: int = 0  # decode: prompts up to this many tokens are prefilled locally
     max_pending: int = 256  # decode: requests waiting for blocks before new ones get RESOURCE_EXHAUSTED
     kv_timeout_s: float = 30.0
+    kv_auth: PeerAuth = NO_AUTH  # how KV peers prove themselves (TLS, a shared secret)
 
     def __post_init__(self) -> None:
         if self.kv_transport not in TRANSPORTS:

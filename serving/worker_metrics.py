@@ -3,8 +3,11 @@
 serving/messages/from_engine.py, Load):
 
 - gauges: `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (0-1: blocks in use over
-  all blocks; cached prefix blocks nobody holds count as free);
-- counters: `prompt_tokens`, `generation_tokens`, `num_preemptions`, `prefix_cache_queries` and
+  all blocks; cached prefix blocks nobody holds count as free), `cpu_cache_usage_perc` (0-1: swap-space blocks
+  in use; 0 without a swap space) and `num_requests_swapped` (requests whose KV is in the swap space);
+- counters: `prompt_tokens`, `generation_tokens`, `num_preemptions` (and `num_preemptions_by_mode{mode}`:
+  swap, recompute), with a swap space `kv_swap_out_blocks`, `kv_swap_in_blocks`, `kv_swap_out_bytes`,
+  `kv_swap_in_bytes`, `kv_swap_out_seconds`, `kv_swap_in_seconds`, `prefix_cache_queries` and
   `prefix_cache_hits` (in tokens), `request_success{finished_reason}`, and on a decode worker that
   speculates `spec_decode_num_drafts`, `spec_decode_num_draft_tokens`, `spec_decode_num_accepted_tokens`,
   `spec_decode_num_accepted_tokens_per_pos{position}` (acceptance rate: accepted / draft tokens).
@@ -14,7 +17,9 @@ serving/messages/from_engine.py, Load):
   `iteration_tokens_total`; on a prefill worker the queue, prefill and iteration ones;
 - the KV transfers (kvtransfer/stats.py), by `transport`: `kv_transfer_bytes` (sent by a prefill worker,
   received by a decode worker) and `kv_transfer_failures` counters, and on a prefill worker a
-  `kv_transfer_seconds` histogram (each send, vLLM-style buckets from 0.5 ms).
+  `kv_transfer_seconds` histogram (each send, vLLM-style buckets from 0.5 ms); on a decode worker
+  `kv_transfer_refused{reason}` (auth: a peer that did not authenticate; grant: a write into blocks not
+  granted to it), from the first refusal.
 A decode worker counts the tokens it generates; the first token of a prompt prefilled elsewhere, and the
 prompt itself, are the prefill worker's.
 
@@ -38,7 +43,13 @@ from serving.metrics_compat import PREFIX, prefixes, renamed
 _COUNTERS = {
     "prompt_tokens": "Prompt tokens computed (prefix-cache hits excluded)",
     "generation_tokens": "Tokens generated",
-    "num_preemptions": "Requests preempted (their blocks freed, recomputed later)",
+    "num_preemptions": "Requests preempted (their blocks swapped out, or freed and recomputed later)",
+    "kv_swap_out_blocks": "KV blocks copied to the CPU swap space",
+    "kv_swap_in_blocks": "KV blocks copied back from the CPU swap space",
+    "kv_swap_out_bytes": "KV-cache bytes copied to the CPU swap space",
+    "kv_swap_in_bytes": "KV-cache bytes copied back from the CPU swap space",
+    "kv_swap_out_seconds": "Seconds the copies to the CPU swap space took",
+    "kv_swap_in_seconds": "Seconds the copies back from the CPU swap space took",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache",
     "spec_decode_num_drafts": "Drafts verified (speculative decoding)",
@@ -48,9 +59,15 @@ _COUNTERS = {
 # counters with one label, their keys "<name>/<label value>"
 _LABELLED = {
     "request_success": ("finished_reason", "Requests finished, by reason (stop, length, abort)"),
+    "num_preemptions_by_mode": ("mode", "Requests preempted, by how: swap or recompute"),
     "spec_decode_num_accepted_tokens_per_pos": ("position", "Draft tokens accepted at each draft position"),
     "kv_transfer_bytes": ("transport", "KV-cache bytes sent (prefill worker) or received (decode worker)"),
     "kv_transfer_failures": ("transport", "KV transfers that failed (sent or awaited)"),
+    "kv_transfer_refused": (
+        "reason",
+        "KV peers refused by a decode worker's receiver: auth (did not authenticate), grant (wrote what it "
+        "was not granted)",
+    ),
 }
 # histograms a role exports (the engine keeps them all)
 _ROLE_HISTOGRAMS = {
@@ -68,12 +85,12 @@ class EngineMetrics(Collector):
     def __init__(
         self,
         load: Callable[[], dict[str, int]],
-        counters: Callable[[], dict[str, int]],
+        counters: Callable[[], dict[str, float]],
         model_name: str,
         histograms: Callable[[], dict[str, Any]] = dict,
         role: str = "decode",
         compat: str | None = None,
-        history: Callable[[], Sequence[tuple[float, dict[str, int]]]] = tuple,
+        history: Callable[[], Sequence[tuple[float, dict[str, float]]]] = tuple,
     ) -> None:
         self.load, self.counters, self.model_name = load, counters, model_name
         self.histograms, self.role, self.history = histograms, role, history
@@ -92,10 +109,18 @@ class EngineMetrics(Collector):
             return
         total = load.get("num_total_blocks", 0)
         usage = (total - load.get("num_free_blocks", 0)) / total if total else 0.0
+        cpu = load.get("num_cpu_blocks", 0)
+        cpu_usage = (cpu - load.get("num_free_cpu_blocks", 0)) / cpu if cpu else 0.0
         for name, help_text, value in (
             ("num_requests_running", "Requests in the running batch", load.get("num_running", 0)),
             ("num_requests_waiting", "Requests waiting to run", load.get("num_waiting", 0)),
             ("kv_cache_usage_perc", "KV-cache blocks in use, 0-1", usage),
+            ("cpu_cache_usage_perc", "CPU swap-space blocks in use, 0-1", cpu_usage),
+            (
+                "num_requests_swapped",
+                "Requests whose KV is in the CPU swap space",
+                load.get("num_swapped", 0),
+            ),
         ):
             yield self._gauge(name, help_text, value)
 
@@ -166,7 +191,7 @@ def _bound(b: float) -> str:
     return "+Inf" if b == float("inf") else repr(float(b))
 
 
-def generation_rate(history: Sequence[tuple[float, dict[str, int]]]) -> float:
+def generation_rate(history: Sequence[tuple[float, dict[str, float]]]) -> float:
     """Tokens per second between the oldest and the newest report of the window."""
     if len(history) < 2:
         return 0.0

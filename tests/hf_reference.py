@@ -71,18 +71,19 @@ def hf_greedy(
 # ---- tiny random checkpoints ---------------------------------------------------------------------
 
 
-def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0) -> Path:
+def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **sizes: int) -> Path:
     """A 2-layer random transformers checkpoint (+ tokenizer) in tmp_path / f"tiny-{arch}".
 
     llama: tied embeddings; qwen2: q/k/v bias, untied; llama3_scaled: llama3 rope scaling, untied.
+    `sizes` override the config's (e.g. num_key_value_heads=8); they name the directory too.
     Weights are drawn wide enough (std 0.1, norms around 1, nonzero biases) that greedy choices
     are far from ties.
     """
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / f"tiny-{arch}"
+    out = tmp_path / "-".join([f"tiny-{arch}", *(f"{k}{v}" for k, v in sorted(sizes.items()))])
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_tiny_config(arch), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch, **sizes), attn_implementation="sdpa")
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
@@ -91,7 +92,7 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0) ->
     return out
 
 
-def _tiny_config(arch: str) -> Any:
+def _tiny_config(arch: str, **sizes: int) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
@@ -99,6 +100,7 @@ def _tiny_config(arch: str) -> Any:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
         bos_token_id=TINY_VOCAB - 2, eos_token_id=TINY_VOCAB - 1, dtype="float32",
     )  # fmt: skip
+    common.update(sizes)
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
     if arch == "qwen2":
@@ -169,8 +171,7 @@ def _tiny_merges(vocab: dict[str, int], size: int) -> list[tuple[str, str]]:
 def tiny_worker_config(tmp_path: Path, worker_id: str, **kwargs):
     """A worker config (serving/worker_config.py) over tiny_random_model_dir on CPU, fp32, a small pool:
     for driving a worker's engine-side core directly."""
-    from engine.config import CacheConfig
-    from engine.engine_core import EngineConfig
+    from engine.config import CacheConfig, EngineConfig
     from serving.worker_config import WorkerConfig
 
     engine = EngineConfig(

@@ -18,20 +18,29 @@ ROOT = Path(__file__).resolve().parent.parent
 VARIABLE = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
 
 
-def interpolate(value: Any) -> Any:
-    """Compose's ${VAR:-default} / ${VAR:?message} with nothing set: the default, or a stand-in path."""
+def interpolate(value: Any, env: dict[str, str] | None = None) -> Any:
+    """Compose's ${VAR:-default} / ${VAR:?message} with `env` set (default: nothing): the variable, else the
+    default, or a stand-in path."""
+    env = env or {}
     if isinstance(value, str):
-        return VARIABLE.sub(lambda m: m.group(3) if m.group(2) == "-" else "/models/set-by-user", value)
+        return VARIABLE.sub(
+            lambda m: env.get(m.group(1)) or (m.group(3) if m.group(2) == "-" else "/models/set-by-user"),
+            value,
+        )
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, env) for k, v in value.items()}
     return value
+
+
+def load_services(env: dict[str, str] | None = None) -> dict[str, dict]:
+    return interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text()), env)["services"]
 
 
 @pytest.fixture(scope="module")
 def services() -> dict[str, dict]:
-    return interpolate(yaml.safe_load((ROOT / "compose.yaml").read_text()))["services"]
+    return load_services()
 
 
 def parsed(service: dict) -> Any:
@@ -112,3 +121,24 @@ def test_docker_stop_waits_past_every_drain(services) -> None:
         assert grace.endswith("s"), (name, grace)
         drain = parsed(service).drain_timeout_s
         assert float(grace[:-1]) > drain + 5, (name, grace, drain)
+
+
+# the example of compose.yaml's header
+TP_ENV = {"DECODE_TP": "2", "DECODE_GPUS": "0,1", "PREFILL_TP": "2", "PREFILL_GPUS": "2,3,0,1"}
+
+
+@pytest.mark.parametrize("env", [None, TP_ENV], ids=["defaults", "tp2"])
+def test_each_worker_lists_a_gpu_per_rank_of_its_own_then_the_decode_gpus(env) -> None:
+    workers = {name: s for name, s in load_services(env).items() if name.startswith(("prefill", "decode"))}
+    own: dict[str, list[str]] = {}
+    for name, service in workers.items():
+        args = parsed(service)
+        gpus = str(service["environment"]["CUDA_VISIBLE_DEVICES"]).split(",")
+        assert len(gpus) >= args.tensor_parallel_size, name
+        own[args.command] = gpus[: args.tensor_parallel_size]
+        if args.command == "prefill":
+            listed = gpus
+    assert not set(own["prefill"]) & set(own["decode"])  # every rank computes on a GPU of its own
+    assert set(own["decode"]) <= set(listed)  # the prefill worker's ranks can map every decode rank's pool
+    if env is not None:
+        assert {parsed(s).tensor_parallel_size for s in workers.values()} == {2}

@@ -73,7 +73,7 @@ def with_static_graphs(llm: LLM, sizes: list[int], plans=None) -> DecodeGraphs:
     """Give the CPU engine decode "graphs" that replay by re-running the model over the static buffers."""
     runner = llm.engine.runner
     graphs = DecodeGraphs(
-        lambda ids, positions, meta: runner.model(ids, positions, meta, runner.kv_cache),
+        runner.graph_forward(runner.kv_cache),
         sizes,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
@@ -155,3 +155,10 @@ def test_enforce_eager_reaches_the_engine_config_from_the_command_line():
 
     args = parser.parse_args(["decode", "--enforce-eager"])
     assert worker_config(args, "decode").engine.enforce_eager is True
+
+
+def test_narrow_kv_heads_leave_short_contexts_unsplit():
+    """SmolLM2's 3 x 64 kv heads: the short class runs unsplit, the long one still splits."""
+    short, long = decode_graph_plans(1, 8192, 9, 3, 64, torch.device("cpu"))
+    assert short == DecodeGraphPlan(SHORT_CONTEXT, 1, 0)
+    assert long.num_splits > 1

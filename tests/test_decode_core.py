@@ -45,16 +45,18 @@ def admit(rid: str, prompt, params: SamplingParams) -> Admit:
     return Admit(rid, np.asarray(prompt, dtype=np.int64), params, prefill_remotely=True)
 
 
-def reserved(out: list[FromEngine]) -> list[int]:
+def reserved(out: list[FromEngine]) -> BlocksReserved:
     assert isinstance(out[0], BlocksReserved)
-    return list(out[0].block_ids)
+    return out[0]
 
 
-def prefill_elsewhere(core: DecodeCore, rid: str, dst: list[int], first_token: int) -> None:
-    """What the prefill worker does for `rid`: write its blocks (any bytes will do here), then answer."""
+def prefill_elsewhere(core: DecodeCore, grant: BlocksReserved, first_token: int) -> None:
+    """What the prefill worker does for the granted request: write its blocks (any bytes will do here),
+    showing the grant's token, then answer."""
     pool = torch.zeros_like(core.engine.runner.kv_cache)
+    rid, dst = grant.request_id, list(grant.block_ids)
     with connect(core.receiver.descriptor(), pool) as sender:
-        sender.send(rid, list(range(len(dst))), dst)
+        sender.send(rid, list(range(len(dst))), dst, grant.kv_token)
     core.handle(KVArrived(rid, first_token, None, 0))
 
 
@@ -63,7 +65,7 @@ def test_first_token_and_prefill_requests_leave_before_a_forward_pass(core: Deco
     core.handle(admit("r1", range(10, 30), params))
     out = core.step()
     assert kinds(out) == [("BlocksReserved", "r1")]  # the blocks are reserved and announced, no forward pass
-    prefill_elsewhere(core, "r1", reserved(out), first_token=42)
+    prefill_elsewhere(core, reserved(out), first_token=42)
 
     out = core.step()  # the first token joins at once, not after the next decode step; it did not end r1
     assert out == [Landed("r1", None, None)]
@@ -84,7 +86,7 @@ def test_a_first_token_that_ends_the_request_lands_finished(core: DecodeCore) ->
     server has streamed the token itself), and the blocks are freed at once."""
     free = core.blocks.num_free_blocks
     core.handle(admit("r3", range(10, 30), SamplingParams(temperature=0, max_tokens=1)))
-    prefill_elsewhere(core, "r3", reserved(core.step()), first_token=42)
+    prefill_elsewhere(core, reserved(core.step()), first_token=42)
     assert core.step() == [Landed("r3", "length", None)]
     assert "r3" not in core.scheduler.seqs and core.blocks.num_free_blocks == free
     assert not core.has_work()
@@ -120,13 +122,14 @@ def test_abort_while_its_kv_is_written_holds_the_blocks_until_the_write_stopped(
     core.handle(admit("r5", range(10, 30), params))
     out = core.step()
     assert kinds(out) == [("BlocksReserved", "r5")]
-    dst = reserved(out)
+    grant = reserved(out)
+    dst = list(grant.block_ids)
     # a prefill worker announces the payload and stalls in the middle of it (a real tcp connection)
     ch = Channel.greet(
         "127.0.0.1", core.receiver.descriptor()["port"], 5, 5, {"layout": core.receiver.layout.to_dict()}
     )
     nbytes = len(dst) * core.receiver.layout.block_nbytes
-    meta = json.dumps({"request_id": "r5", "dst": dst}).encode()
+    meta = json.dumps({"request_id": "r5", "dst": dst, "token": grant.kv_token}).encode()
     ch.sock.sendall(_FRAME.pack(MAGIC, VERSION, Kind.BEGIN, len(meta), nbytes) + meta + b"\0" * 64)
     deadline = time.monotonic() + 5
     while core.receiver._entries["r5"].state != State.IN_FLIGHT:  # type: ignore[attr-defined]
@@ -152,11 +155,12 @@ def test_kv_done_before_every_byte_landed_never_blocks_the_loop(core: DecodeCore
     bytes are in."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     core.handle(admit("r6", range(10, 30), params))
-    dst = reserved(core.step())
+    grant = reserved(core.step())
+    dst = list(grant.block_ids)
     hello = {"layout": core.receiver.layout.to_dict()}
     ch = Channel.greet("127.0.0.1", core.receiver.descriptor()["port"], 5, 5, hello)
     nbytes = len(dst) * core.receiver.layout.block_nbytes
-    meta = json.dumps({"request_id": "r6", "dst": dst}).encode()
+    meta = json.dumps({"request_id": "r6", "dst": dst, "token": grant.kv_token}).encode()
     ch.sock.sendall(_FRAME.pack(MAGIC, VERSION, Kind.BEGIN, len(meta), nbytes) + meta + b"\0" * 64)
 
     t0 = time.monotonic()
@@ -181,7 +185,7 @@ def take(core: DecodeCore, out: list[FromEngine], tokens: dict[str, list[int]]) 
         if isinstance(m, Tokens):
             tokens[m.request_id] += list(m.token_ids)
         if isinstance(m, BlocksReserved):
-            prefill_elsewhere(core, m.request_id, list(m.block_ids), first_token=42 + int(m.request_id[1:]))
+            prefill_elsewhere(core, m, first_token=42 + int(m.request_id[1:]))
 
 
 def test_overlapped_steps_stream_the_in_order_tokens_and_hold_frees_until_their_step_is_done(

@@ -35,9 +35,11 @@ def make_pool(num_blocks: int, seed: int, dtype: torch.dtype = torch.float32) ->
 
 
 # -- prefill processes (spawned: module-level functions) -----------------------------------------------
-def prefill_main(descriptor: dict, seed: int, jobs: list, q: Any, threads: int = 2) -> None:
+def prefill_main(
+    descriptor: dict, seed: int, jobs: list, q: Any, threads: int = 2, dtype: torch.dtype = torch.float32
+) -> None:
     """Send every (request_id, src, dst) job, `threads` at a time over one sender; report each outcome."""
-    pool = make_pool(PREFILL_BLOCKS, seed)
+    pool = make_pool(PREFILL_BLOCKS, seed, dtype)
     with connect(json.loads(json.dumps(descriptor)), pool) as sender:  # the descriptor survives JSON
 
         def run(mine: list) -> None:
@@ -131,8 +133,8 @@ def test_layer_chunks_cover_the_layers_once() -> None:
         assert [lo for lo, _ in chunks] == [0] + [hi for _, hi in chunks[:-1]] and chunks[-1][1] == layers
 
 
-def check_concurrent_transfers(transport: str) -> None:
-    pool = make_pool(DECODE_BLOCKS, 100)
+def check_concurrent_transfers(transport: str, dtype: torch.dtype = torch.float32) -> None:
+    pool = make_pool(DECODE_BLOCKS, 100, dtype)
     before = pool.clone()
     rng = random.Random(7)
     free = rng.sample(range(DECODE_BLOCKS), DECODE_BLOCKS)
@@ -143,7 +145,7 @@ def check_concurrent_transfers(transport: str) -> None:
             for rid, _, dst in jobs:
                 receiver.expect(rid, dst)
         procs = [
-            SPAWN.Process(target=prefill_main, args=(receiver.descriptor(), s, j, q))
+            SPAWN.Process(target=prefill_main, args=(receiver.descriptor(), s, j, q, 2, dtype))
             for s, j in plans.items()
         ]
         for p in procs:
@@ -156,12 +158,31 @@ def check_concurrent_transfers(transport: str) -> None:
             p.join(30)
     assert all(err is None for err in outcomes.values()), outcomes
     written = torch.zeros(DECODE_BLOCKS, dtype=torch.bool)
+    pool, before = _bits(pool), _bits(before)
     for seed, jobs in plans.items():
-        source = make_pool(PREFILL_BLOCKS, seed)
+        source = _bits(make_pool(PREFILL_BLOCKS, seed, dtype))
         for _, src, dst in jobs:
             assert torch.equal(pool[:, :, dst], source[:, :, src])
             written[dst] = True
     assert torch.equal(pool[:, :, ~written], before[:, :, ~written])
+
+
+def _bits(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's bytes as integers of its element size (fp8 has no torch.equal on the CPU)."""
+    return pool.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[pool.element_size()])
+
+
+def test_fp8_blocks_travel_unchanged(transport: str) -> None:
+    """An fp8 KV cache's blocks (half a bf16 block's bytes) move bit for bit, as any dtype's."""
+    check_concurrent_transfers(transport, torch.float8_e4m3fn)
+
+
+def test_an_fp8_pool_and_a_bf16_pool_refuse_each_other() -> None:
+    with (
+        create_receiver("tcp", make_pool(DECODE_BLOCKS, 2, torch.bfloat16)) as receiver,
+        pytest.raises(KVTransferError, match="layouts differ.*same --kv-cache-dtype"),
+    ):
+        connect(receiver.descriptor(), make_pool(PREFILL_BLOCKS, 1, torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("how", ["die", "hang_up"])
@@ -353,6 +374,7 @@ def test_nccl_receiver_refuses_a_bad_pair_id() -> None:
     with create_receiver("nccl", make_pool(DECODE_BLOCKS, 2)) as receiver:
         d = receiver.descriptor()
         ch = Channel.connect(d["host"], d["port"], 5)
+        ch.expect(Kind.CHALLENGE)
         ch.send(Kind.HELLO, {"layout": d["layout"], "pair_id": "../escape"})
         assert "bad pair id" in ch.expect(Kind.WELCOME)["error"]
         ch.close()

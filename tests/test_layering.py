@@ -146,3 +146,24 @@ def test_a_crossing_is_named_with_its_line(path: str, source: str, where: str) -
 )
 def test_an_allowed_import_passes(path: str, source: str) -> None:
     assert violations(path, source) == []
+
+
+@pytest.mark.parametrize(
+    "module, heavy",
+    [
+        ("serving.cli", ("torch", "fastapi", "tokenizers")),  # every role builds its parser
+        ("serving.worker", ("torch",)),  # a worker's gRPC process: only its engine process needs torch
+        ("decode_worker.server", ("torch",)),
+        ("prefill_worker.server", ("torch",)),
+        ("router.main", ("torch",)),
+        ("gateway.app", ("torch",)),
+    ],
+)
+def test_server_processes_stay_light(module: str, heavy: tuple[str, ...]) -> None:
+    """The processes that only speak gRPC or HTTP import no torch (about 2 s of a worker's start, and its
+    memory), and the CLI that every role starts with imports no web stack or tokenizer."""
+    import subprocess
+
+    code = f"import sys, {module}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"{module} imports {out.stdout.strip()}"

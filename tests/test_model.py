@@ -205,6 +205,9 @@ def test_tensor_parallel_shards_reassemble():
     col = [load(ColumnParallelLinear(6, 8, tp_rank=r, tp_size=2), w) for r in (0, 1)]
     row = [load(RowParallelLinear(6, 8, tp_rank=r, tp_size=2), w) for r in (0, 1)]
     emb = [load(VocabParallelEmbedding(8, 6, tp_rank=r, tp_size=2), w) for r in (0, 1)]
+    # a vocabulary that does not divide: ceil(8 / 3) = 3 rows a rank, the last rank's third row zero
+    padded = [load(VocabParallelEmbedding(8, 6, tp_rank=r, tp_size=3), w) for r in (0, 1, 2)]
+    assert torch.equal(torch.cat(padded)[:8], w) and not torch.cat(padded)[8:].any()
     assert (
         torch.equal(torch.cat(col), w)
         and torch.equal(torch.cat(row, 1), w)
@@ -228,5 +231,14 @@ def test_tensor_parallel_shards_reassemble():
             v[head * r : head * (r + 1)],
         ]
         assert torch.equal(qkv.weight, torch.cat(expected))
-    with pytest.raises(ValueError, match="not divisible by tensor parallel size 2"):
-        QKVParallelLinear(6, head, 4, 1, tp_size=2)
+    # 4 q heads, 1 kv head over 2 ranks: each rank holds 2 q heads and a copy of the kv head they read
+    for r in (0, 1):
+        qkv = QKVParallelLinear(6, head, 4, 1, tp_rank=r, tp_size=2)
+        load(qkv, q, "q"), load(qkv, k[:head], "k"), load(qkv, v[:head], "v")
+        assert torch.equal(qkv.weight, torch.cat([q[2 * head * r : 2 * head * (r + 1)], k[:head], v[:head]]))
+    with pytest.raises(
+        ValueError, match=r"num_key_value_heads \(4\) is not divisible by tensor_parallel_size 3"
+    ):
+        QKVParallelLinear(6, head, 6, 4, tp_size=3)
+    with pytest.raises(ValueError, match=r"exceeds num_key_value_heads \(2\) and is not a multiple"):
+        QKVParallelLinear(6, head, 6, 2, tp_size=3)

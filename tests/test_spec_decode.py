@@ -306,7 +306,7 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
 
     from tests.cluster import collect, greedy_request, start_cluster
 
-    if "draft_model" in flags[-1]:  # the model drafts for itself: its KV is prefilled on the decode worker
+    if "draft_model" in flags[-1]:  # the model drafts for itself: its KV is computed on the decode worker
         spec = json.loads(flags[-1])
         flags = [flags[0], json.dumps({**spec, "model": str(bundled_model_dir)})]
     cluster = start_cluster(1, 1, "tcp", "--metrics", *flags)
@@ -337,7 +337,7 @@ def test_decode_workers_speculate_exactly(bundled_model_dir, prompts, expected, 
         drafts = counters["pdserve:spec_decode_num_drafts_total"]
         accepted = counters["pdserve:spec_decode_num_accepted_tokens_total"]
         assert 0 < accepted <= counters["pdserve:spec_decode_num_draft_tokens_total"]
-        if "draft_model" in flags[-1]:  # its own draft, over a KV cache the decode worker prefilled
+        if "draft_model" in flags[-1]:  # its own draft, over a KV cache the decode worker computed
             assert accepted > 0.9 * counters["pdserve:spec_decode_num_draft_tokens_total"]
         else:
             assert accepted < counters["pdserve:spec_decode_num_draft_tokens_total"]
@@ -510,8 +510,8 @@ def tiny_draft(tmp_path_factory):
 
 
 def test_draft_model_keeps_the_plain_output(tiny, tiny_draft, batch):
-    """With the target as its own draft every draft is accepted (so the draft's KV cache, following every
-    token on the shared block tables, is right); with another model's drafts, or one that holds fewer
+    """With the target as its own draft every draft is accepted (so the draft's KV cache, caught up lazily
+    on the shared block tables, is right); with another model's drafts, or one that holds fewer
     positions than the target, and under preemption and prefix-cache hits, the output is the plain one."""
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (20, 31, 7, 40, 12, 25, 60)]
     kw = {"num_gpu_blocks_override": 12, "enable_prefix_caching": True}
@@ -526,11 +526,98 @@ def test_draft_model_keeps_the_plain_output(tiny, tiny_draft, batch):
         assert outputs(llm, prompts, params) == plain
         stats = llm.engine.scheduler.spec_stats
         assert stats.num_drafts > 20
+        proposer = llm.engine.scheduler.proposer
+        assert proposer is not None
+        # a pass costs the draft's share of the target's parameters: all of them for the target itself;
+        # the other drafts share its shape but tie their embeddings, which the target does not
+        assert proposer.draft_cost_fraction == 1.0 if everything else 0.5 < proposer.draft_cost_fraction < 1.0
         if everything:
             assert stats.acceptance_rate > 0.95
         assert llm.engine.block_manager.prefix_hits > 0
     # the short draft drafts only below its 64 positions
     assert llm.engine.runner.draft is not None and llm.engine.runner.draft.max_model_len == 64
+
+
+def test_a_draft_models_kv_follows_overlapped_plain_steps(tiny, batch):
+    """Where the policy drafts nothing the engine overlaps its steps, and the draft computes nothing: when
+    drafting resumes it catches up on the positions those steps computed, as one chunk. With the target as
+    its own draft, every draft after such a stretch of plain steps is then accepted."""
+    params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True) for _ in range(3)]
+    plain = [tokens for tokens, _, _ in outputs(engine(tiny), batch[1:4], params)]
+    spec = {"method": "draft_model", "model": str(tiny), "num_speculative_tokens": 3, "adaptive": False}
+    llm = engine(tiny, speculative_config=spec)
+    proposer = llm.engine.scheduler.proposer
+    assert proposer is not None and llm.engine.config.async_scheduling
+    draft_now, overlapped = {"on": False}, {"steps": 0}
+    length, step_overlapped = proposer.length, llm.engine.step_overlapped
+
+    def gated_length(stats, threshold, room):
+        return length(stats, threshold, room) if draft_now["on"] else 0
+
+    def counted(*args, **kwargs):
+        overlapped["steps"] += 1
+        return step_overlapped(*args, **kwargs)
+
+    proposer.length = gated_length  # plain steps first (overlapped), then drafts over what they computed
+    llm.engine.step_overlapped = counted
+    draft = llm.engine.runner.draft
+    assert draft is not None
+    passes = {"plain": 0, "drafting": 0}
+    draft.model.register_forward_hook(lambda *_: passes.__setitem__(phase(), passes[phase()] + 1))
+
+    def phase() -> str:
+        return "drafting" if draft_now["on"] else "plain"
+
+    for i, (prompt, p) in enumerate(zip(batch[1:4], params, strict=True)):
+        llm.engine.add_request(prompt, p, request_id=str(i))
+    done: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        draft_now["on"] = overlapped["steps"] >= 20
+    assert overlapped["steps"] >= 20
+    assert [done[str(i)] for i in range(3)] == plain
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 5 and stats.acceptance_rate > 0.95, stats
+    assert passes["plain"] == 0  # steps that draft nothing run no draft pass, prompts' included
+    assert passes["drafting"] > 0
+
+
+def test_held_slots_follow_block_generations():
+    """What a draft's cache holds is kept per block: leading slots, contiguous; a block taken again for
+    new contents holds nothing, a prefix hit on a block keeps what it held."""
+    from engine.block_manager import BlockManager
+    from engine.model_runner import HeldSlots
+    from engine.sequence import Sequence
+
+    blocks = BlockManager(6, 4)
+    held = HeldSlots(6, 4)
+    held.generations = blocks.generations
+    first = Sequence("a", list(range(10)), SamplingParams(max_tokens=4), 4)
+    assert blocks.allocate(first, 10)
+    table = first.block_table
+    assert held.length(table, 10) == 0
+    held.mark(table, 0, 6)
+    assert held.length(table, 10) == 6 and held.length(table, 5) == 5
+    held.mark(table, 6, 10)
+    assert held.length(table, 10) == 10
+    held.mark(table, 0, 3)  # writing again what is held keeps what lies past it
+    assert held.length(table, 10) == 10
+    first.num_computed_tokens = 10
+    blocks.cache_computed_blocks(first)  # its two full blocks are cached
+    blocks.free(first)
+    second = Sequence("b", list(range(8)) + [99, 98], SamplingParams(max_tokens=4), 4)
+    hits = blocks.match_prefix(second)
+    assert hits == table[:2]
+    blocks.allocate_prefix(second, hits)
+    assert blocks.allocate(second, 10)
+    assert second.block_table[:2] == table[:2]
+    assert held.length(second.block_table, 10) == 8  # the hits hold theirs; the new third block nothing
+    others = Sequence("c", [7] * 24, SamplingParams(max_tokens=4), 4)
+    blocks.free(second)
+    assert blocks.allocate(others, 24)  # every block taken for new contents
+    assert held.length(others.block_table, 24) == 0
 
 
 def test_a_draft_with_another_tokenizer_is_refused_at_start_up(tiny, bundled_model_dir):

@@ -1,7 +1,7 @@
 """Model building blocks; each parameter loads itself through its `weight_loader`."""
 
 from engine.layers.activation import SiluAndMul
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.embedding import ParallelLMHead, QuantizedLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -18,6 +18,7 @@ __all__ = [
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
+    "QuantizedLMHead",
     "RMSNorm",
     "ReplicatedLinear",
     "RotaryEmbedding",

@@ -13,18 +13,43 @@ split their input columns and all-reduce the partial sums.
     +-----------------------+  q_size + kv_size
     | v: kv_heads/tp heads  |
     +-----------------------+  q_size + 2 * kv_size
+
+With tp > kv_heads, k and v are one head each: the KV head this rank's q heads read (engine/tp/heads.py).
+
+A quantized layer (engine/layers/quant/) is built inside `deferred_weights()`, which leaves the dense
+weight out; its `quant_method` then registers the checkpoint's tensors and computes the matmul.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from engine.tp.heads import shard_heads
+from kernels.gemv import dense_linear
+
 WeightLoader = Callable[..., None]
+_DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=False)
+
+
+class LinearMethod(Protocol):
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Linear layers built in this context make no dense weight (a quantization method gives theirs)."""
+    token = _DEFER_WEIGHTS.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_WEIGHTS.reset(token)
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
@@ -57,12 +82,18 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        set_weight_loader(self.weight, self.weight_loader)
+        self.input_size, self.output_size = input_size, output_size  # this rank's
+        self.quant_method: LinearMethod | None = None
+        if not _DEFER_WEIGHTS.get():
+            self.create_weight()
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             set_weight_loader(self.bias, self.weight_loader)
+
+    def create_weight(self) -> None:
+        self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
@@ -75,7 +106,12 @@ class LinearBase(nn.Module):
         return loaded_weight.narrow(dim, self.tp_rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return dense_linear(x, self.weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -138,10 +174,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
-        self.head_size = head_size
-        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        self.head_size, self.total_num_kv_heads = head_size, total_num_kv_heads
+        shard = shard_heads(total_num_heads, total_num_kv_heads, tp_size, tp_rank)
+        # more ranks than KV heads: each rank holds the one KV head its query heads read (replicated)
+        self.num_heads, self.num_kv_heads, self.kv_head_start = (
+            shard.num_heads, shard.num_kv_heads, shard.kv_head_start,
+        )  # fmt: skip
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
         super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
 
     def weight_loader(
@@ -152,7 +191,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in slots:
             raise ValueError(f"bad shard id {shard_id!r} for a qkv linear (expected 'q', 'k' or 'v')")
         offset, size = slots[str(shard_id)]
-        copy_checked(param.data.narrow(0, offset, size), self._shard(loaded_weight, 0))
+        if shard_id == "q":
+            part = self._shard(loaded_weight, 0)
+        else:  # this rank's KV heads, by head index (not an equal split: they may be replicated)
+            if loaded_weight.shape[0] != self.total_num_kv_heads * self.head_size:
+                raise ValueError(
+                    f"shape mismatch: checkpoint has {tuple(loaded_weight.shape)}, model expects "
+                    f"{self.total_num_kv_heads * self.head_size} rows"
+                )
+            part = loaded_weight.narrow(0, self.kv_head_start * self.head_size, kv_size)
+        copy_checked(param.data.narrow(0, offset, size), part)
 
 
 class RowParallelLinear(LinearBase):
@@ -172,7 +220,7 @@ class RowParallelLinear(LinearBase):
         copy_checked(param.data, self._shard(loaded_weight, 1) if param.dim() == 2 else loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -29,7 +29,7 @@ class Load:
     running counters and histograms for the worker's /metrics (serving/worker_metrics.py, vLLM's names)."""
 
     load: dict[str, int]
-    counters: dict[str, int] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, Any] = field(default_factory=dict)  # name -> engine/stats.py Snapshot
 
 
@@ -56,6 +56,7 @@ class BlocksReserved:
 
     request_id: str
     block_ids: tuple[int, ...]
+    kv_token: str = ""  # the KV receiver's grant: only a write that shows it lands in these blocks
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class PrefillPrompt:
     kv_descriptor: str  # JSON of the decode worker's kvtransfer receiver descriptor
     dst_block_ids: tuple[int, ...] = ()
     priority: int = 0  # lower runs first under the priority policy
+    kv_token: str = ""  # with dst_block_ids: what the KV write shows the receiver
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class Grant:
 
     request_id: str
     dst_block_ids: tuple[int, ...]
+    kv_token: str = ""
 
 
 @dataclass(frozen=True)

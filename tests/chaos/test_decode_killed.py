@@ -23,6 +23,7 @@ from tests.test_gateway import start_gateway
 pytestmark = pytest.mark.slow
 
 POLL_S = 0.5  # the router's heartbeat interval
+STORY_TOKENS = 160  # long enough that every stream is still running when its worker is killed
 TRANSPORT_WORDS = ("Stream removed", "sendmsg", "recvmsg", "Socket closed", "ipv4:", "Exception", "<class")
 
 
@@ -83,7 +84,7 @@ def stack(bundled_model_dir) -> Iterator[tuple[Cluster, str, str]]:
 def test_killed_decode_worker_ends_its_streams_plainly_and_comes_back(stack) -> None:
     cluster, url, model = stack
     decode = [w for w in cluster.workers if w["role"] == "decode"]
-    streams = [SSEStream(url, model, f"Story number {i}: once upon a time", 400) for i in range(4)]
+    streams = [SSEStream(url, model, f"Story number {i}: once upon a time", STORY_TOKENS) for i in range(4)]
     wait_until(lambda: all(len(s.events) >= 2 for s in streams), 120, "every stream streaming")
     loads = [worker_load(w) for w in decode]
     busy, held = next((w, x.num_running) for w, x in zip(decode, loads) if x and x.num_running > 0)

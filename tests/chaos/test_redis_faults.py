@@ -31,6 +31,7 @@ TOPICS = [
     "about pests that come with each season of the year. ",
 ]
 PREFIX_BLOCKS = 8  # full blocks of each topic's prefix that a hit must cover
+SERVED_AFTER_FAULT = 10  # steady requests started after the fault that must have ended, all of them well
 RECOVERY_S = 5.0  # "within a few heartbeats" (the router polls every 0.5 s)
 
 
@@ -80,7 +81,7 @@ def assert_hits(stack: Stack, round_: str) -> None:
 
 def assert_served_throughout(load: SteadyLoad, fault: float) -> None:
     during = load.since(fault)
-    assert len(during) >= 10, f"too few steady requests ended after the fault: {len(during)}"
+    assert len(during) >= SERVED_AFTER_FAULT, f"too few steady requests ended after the fault: {len(during)}"
     assert not failures(load.outcomes), failures(load.outcomes)[:5]
     bad = [(t, s) for t, s in load.health if s != 200]
     assert not bad, f"/health was not 200 at {len(bad)} of {len(load.health)} polls: {bad[:5]}"
@@ -109,6 +110,7 @@ def test_redis_killed(warmed: Stack) -> None:
         back = time.monotonic()
         assert_recovered(stack, back)
         load.wait_for(4)
+        load.wait_since(fault, SERVED_AFTER_FAULT)
     assert_served_throughout(load, fault)
     assert_hits(stack, "after kill")
     assert_clean_afterwards(stack)
@@ -127,6 +129,7 @@ def test_redis_paused_20s(warmed: Stack) -> None:
         back = time.monotonic()
         assert_recovered(stack, back)
         load.wait_for(4)
+        load.wait_since(fault, SERVED_AFTER_FAULT)
     assert_served_throughout(load, fault)
     assert_hits(stack, "after pause")
     assert_clean_afterwards(stack)
@@ -142,6 +145,7 @@ def test_redis_restarted_empty(warmed: Stack) -> None:
         back = time.monotonic()
         assert_recovered(stack, back)
         run_for(load, 2.0)
+        load.wait_since(fault, SERVED_AFTER_FAULT)
     assert_served_throughout(load, fault)
     assert_hits(stack, "after restart")
     assert_clean_afterwards(stack)

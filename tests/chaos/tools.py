@@ -216,6 +216,10 @@ class SteadyLoad:
         target = len(self.outcomes) + count
         wait_until(lambda: len(self.outcomes) >= target, timeout, f"{count} steady requests")
 
+    def wait_since(self, t: float, count: int, timeout: float = 30) -> None:
+        """Wait until `count` requests started at or after `t` have ended."""
+        wait_until(lambda: len(self.since(t)) >= count, timeout, f"{count} steady requests since the fault")
+
 
 def failures(outcomes: list[Outcome]) -> list[Outcome]:
     return [o for o in outcomes if o.status != 200 or o.seconds > REQUEST_TIMEOUT_S]

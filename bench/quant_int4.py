@@ -1,0 +1,289 @@
+"""Int4 weights on the GPU, Llama-3-8B shape: the W4A16 GEMM against the copy bandwidth and the bf16 GEMM,
+and the engine's batch-1 decode with dummy int4 weights against the bf16 engine, all in one run.
+
+    python3 -m bench.quant_int4 --out-dir DIR [--sweep]
+
+- GEMM, M = 1, 2, 4, 8, 16: one decoder layer's four GEMMs (qkv 4096x6144, o 4096x4096, gate_up
+  4096x28672, down 14336x4096; group 128, integer zeros), timed as CUDA-graph replays rotating over six
+  layers' weights (654 MB: no layer is in L2 when its turn comes). GB/s = the layer's int4 bytes (K * N / 2;
+  scales and zeros add 1/21, reported beside) / its time; ceiling = the device-to-device copy measured
+  here (bench/kernels.py). The bf16 GEMMs of the same layers are timed beside them.
+- GEMM, M = 4096: the layer's four GEMMs in int4 (dequantize + cuBLAS) against bf16 (cuBLAS); ratio = bf16
+  time / int4 time. And the crossover: the kernel against dequantize + cuBLAS at M = 32 .. 2048, which sets
+  kernels/w4a16_gemm.py's DEQUANT_MIN_M.
+- Engine: `LLM("Llama-3-8B", load_format="dummy")` in bf16 and with quantization="awq" (dummy int4
+  weights), each in a child process, max_num_seqs 16: batch-1 decode tok/s as bench/latency.py measures it
+  (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
+  from the KV-sizing log line; and GPTQ with the LM head quantized too (lm_head=true, the config of a
+  dummy-weight directory), whose weights are the memory record.
+- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16 (best per M printed).
+Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
+quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+COMMAND = "python3 -m bench.quant_int4"
+LAYER = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
+GROUP, SETS = 128, 6
+SMALL_M, BIG_M, CROSSOVER_M = (1, 2, 4, 8, 16), 4096, (32, 64, 128, 256, 512, 1024, 2048)
+GOALS = {"gemm_bw": 0.7, "gemm_4096": 0.8, "decode": 2.5, "weights_gb": 5.5}
+
+
+def int4_layer(device: str, seed: int) -> dict[str, Any]:
+    import torch
+
+    from kernels.int4_dequant import Int4Weight
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, (k, n) in LAYER.items():
+        qweight = torch.randint(
+            -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device, generator=g
+        )
+        scales = torch.full((k // GROUP, n), 0.007, dtype=torch.float16, device=device)
+        zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.uint8, device=device, generator=g)
+        out[name] = Int4Weight(qweight, scales, zeros, GROUP)
+    return out
+
+
+def layer_bytes(w: dict[str, Any]) -> tuple[int, int]:
+    """(int4 bytes, all bytes with scales and zeros) of one layer."""
+    packed = sum(t.qweight.numel() * 4 for t in w.values())
+    return packed, packed + sum(t.scales.numel() * 2 + t.zeros.numel() for t in w.values())
+
+
+def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
+    import torch
+    import torch.nn.functional as F
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_gemm import w4a16_gemm
+
+    sets = [int4_layer("cuda", s) for s in range(SETS)]
+    dense = [{n: torch.randn(k_n[1], k_n[0], device="cuda", dtype=torch.bfloat16) for n, k_n in LAYER.items()}
+             for _ in range(SETS)]  # fmt: skip
+    packed, total = layer_bytes(sets[0])
+    rows = []
+    for m in SMALL_M:
+        xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+        int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
+        bf16_us = time_us([partial(F.linear, xs[n], d[n]) for d in dense for n in LAYER]) * len(LAYER)
+        gbs = packed / int4_us / 1e3
+        per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets]) for n in LAYER}
+        record(
+            f"quant_w4a16_gemm_m{m}_llama3-8b", gbs, "GB/s", ceiling=copy_gbs, ceiling_name="d2d copy (GB/s)",
+            goal=f">= {GOALS['gemm_bw']} of copy bandwidth in int4 bytes", out_dir=out_dir, command=COMMAND,
+            extra={"layer_us": int4_us, "int4_bytes": packed, "bytes_with_scales_zeros": total,
+                   "gbs_with_scales_zeros": total / int4_us / 1e3, "bf16_layer_us": bf16_us,
+                   "speedup_over_bf16": bf16_us / int4_us, "per_gemm_us": per_shape},
+        )  # fmt: skip
+        rows.append((f"M={m}", int4_us, gbs, gbs / copy_gbs, bf16_us / int4_us))
+    del sets, dense
+    torch.cuda.empty_cache()
+    return rows
+
+
+def gemm_big_m(out_dir: Path | None) -> tuple[tuple, dict[int, dict[str, float]]]:
+    import torch
+    import torch.nn.functional as F
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.int4_dequant import int4_dequant_triton
+    from kernels.w4a16_gemm import DEQUANT_MIN_M, w4a16_gemm, w4a16_gemm_triton
+
+    w = int4_layer("cuda", 100)
+    dense = {n: torch.randn(k_n[1], k_n[0], device="cuda", dtype=torch.bfloat16) for n, k_n in LAYER.items()}
+    crossover: dict[int, dict[str, float]] = {}
+    for m in CROSSOVER_M:
+        xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+        kernel = time_us([partial(w4a16_gemm_triton, xs[n], w[n]) for n in LAYER], min_calls=8) * len(LAYER)
+        dq = time_us([partial(lambda x, t: F.linear(x, int4_dequant_triton(t, x.dtype).t()), xs[n], w[n])
+                      for n in LAYER], min_calls=8) * len(LAYER)  # fmt: skip
+        crossover[m] = {"kernel_us": kernel, "dequant_cublas_us": dq}
+    threshold = next(
+        (m for m in CROSSOVER_M if crossover[m]["dequant_cublas_us"] < crossover[m]["kernel_us"]), None
+    )
+    xs = {n: torch.randn(BIG_M, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+    int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for n in LAYER], min_calls=8) * len(LAYER)
+    bf16_us = time_us([partial(F.linear, xs[n], dense[n]) for n in LAYER], min_calls=8) * len(LAYER)
+    record(
+        f"quant_w4a16_gemm_m{BIG_M}_llama3-8b", int4_us, "us", baseline=bf16_us,
+        baseline_name="bf16 GEMMs of the layer (us)", ratio=bf16_us / int4_us,
+        goal=f"bf16 time / int4 time >= {GOALS['gemm_4096']}", out_dir=out_dir, command=COMMAND,
+        extra={"crossover": crossover, "dequant_min_m_in_code": DEQUANT_MIN_M,
+               "measured_first_m_where_dequant_wins": threshold},
+    )  # fmt: skip
+    return (f"M={BIG_M}", int4_us, None, None, bf16_us / int4_us), crossover
+
+
+def sweep() -> None:
+    """Tile configs of the kernel at M = 1, 4, 16 over the layer's four shapes (the best is printed)."""
+    import torch
+
+    from bench.kernels import time_us
+    from kernels.w4a16_gemm import GemmConfig, w4a16_gemm_triton
+
+    sets = [int4_layer("cuda", s) for s in range(SETS)]
+    for m in (1, 4, 16):
+        xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+        found = []
+        for block_n in (32, 64, 128, 256):
+            for split in (1, 2, 4, 8, 16):
+                for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 3)):
+                    cfg = GemmConfig(1 if m == 1 else 16, block_n, split, warps, stages)
+                    try:
+                        t = time_us(
+                            [partial(w4a16_gemm_triton, xs[n], w[n], None, cfg) for w in sets for n in LAYER]
+                        )
+                    except Exception as e:  # a config the device cannot run (shared memory, registers)
+                        print(f"  M={m} {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    found.append((t * len(LAYER), cfg))
+        found.sort(key=lambda f: f[0])
+        print(f"sweep M={m}: best " + "; ".join(f"{t:.1f} us {c}" for t, c in found[:3]), flush=True)
+
+
+def engine_part(part: str) -> dict[str, Any]:
+    """One engine's batch-1 decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head
+    dense, as AWQ keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true)."""
+    import torch
+
+    from bench.latency import decode_tps, prompt
+    from engine import LLM, SamplingParams
+    from engine.model_config import dummy_config
+
+    model, quantization = "Llama-3-8B", {"none": None, "awq": "awq", "gptq_head": None}[part]
+    if part == "gptq_head":  # dummy weights in a directory's shapes and quantization_config
+        model = tempfile.mkdtemp()
+        quant = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "lm_head": True}
+        config = {**dummy_config("Llama-3-8B").to_hf_dict(), "quantization_config": quant}
+        Path(model, "config.json").write_text(json.dumps(config))
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, rec: logging.LogRecord) -> None:
+            lines.append(rec.getMessage())
+
+    logging.getLogger("engine.model_runner").addHandler(Keep())
+    logging.getLogger("engine.model_runner").setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=16,
+              enable_prefix_caching=False, gpu_memory_utilization=0.9)  # fmt: skip
+    startup = time.perf_counter() - t0
+    model = llm.engine.runner.model
+    seeds = iter(range(10**6))
+
+    def generate(n: int) -> float:
+        ids = prompt(128256, next(seeds))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t
+
+    linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "_proj." in n)
+    return {
+        **decode_tps(generate),
+        "startup_s": startup,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "linear_weight_bytes": linear,
+        "kv_log": next((line for line in lines if line.startswith("KV cache")), None),
+    }
+
+
+def child(quantization: str, timeout: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
+        proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
+        if proc.returncode != 0:
+            return {"error": f"engine ({quantization}): exit {proc.returncode}"}
+        return json.loads(Path(f.name).read_text())
+
+
+def engines(out_dir: Path | None) -> list[tuple]:
+    from bench.record import record
+
+    bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
+    print(json.dumps({"bf16": bf16, "int4": int4, "int4_lm_head": head}, indent=1), flush=True)
+    if "error" in bf16 or "error" in int4 or "error" in head:
+        return [("engine", None, None, None, None)]
+    record(
+        "quant_int4_decode_b1_llama3-8b", int4["tok_s"], "tok/s", baseline=bf16["tok_s"],
+        baseline_name="bf16 engine, same run (tok/s)", goal=f">= {GOALS['decode']}x the bf16 engine",
+        out_dir=out_dir, command=COMMAND, extra={"int4": int4, "bf16": bf16},
+    )  # fmt: skip
+    gb = head["weight_bytes"] / 1e9
+    record(
+        "quant_int4_weights_llama3-8b", gb, "GB", baseline=bf16["weight_bytes"] / 1e9,
+        baseline_name="bf16 weights (GB)", goal=f"<= {GOALS['weights_gb']} GB", out_dir=out_dir, command=COMMAND,
+        extra={"what": "GPTQ int4, group 128, LM head quantized (lm_head=true), embedding bf16",
+               "gib": head["weight_bytes"] / 2**30, "kv_sizing_log_line": head["kv_log"],
+               "awq_lm_head_dense_gb": int4["weight_bytes"] / 1e9, "awq_kv_sizing_log_line": int4["kv_log"],
+               "linear_layers_gb": int4["linear_weight_bytes"] / 1e9,
+               "decode_tok_s_lm_head_quantized": head["tok_s"]},
+    )  # fmt: skip
+    return [("engine b1 decode (tok/s)", int4["tok_s"], bf16["tok_s"], None, int4["tok_s"] / bf16["tok_s"]),
+            ("  LM head int4 too", head["tok_s"], bf16["tok_s"], None, head["tok_s"] / bf16["tok_s"]),
+            ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
+            ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--sweep", action="store_true", help="also time the GEMM's tile configs at M = 1, 4, 16")
+    p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.part:
+        args.json.write_text(json.dumps(engine_part(args.part), indent=1))
+        return
+
+    import torch
+
+    from bench.kernels import copy_bandwidth
+
+    copies = copy_bandwidth()
+    copy_gbs = max(copies["copy_"], copies["mul_kernel"])
+    torch.cuda.empty_cache()
+    print(f"d2d copy {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    rows = gemm_small_m(copy_gbs, args.out_dir)
+    big, crossover = gemm_big_m(args.out_dir)
+    rows.append(big)
+    if args.sweep:
+        sweep()
+    torch.cuda.empty_cache()
+    eng = engines(args.out_dir)
+    print(
+        "\ncrossover (layer us): "
+        + ", ".join(
+            f"M={m} kernel {c['kernel_us']:.0f} / dequant+cuBLAS {c['dequant_cublas_us']:.0f}"
+            for m, c in crossover.items()
+        )
+    )
+    print(f"\n{'GEMM (one layer)':24s} {'int4 us':>9s} {'GB/s':>8s} {'of copy':>8s} {'vs bf16':>8s}")
+    for name, us, gbs, frac, speed in rows:
+        print(f"{name:24s} {us:9.1f} {gbs or 0:8.0f} {frac or 0:8.2f} {speed:8.2f}x")
+    print(f"\n{'engine':24s} {'int4':>9s} {'bf16':>9s} {'ratio':>8s}")
+    for name, a, b, _, ratio in eng:
+        print(f"{name:24s} {a or 0:9.2f} {b or 0:9.2f} {ratio or 0:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""GGUF Q4_0, Q4_1 and Q8_0 linear layers, kept quantized (llama.cpp's blocks of 32 input features):
+
+    Q4_0  [d fp16][16 bytes: q_i low nibbles i = 0..15, high nibbles i = 16..31]   w = (q - 8) * d
+    Q4_1  [d fp16][m fp16][16 bytes, as Q4_0]                                      w = q * d + m
+    Q8_0  [d fp16][32 int8]                                                        w = q * d
+
+Each row of a GGUF tensor is one output feature's blocks, so the checkpoint tensor is (N, K/32 * B) bytes
+and shards along N (rows) and K (whole blocks) as a dense weight does. Q4 types are re-laid into the
+kernels' int4 layout (Q4_1's m as float offsets); Q8_0 keeps int8 rows and dequantizes for the dense GEMM
+(kernels/int8_dequant.py). The products are exact in fp32: the dense weight equals gguf's dequantization.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import LinearBase
+from engine.layers.quant.base import Axis, LinearMethod, tensor
+from engine.layers.quant.int4 import Int4Method
+from kernels import _backend
+from kernels.int4_dequant import Int4Weight
+from kernels.int8_dequant import Int8Weight, int8_dequant, int8_dequant_reference
+
+BLOCK = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def _blocks(layer: LinearBase, qtype: str) -> torch.Tensor:  # (N, K/32, B) uint8
+    raw = tensor(layer, "qweight")
+    return raw.view(raw.shape[0], -1, BLOCK_BYTES[qtype])
+
+
+def _fp16(raw: torch.Tensor) -> torch.Tensor:  # (..., 2) uint8 -> (...) fp16
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
+class GGUFMethod(LinearMethod):
+    def __init__(self, qtype: str) -> None:
+        if qtype not in BLOCK_BYTES:
+            raise ValueError(f"GGUF type {qtype} is dequantized at load, not kept quantized")
+        self.qtype = qtype
+
+    def create_weights(self, layer: LinearBase) -> None:
+        k, n = layer.input_size, layer.output_size
+        if k % BLOCK:
+            raise ValueError(f"GGUF blocks hold 32 input features; this layer has {k}")
+        b = BLOCK_BYTES[self.qtype]
+        self.add_param(layer, "qweight", (n, k // BLOCK * b), torch.uint8, Axis(0), Axis(1, BLOCK, b))
+
+
+class GGUFInt4Method(GGUFMethod, Int4Method):
+    """Q4_0 / Q4_1: the int4 kernel."""
+
+    def process_weights(self, layer: LinearBase) -> None:
+        blocks = _blocks(layer, self.qtype)
+        n = blocks.shape[0]
+        scales = _fp16(blocks[..., 0:2])  # (N, K/32)
+        qs = blocks[..., -16:].reshape(n, -1, 8, 2)  # byte i: element i (low nibble), element i + 16 (high)
+        low = (qs[..., 0] & 0xF) | (qs[..., 1] << 4)  # (N, K/32, 8): elements 2b, 2b + 1 of 0..15
+        high = (qs[..., 0] >> 4) | (qs[..., 1] & 0xF0)  # the same of 16..31
+        words = torch.cat([low, high], dim=-1).contiguous().view(torch.int32).view(n, -1)  # (N, K/8)
+        if self.qtype == "Q4_1":
+            zeros = _fp16(blocks[..., 2:4]).t()  # offsets m
+        else:
+            zeros = torch.full(scales.t().shape, 8, dtype=torch.uint8, device=scales.device)
+        qweight = words.t().contiguous()  # (K/8, N): the kernels' rows-packed words
+        self.install(layer, Int4Weight(qweight, scales.t().contiguous(), zeros.contiguous(), BLOCK))
+
+
+class GGUFInt8Method(GGUFMethod):
+    """Q8_0: int8 rows, dequantized for the dense GEMM."""
+
+    weight: Int8Weight | None = None
+
+    def process_weights(self, layer: LinearBase) -> None:
+        blocks = _blocks(layer, self.qtype)
+        n = blocks.shape[0]
+        scales = _fp16(blocks[..., 0:2])  # (N, K/32)
+        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # (N, K)
+        del layer.qweight
+        layer.register_parameter("qweight", nn.Parameter(q, requires_grad=False))
+        layer.register_parameter("scales", nn.Parameter(scales.contiguous(), requires_grad=False))
+        self.weight = Int8Weight(tensor(layer, "qweight"), tensor(layer, "scales"), BLOCK)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.weight
+        assert w is not None, "process_weights has not run"
+        if x.device.type == "cpu" and not _backend.use_triton(x):
+            return F.linear(x, self.cpu_dense(lambda dtype: int8_dequant_reference(w, dtype), x.dtype), bias)
+        return F.linear(x, int8_dequant(w, x.dtype), bias)

@@ -1,0 +1,58 @@
+"""What AWQ, GPTQ and GGUF Q4 layers share once loaded: the kernels' int4 layout (kernels/int4_dequant.py)
+and the W4A16 GEMM (kernels/w4a16_gemm.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import LinearBase
+from engine.layers.quant.base import LinearMethod
+from kernels import _backend
+from kernels.int4_dequant import Int4Weight, int4_dequant_reference
+from kernels.w4a16_gemm import w4a16_gemm
+
+
+class Int4Method(LinearMethod):
+    """A format's loading (create_weights, process_weights) over one forward pass: w4a16_gemm."""
+
+    weight: Int4Weight | None = None
+
+    def install(self, layer: LinearBase, w: Int4Weight) -> None:
+        """Replace the checkpoint-format parameters with the layout's (qweight, scales, zeros, perm)."""
+        for name, _ in list(layer.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(layer, name)
+        tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
+        if w.perm is not None:
+            tensors["perm"] = w.perm
+        for name, tensor in tensors.items():
+            layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+        params = dict(layer.named_parameters(recurse=False))
+        perm = params["perm"].data if "perm" in params else None
+        self.weight = Int4Weight(
+            params["qweight"].data, params["scales"].data, params["zeros"].data, w.group_size, perm
+        )
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = self.weight
+        assert w is not None, "process_weights has not run"
+        if x.device.type == "cpu" and not _backend.use_triton(x):
+            return F.linear(x, self.cpu_dense(lambda dtype: int4_dequant_reference(w, dtype), x.dtype), bias)
+        return w4a16_gemm(x, w, bias)
+
+
+def sorted_by_group(
+    q: torch.Tensor, g_idx: torch.Tensor, group: int, what: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of q (K, N) reordered so each group is `group` consecutive rows, and the permutation (None when
+    g_idx already is k // group). ValueError when g_idx does not give every group exactly `group` rows."""
+    k = q.shape[0]
+    natural = torch.arange(k, device=g_idx.device) // group
+    if torch.equal(g_idx.long(), natural):
+        return q, None
+    perm = torch.sort(g_idx.long(), stable=True).indices
+    if not torch.equal(g_idx.long()[perm], natural):
+        raise ValueError(f"{what}: g_idx does not give each of the {k // group} groups {group} input rows")
+    return q[perm], perm.to(torch.int32)

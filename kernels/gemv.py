@@ -1,0 +1,138 @@
+"""A linear layer for one row: y = x W^T (+ b) with x (1, K), as the batch-1 decode step runs it.
+
+At one row a linear layer is a pass over its weight, and the whole step is a pass over the model's
+weights: this kernel reads each weight row once, in wide loads it does not keep in cache, and reduces
+each output in one program, so there is no split-K partial sum to write and add up afterwards (the
+reduce kernel cuBLAS adds on some shapes). Programs own BLOCK_N output rows; many small programs keep
+enough loads in flight to stream the weight at memory speed, and tiny layers finish in one wave.
+
+    W (N, K), row-major               program p: rows [p * BLOCK_N, (p + 1) * BLOCK_N)
+    +-------------------------+       each walks K in BLOCK_K steps, accumulating
+    | rows of program 0       |       (BLOCK_N, BLOCK_K) fp32 products, and sums
+    | rows of program 1       |       them once at the end
+    | ...                     |
+    +-------------------------+
+
+Only the row count 1 takes this path, and only for half-precision weights (`dense_linear`); everything
+else is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import _backend
+
+
+@triton.jit
+def _gemv_kernel(
+    # pointers
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    # sizes
+    N,
+    K,
+    # strides
+    stride_w,
+    # meta
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < N
+    rows = tl.where(live, rows, 0)  # a tail program re-reads row 0 rather than masking every load
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :]  # (BLOCK_N, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, eviction_policy="evict_last")
+        else:
+            in_k = k + cols < K
+            w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptr + k + cols, mask=in_k, other=0.0, eviction_policy="evict_last")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=live)
+
+
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps), the fastest tiles of a sweep on the H200 (bench.decode_ops --sweep)
+# at the layer shapes of Llama-3-8B and SmolLM2; None: cuBLAS is faster there
+TUNED: dict[tuple[int, int], tuple[int, int, int] | None] = {
+    (6144, 4096): (4, 1024, 4),
+    (4096, 4096): (4, 512, 4),
+    (28672, 4096): (1, 1024, 4),
+    (4096, 14336): (1, 512, 4),
+    (128256, 4096): (4, 1024, 4),
+    (960, 576): (2, 1024, 4),
+    (576, 576): (2, 1024, 4),
+    (3072, 576): (4, 1024, 4),
+    (576, 1536): (1, 1024, 8),
+    (49152, 576): None,
+}
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_warps) for an (n, k) weight, None where cuBLAS wins: a measured tile, else
+    whole 1024-wide (512 on a very long K) rows of K and rows per program few enough for several waves."""
+    if (n, k) in TUNED:
+        return TUNED[n, k]
+    block_k = min(1024 if k <= 4096 else 512, triton.next_power_of_2(k))
+    return (4 if n >= 4096 else 2), block_k, 4
+
+
+def gemv_triton(
+    x: torch.Tensor,  # (1, K)
+    weight: torch.Tensor,  # (N, K), rows contiguous
+    bias: torch.Tensor | None = None,  # (N,)
+    config: tuple[int, int, int] | None = None,
+) -> torch.Tensor:  # (1, N)
+    assert x.dim() == 2 and x.shape[0] == 1, f"x must be one row (1, K), got {tuple(x.shape)}"
+    n, k = weight.shape
+    assert x.shape[1] == k, f"x has {x.shape[1]} features, the weight {k}"
+    assert weight.stride(1) == 1 and x.stride(1) == 1, "weight rows and x must be contiguous"
+    assert bias is None or bias.shape == (n,), f"bias must be ({n},)"
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = config or gemv_config(n, k) or (4, 512, 4)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y,
+        n, k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return y
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 accumulation, rounded once to x's dtype, as the kernel does."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with one half-precision row on the Triton path taking the GEMV kernel."""
+    if (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.stride(1) == 1
+        and x.stride(1) == 1
+        and _backend.use_triton(x)
+        and gemv_config(*weight.shape) is not None
+    ):
+        return gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)

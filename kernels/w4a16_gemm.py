@@ -1,0 +1,221 @@
+"""W4A16 GEMM: y = x W^T (+ bias) for int4 weights with group-wise scales and zeros (kernels/int4_dequant.py
+has the layout), activations bf16, fp16 or fp32.
+
+Three paths by the number of rows M:
+- M < DEQUANT_MIN_M, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
+  tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
+  j = 0..7 nibble j of every int32 is input row 8r + j, dequantized in fp32 (scale and zero of its group)
+  and rounded to the activations' dtype, and x's matching columns (stride 8) go through one tl.dot of
+  depth 16. No unpacked tile is ever assembled:
+
+      packed (16, BLOCK_N) int32 --nibble j--> w_j (16, BLOCK_N)     x[:, k0 + j :: 8] (BLOCK_M, 16)
+      acc (BLOCK_M, BLOCK_N) += x_j @ w_j         for j in 0..7
+
+- Split-K (small M, decode): when the output tiles alone cannot fill the GPU, SPLIT_K programs share a
+  tile's K range. Each writes its fp32 partial to a workspace and takes a ticket from the tile's counter
+  (atomic, acquire-release); the last to arrive sums the partials in split order (deterministic), writes
+  the output and resets the counter to 0. One launch, no host sync, a fixed counter buffer per device:
+  capturable in a CUDA graph. 2..16 rows run as one 16-row tile; one row (batch-1 decode) skips tl.dot:
+  it multiplies and adds in fp32 over the (16, BLOCK_N) tile and reduces over K once, at the end.
+- M >= DEQUANT_MIN_M (prefill): dequantize into a dense weight, then the dense GEMM (cuBLAS).
+
+The torch reference (the CPU path): dequantize, then F.linear.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels import _backend
+from kernels.int4_dequant import Int4Weight, int4_dequant, int4_dequant_reference, int4_values
+
+BLOCK_K = 128  # input rows per K tile: 16 packed rows, tl.dot depth 16 per nibble
+# from this many rows: dequantize + dense GEMM. Measured on the H200 (bench/quant_int4.py, a Llama-3-8B layer):
+# the tiled kernel takes 469 us at M = 32 against 272 for dequantize + cuBLAS, and falls further behind with M
+# (3,082 against 326 at M = 256), so only the split-K rows (M <= 16) take the kernel
+DEQUANT_MIN_M = 17
+NUM_LOCKS = 1 << 14  # split-K tile counters per device
+PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _w4a16_kernel(
+    # pointers
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    tiles_per_split,
+    # strides
+    stride_xm,
+    stride_om,
+    # meta
+    GROUP: tl.constexpr,
+    ZERO_IS_OFFSET: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_mn, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    rows = tl.arange(0, BLOCK_K // 8)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_M == 1:  # one row (batch-1 decode): fp32 FMAs, reduced over K once at the end
+        acc_k = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for t in range(first, last):
+        prow = t * (BLOCK_K // 8) + rows  # (BLOCK_K / 8,) packed rows of this K tile
+        mask_r = prow < K // 8
+        mask_w = mask_r[:, None] & mask_n[None, :]
+        packed = tl.load(qw_ptr + prow[:, None] * N + offs_n[None, :], mask=mask_w, other=0)
+        if GROUP % BLOCK_K == 0:  # the whole tile in one group: one row of scales and zeros
+            g_off = ((t * BLOCK_K) // GROUP) * N + offs_n[None, :]
+            s = tl.load(s_ptr + g_off, mask=mask_n[None, :], other=0.0).to(tl.float32)  # (1, BLOCK_N)
+            z = tl.load(z_ptr + g_off, mask=mask_n[None, :], other=0).to(tl.float32)
+        else:
+            g_off = ((prow * 8) // GROUP)[:, None] * N + offs_n[None, :]
+            s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (BLOCK_K / 8, BLOCK_N)
+            z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
+        if not ZERO_IS_OFFSET:
+            z = -z * s  # w = q * s - z * s, exact in fp32
+        for j in tl.static_range(8):
+            w = int4_values(packed, j) * s + z  # (BLOCK_K / 8, BLOCK_N)
+            cols = prow * 8 + j
+            if HAS_PERM:
+                cols = tl.load(perm_ptr + cols, mask=mask_r, other=0)
+            if BLOCK_M == 1:
+                x_row = x_ptr + (pid_mn // num_n) * stride_xm  # BLOCK_M == 1: the tile's row
+                xj = tl.load(x_row + cols, mask=mask_r, other=0.0).to(tl.float32)  # (BLOCK_K / 8,)
+                acc_k += w * xj[:, None]
+            else:
+                xj = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None] & mask_r[None, :],
+                    other=0.0,
+                )  # (BLOCK_M, BLOCK_K / 8)
+                if IEEE:
+                    acc = tl.dot(xj, w.to(xj.dtype), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xj, w.to(xj.dtype), acc)
+    if BLOCK_M == 1:
+        acc += tl.sum(acc_k, axis=0)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    mask_o = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+    else:
+        tile = BLOCK_M * BLOCK_N
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        partials = ws_ptr + pid_mn.to(tl.int64) * SPLIT_K * tile + local
+        tl.store(partials + pid_k * tile, acc)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(lock_ptr + pid_mn, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:  # the last to arrive: sum in split order, write, reset the counter
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(partials + split * tile, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_o)
+            tl.atomic_xchg(lock_ptr + pid_mn, 0)
+
+
+@functools.cache
+def _locks(device: torch.device) -> torch.Tensor:
+    # made by the first split-K call, which runs eagerly (a graph's warm-up) before any capture
+    return torch.zeros(NUM_LOCKS, dtype=torch.int32, device=device)
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """One row alone (FMAs, no tensor cores), 16-row tiles up to 16 rows, then 32/64/128; split-K while the
+    output tiles are fewer than PROGRAMS_PER_SM per SM, each split keeping at least one K tile."""
+    block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
+    block_n = 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, BLOCK_K)
+    target = PROGRAMS_PER_SM * _backend.num_sms(device)
+    split = 1
+    while split * 2 <= min(16, k_tiles) and tiles * split * 2 <= target:
+        split *= 2
+    return GemmConfig(block_m, block_n, split, num_warps=8 if block_m >= 128 else 4)
+
+
+def w4a16_gemm_triton(
+    x: torch.Tensor,  # (M, K)
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,  # (N,)
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # (M, N)
+    m, k = x.shape
+    n = w.out_features
+    assert k == w.in_features, f"x has {k} features, the weight {w.in_features}"
+    assert x.stride(1) == 1, "x's last dim not contiguous"
+    assert bias is None or bias.shape == (n,), f"bias {tuple(bias.shape)} for {n} outputs"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    cfg = config or default_config(m, n, k, x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, BLOCK_K)
+    per_split = triton.cdiv(k_tiles, cfg.split_k)
+    split = triton.cdiv(k_tiles, per_split)  # no split without a K tile
+    locks = _locks(x.device)
+    assert split == 1 or tiles <= NUM_LOCKS, f"{tiles} output tiles exceed the {NUM_LOCKS} split-K counters"
+    workspace = torch.empty(tiles * split * cfg.block_m * cfg.block_n if split > 1 else 1,
+                            dtype=torch.float32, device=x.device)  # fmt: skip
+    _w4a16_kernel[(tiles, split)](
+        x, w.qweight, w.scales, w.zeros, w.perm if w.perm is not None else w.qweight,
+        bias if bias is not None else x, out, workspace, locks,
+        m, n, k, per_split,
+        x.stride(0), out.stride(0),
+        GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset, HAS_PERM=w.perm is not None,
+        HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def w4a16_gemm_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, int4_dequant_reference(w, x.dtype), bias)
+
+
+def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, K) -> (M, N): the kernel below DEQUANT_MIN_M rows on the Triton path, else the dense weight's GEMM."""
+    if _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
+        return w4a16_gemm_triton(x, w, bias)
+    return F.linear(x, int4_dequant(w, x.dtype), bias)

@@ -1,0 +1,161 @@
+"""Int4 on the GPU: the W4A16 GEMM (split-K, tiled, dequantize + cuBLAS) and the dequantize kernels against
+their torch references over many shapes and dtypes, split-K replayed from a CUDA graph, and the engine
+serving AWQ, GPTQ and GGUF checkpoints (CUDA graphs on) against transformers on the dequantized weights
+(fp32, as tests/gpu/test_engine_gpu.py). The benchmark is `python3 -m bench.quant_int4`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels._backend as backend
+from engine import LLM, SamplingParams
+from engine.quantize import QuantizeConfig, quantize
+from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
+from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
+from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference
+from tests.hf_reference import hf_greedy, tiny_random_model_dir
+from tests.quant_checkpoints import dequantized_copy, write_gguf
+
+ERR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative to the output's norm
+
+
+def random_int4(k, n, group, offsets=False, perm=False, seed=0) -> Int4Weight:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device="cuda", generator=g)
+    scales = (torch.rand(k // group, n, device="cuda", generator=g) * 0.02 + 0.001).half()
+    if offsets:
+        zeros = (torch.randn(k // group, n, device="cuda", generator=g) * 0.05).half()
+    else:
+        zeros = torch.randint(0, 17, (k // group, n), dtype=torch.uint8, device="cuda", generator=g)
+    p = torch.randperm(k, device="cuda", generator=g).int() if perm else None
+    return Int4Weight(qweight, scales, zeros, group, p)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+SHAPES = [(4096, 4096, 128), (4096, 1001, 64), (1536, 200, 32), (14336, 4096, 128), (576, 72, 32)]
+ROWS = [1, 2, 3, 8, 16, 17, 33, 64, 200, 511, DEQUANT_MIN_M, 1000]
+
+
+CASES = [(*shape, dtype) for shape in SHAPES for dtype in (torch.bfloat16, torch.float16)]
+CASES.append((*SHAPES[2], torch.float32))  # fp32: ieee dots; one shape is enough
+
+
+@pytest.mark.parametrize("k,n,group,dtype", CASES)
+def test_w4a16_gemm_matches_reference(k, n, group, dtype):
+    for i, m in enumerate(ROWS + ([4096] if k * n <= 1536 * 200 else [])):
+        w = random_int4(k, n, group, offsets=i % 3 == 1, perm=i % 4 == 2, seed=i)
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype) if i % 2 else None
+        out = w4a16_gemm(x, w, bias)
+        ref = w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
+        assert out.dtype == dtype and rel_err(out, ref) < ERR[dtype], (m, k, n, group)
+
+
+def test_dequantize_kernels_are_exact():
+    for offsets, perm in ((False, False), (True, True)):
+        w = random_int4(4096, 1001, 64, offsets, perm)
+        assert torch.equal(int4_dequant_triton(w, torch.float32).t(), int4_dequant_reference(w))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randint(-128, 128, (1001, 4096), dtype=torch.int8, device="cuda", generator=g)
+    w8 = Int8Weight(q, torch.rand(1001, 128, device="cuda", generator=g).half(), 32)
+    assert torch.equal(int8_dequant_triton(w8, torch.float32), int8_dequant_reference(w8))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_split_k_replays_from_a_cuda_graph(m):
+    w = random_int4(14336, 4096, 128, seed=m)
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    w4a16_gemm(x, w)  # warm-up: compiles, makes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_gemm(x, w)
+    for step in range(5):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, w4a16_gemm_reference(x.float(), w)) < ERR[torch.bfloat16], step
+        assert int(_locks(x.device).abs().sum()) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_random_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_v304(tmp_path_factory):
+    # the vocabulary a multiple of 8, as GPTQ packs a quantized LM head's rows (the tokenizer has 300)
+    return tiny_random_model_dir(tmp_path_factory.mktemp("tiny"), vocab_size=304)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 30, 40], [100, 3, 250, 17, 9, 64, 2], list(range(3, 120, 3))]
+
+
+def served(path, **kwargs) -> list[list[int]]:
+    llm = LLM(
+        str(path), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05, **kwargs
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize(
+    "method,extra",
+    [("awq", {}), ("gptq", {"desc_act": True}), ("rtn", {"sym": True}), ("gptq", {"lm_head": True})],
+    ids=["awq", "gptq_act", "rtn_sym", "gptq_lm_head"],
+)
+def test_engine_serves_quantized_checkpoints_as_transformers_on_their_dequantized_weights(
+    tiny, tiny_v304, tmp_path, method, extra
+):
+    model = tiny_v304 if extra.get("lm_head") else tiny
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / method), method=method, group_size=32,
+                                   max_tokens=512, **extra))  # fmt: skip
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:  # an int4 LM head: the GEMM serves it too
+        assert ("lm_head.qweight" in set(f.keys())) == bool(extra.get("lm_head"))
+    want = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS))
+    assert served(ckpt) == want  # CUDA graphs for the decode steps: the split-K kernel replayed
+    assert served(ckpt, enforce_eager=True, max_num_batched_tokens=32) == want  # chunked prefill, eager
+
+
+def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
+    from engine.bundled import gguf_model_dir
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    write_gguf(tiny, tmp_path / "tiny.gguf")
+    want = hf_greedy(gguf_model_dir(tmp_path / "tiny.gguf"), PROMPTS, [12] * len(PROMPTS))
+    assert served(tmp_path / "tiny.gguf") == want
+
+
+def test_triton_and_torch_paths_agree_on_a_quantized_model(tiny, tmp_path, monkeypatch):
+    ckpt = quantize(
+        QuantizeConfig(str(tiny), str(tmp_path / "awq"), method="awq", group_size=32, max_tokens=512)
+    )
+    llm = LLM(str(ckpt), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05,
+              enforce_eager=True)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12)
+    monkeypatch.setattr(backend, "FORCED_BACKEND", "triton")
+    a = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    monkeypatch.setattr(backend, "FORCED_BACKEND", "torch")
+    b = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert a == b
+
+
+def test_dummy_int4_llama3_8b_fits_and_decodes():
+    llm = LLM("Llama-3-8B", load_format="dummy", dtype="bfloat16", quantization="awq", max_num_seqs=4,
+              max_model_len=1024, gpu_memory_utilization=0.3)  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    assert (
+        weights <= 5.8e9
+    )  # int4 linears (3.65 GB with scales and zeros) + bf16 embedding and LM head (2.1 GB)
+    out = llm.generate(
+        {"prompt_token_ids": list(range(100, 164))}, SamplingParams(max_tokens=8, ignore_eos=True)
+    )
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -1,0 +1,116 @@
+"""Checkpoints for the quantization tests: a quantized checkpoint dequantized into a plain Hugging Face model
+(with tests/quant_formats.py's independent unpacking), and a llama.cpp-style GGUF of a tiny model with
+chosen tensor types."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import load_file, save_file
+
+from engine.model_config import ModelConfig
+from engine.weights import iter_safetensors
+from tests.quant_formats import awq_dense, gptq_dense
+
+
+def dequantized_copy(checkpoint: Path, out: Path) -> Path:
+    """The checkpoint with every quantized linear replaced by its dense fp32 weight, as a plain HF model."""
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    config = json.loads((checkpoint / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    dense = {}
+    for name, t in tensors.items():
+        prefix, kind = name.rsplit(".", 1)
+        if kind in ("qzeros", "scales", "g_idx"):
+            continue
+        if kind != "qweight":
+            dense[name] = t.float()
+            continue
+        parts = {
+            k: tensors[f"{prefix}.{k}"]
+            for k in ("qweight", "qzeros", "scales", "g_idx")
+            if f"{prefix}.{k}" in tensors
+        }
+        w = awq_dense(parts, quant["group_size"]) if quant["quant_method"] == "awq" else gptq_dense(parts)
+        dense[f"{prefix}.weight"] = w
+    out.mkdir()
+    save_file(dense, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(checkpoint / f, out / f)
+    return out
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+# per layer: checkpoint module -> GGUF type (the rest F32)
+TYPES = {
+    "0": {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q8_0", "gate_proj": "Q4_1",
+          "up_proj": "Q4_1"},  # down_proj stays F32: dense
+    "1": {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_1", "gate_proj": "Q8_0",
+          "up_proj": "Q8_0", "down_proj": "Q4_0"},  # qkv mixes types: dense
+}  # fmt: skip
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf.py's q/k row order
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: Path, out: Path) -> None:
+    """A llama.cpp-style GGUF of the tiny model with the linear layers in TYPES' types (token_embd Q8_0)."""
+    import gguf
+    from gguf.quants import quantize
+
+    c = ModelConfig.from_dir(model_dir)
+    writer = gguf.GGUFWriter(str(out), arch="llama")
+    for add, value in (
+        (writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
+        (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, c.intermediate_size),
+        (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+        (writer.add_rope_freq_base, c.rope_theta), (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+        (writer.add_vocab_size, c.vocab_size), (writer.add_bos_token_id, c.bos_token_id),
+        (writer.add_eos_token_id, c.eos_token_id[0]),
+    ):  # fmt: skip
+        add(value)
+    add_tokenizer(writer, model_dir)
+    for name, tensor in iter_safetensors(model_dir):
+        w = tensor.numpy()
+        if ".q_proj." in name or ".k_proj." in name:
+            w = permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
+        stem, kind = name.rsplit(".", 1)
+        parts = stem.split(".")
+        layer, module = (parts[2], ".".join(parts[3:])) if stem.startswith("model.layers.") else (None, stem)
+        gguf_name = f"blk.{layer}.{GGUF_NAMES[module]}.{kind}" if layer else f"{GGUF_NAMES[module]}.{kind}"
+        qtype = TYPES.get(layer or "", {}).get(parts[-1]) or (
+            "Q8_0" if module == "model.embed_tokens" else None
+        )
+        if qtype is None:
+            writer.add_tensor(gguf_name, w)
+        else:
+            kind_ = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name, quantize(w, kind_), raw_dtype=kind_)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_tokenizer(writer, model_dir: Path) -> None:
+    """The tiny model's byte-level BPE as GGUF tokenizer metadata (so the engine can convert the file)."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    special = {t["content"] for t in spec["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])

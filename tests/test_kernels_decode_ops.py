@@ -1,0 +1,124 @@
+"""The one-row GEMV and the sort-free top-k/top-p cutoff: Triton (under the interpreter) against their torch
+references on small shapes; tests/gpu repeats them compiled, at the model's sizes."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from kernels import _backend
+from kernels.gemv import _gemv_kernel, dense_linear, gemv_reference, gemv_triton
+from kernels.top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
+
+assert isinstance(_gemv_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+# ---- GEMV ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 100), (64, 576), (130, 512), (33, 1536), (960, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_reference(n, k, dtype, bias):
+    x = torch.randn(1, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype) / k**0.5
+    b = torch.randn(n, dtype=dtype) if bias else None
+    got = gemv_triton(x, w, b)
+    want = gemv_reference(x, w, b)
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("config", [(1, 16, 1), (2, 64, 2), (4, 128, 4), (8, 32, 4)])
+def test_gemv_any_tile_covers_every_row(config):
+    """Tiles that leave a tail in both N and K still write every output exactly once."""
+    x, w = torch.randn(1, 200), torch.randn(37, 200)
+    torch.testing.assert_close(gemv_triton(x, w, config=config), gemv_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_linear_takes_the_kernel_for_one_half_precision_row(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", "triton")
+    monkeypatch.setattr("kernels.gemv.gemv_triton", lambda *a, **kw: calls.append(a) or gemv_reference(*a))
+    w16, w32 = torch.randn(8, 32, dtype=torch.float16), torch.randn(8, 32)
+    dense_linear(torch.randn(1, 32, dtype=torch.float16), w16)
+    assert len(calls) == 1
+    dense_linear(torch.randn(2, 32, dtype=torch.float16), w16)  # two rows: a GEMM
+    dense_linear(torch.randn(1, 32), w32)  # fp32: F.linear keeps its own rounding
+    assert len(calls) == 1
+
+
+# ---- top-k / top-p cutoff --------------------------------------------------------------------------
+
+
+def _knobs(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k = torch.randint(1, vocab + 1, (rows, 1)).float()
+    top_k[::3] = float(vocab)  # top-k off
+    top_p = torch.rand(rows, 1) * 0.98 + 0.01
+    top_p[1::4] = 1.0  # top-p off
+    return top_k, top_p
+
+
+def _kept_mass_disagreement(scaled, top_k, top_p, got, want) -> list[int]:
+    """Rows where the cutoffs differ and the reference's boundary is not within rounding of top_p."""
+    bad = []
+    for r in (got != want).flatten().nonzero().flatten().tolist():
+        row = scaled[r].double()
+        kth = row.sort(descending=True).values[int(top_k[r]) - 1]
+        p = torch.where(row >= kth, row, -torch.inf).softmax(0)
+        lo_cut = min(got[r].item(), want[r].item())
+        mass_above_lo = p[row > lo_cut].sum().item()
+        if abs(mass_above_lo - top_p[r].item()) > 1e-5:
+            bad.append(r)
+    return bad
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (5, 7), (16, 100), (9, 1000), (4, 3000)])
+def test_cutoff_matches_the_sort(rows, vocab):
+    scaled = torch.randn(rows, vocab) * 3
+    top_k, top_p = _knobs(rows, vocab)
+    got = top_k_top_p_cutoff_triton(scaled, top_k, top_p)
+    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
+    assert got.shape == (rows, 1)
+    assert (got == want).float().mean() >= 0.9, "most rows agree exactly"
+    assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
+
+
+def test_cutoff_with_ties_and_masked_logits():
+    """Runs of equal logits (the cutoff keeps a whole run, top-k cuts inside one) and -inf entries."""
+    rows, vocab = 24, 200
+    scaled = (torch.randn(rows, vocab) * 2).round()  # a handful of distinct values per row
+    scaled[:, ::7] = float("-inf")
+    top_k, top_p = _knobs(rows, vocab)
+    top_k.clamp_(max=vocab - vocab // 7 - 1)
+    got = top_k_top_p_cutoff_triton(scaled, top_k, top_p)
+    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
+    assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
+    assert torch.isfinite(got).all()
+
+
+def test_cutoff_extremes():
+    scaled = torch.tensor([[3.0, -1.0, 2.0, 2.0, -5.0, 0.5]])
+    one = torch.ones(1, 1)
+    cases = [  # (top_k, top_p, cutoff)
+        (6, 1.0, -5.0),  # both off: everything stays
+        (1, 1.0, 3.0),  # top-k 1: the max
+        (2, 1.0, 2.0),  # top-k cuts inside a run of equal values: the run's value
+        (6, 1e-6, 3.0),  # a tiny top-p keeps the top token
+        (3, 0.999, 2.0),  # top-k 3, then all of their mass
+    ]
+    for k, p, cut in cases:
+        got = top_k_top_p_cutoff_triton(scaled, one * k, one * p)
+        want = top_k_top_p_cutoff_reference(scaled, one * k, one * p)
+        assert got.item() == want.item() == cut, (k, p, got.item(), want.item())

@@ -1,0 +1,231 @@
+"""Quantized linear layers against dequantize-then-matmul: AWQ, GPTQ (with and without act order) and GGUF
+Q4_0 / Q4_1 / Q8_0 layers on the torch path over many shapes; the W4A16 GEMM (split-K and tiled) and the
+dequantize kernels under Triton's interpreter; merged and tensor-parallel loading.
+
+The reference weights come from tests/quant_formats.py (AutoAWQ's and AutoGPTQ's packing, written here)
+and from the gguf package, never from engine code. Interpreter runs: fp32 and fp16 (its bf16 casts are not
+the GPU's; tests/gpu covers bf16).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    deferred_weights,
+)
+from engine.layers.quant import AWQLinearMethod, GGUFInt4Method, GGUFInt8Method, GPTQLinearMethod, QuantConfig
+from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
+from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
+from kernels.w4a16_gemm import GemmConfig, _w4a16_kernel, w4a16_gemm_reference, w4a16_gemm_triton
+from tests.quant_formats import awq_dense, awq_tensors, gptq_dense, gptq_tensors, random_grid
+
+assert isinstance(_w4a16_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
+
+
+def make(cls: type[LinearBase], method, *args, **kwargs) -> LinearBase:
+    with deferred_weights():
+        layer = cls(*args, **kwargs)
+    method.create_weights(layer)
+    layer.quant_method = method
+    return layer
+
+
+def load(layer: LinearBase, tensors: dict[str, torch.Tensor], shard_id: object = None) -> None:
+    params = dict(layer.named_parameters())
+    for name, t in tensors.items():
+        params[name].weight_loader(params[name], t, shard_id)
+
+
+def checkpoint(
+    fmt: str, k: int, n: int, group: int, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A random checkpoint layer in `fmt` and its dense (N, K) weight from the independent references."""
+    rng = np.random.default_rng(seed)
+    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize, quantize
+
+        qtype = GGMLQuantizationType[fmt]
+        raw = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qtype)
+        return {"qweight": torch.from_numpy(raw)}, torch.from_numpy(dequantize(raw, qtype).reshape(n, k))
+    if fmt == "awq":
+        t = awq_tensors(*random_grid(k, n, group, rng))
+        return t, awq_dense(t, group)
+    q, zeros, scales = random_grid(k, n, group, rng, zero_low=1)
+    g_idx = np.arange(k) // group
+    if fmt == "gptq_act":
+        g_idx = g_idx[rng.permutation(k)]
+    t = gptq_tensors(q, zeros, scales, g_idx)
+    return t, gptq_dense(t)
+
+
+def method_for(fmt: str, group: int):
+    if fmt == "awq":
+        return AWQLinearMethod(QuantConfig("awq", group_size=group))
+    if fmt in ("gptq", "gptq_act"):
+        return GPTQLinearMethod(QuantConfig("gptq", group_size=group, desc_act=fmt == "gptq_act"))
+    return GGUFInt8Method(fmt) if fmt == "Q8_0" else GGUFInt4Method(fmt)
+
+
+# (K, N, group): odd output sizes for GGUF (any N), multiples of 8 for AWQ / GPTQ (their packing's)
+SHAPES = {
+    "awq": [(128, 72, 32), (256, 200, 64), (384, 136, 128)],
+    "gptq": [(128, 72, 32), (256, 200, 64), (384, 136, 128)],
+    "gptq_act": [(128, 72, 32), (256, 200, 128)],
+    "Q4_0": [(64, 47, 32), (256, 101, 32)],
+    "Q4_1": [(64, 47, 32), (256, 101, 32)],
+    "Q8_0": [(64, 47, 32), (256, 101, 32)],
+}
+CASES = [(fmt, *shape) for fmt, shapes in SHAPES.items() for shape in shapes]
+
+
+@pytest.mark.parametrize("fmt,k,n,group", CASES)
+def test_layer_equals_dequantize_then_matmul(fmt, k, n, group):
+    tensors, dense = checkpoint(fmt, k, n, group)
+    layer = make(ColumnParallelLinear, method_for(fmt, group), k, n, bias=True)
+    load(layer, tensors)
+    layer.bias.data.normal_()
+    layer.quant_method.process_weights(layer)
+    for m in (1, 5, 33, 4096 if k == 128 else 300):  # batch 1 .. 4096 (the big one on a small weight)
+        x = torch.randn(m, k)
+        torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act"])
+def test_int4_layout_dequantizes_to_the_checkpoint(fmt):
+    tensors, dense = checkpoint(fmt, 256, 64, 64, seed=3)
+    layer = make(ColumnParallelLinear, method_for(fmt, 64), 256, 64)
+    load(layer, tensors)
+    layer.quant_method.process_weights(layer)
+    w = layer.quant_method.weight
+    assert (w.perm is not None) == (fmt == "gptq_act")
+    assert torch.equal(int4_dequant_reference(w), dense)
+    assert torch.equal(int4_dequant_triton(w, torch.float32).t(), dense)  # the kernel, interpreted
+
+
+# ---- the W4A16 kernel under the interpreter ------------------------------------------------------
+
+
+def random_int4(
+    k: int, n: int, group: int, offsets: bool = False, perm: bool = False, seed: int = 0
+) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, generator=g)
+    scales = (torch.rand(k // group, n, generator=g) * 0.02 + 0.001).half()
+    if offsets:
+        zeros = (torch.randn(k // group, n, generator=g) * 0.05).half()
+    else:
+        zeros = torch.randint(0, 17, (k // group, n), dtype=torch.uint8, generator=g)
+    return Int4Weight(qweight, scales, zeros, group, torch.randperm(k, generator=g).int() if perm else None)
+
+
+KERNEL_CASES = [  # (M, K, N, group, offsets, perm, bias, config)
+    (1, 256, 72, 32, False, False, False, None),  # one row: the FMA path
+    (1, 1024, 64, 128, True, True, True, GemmConfig(1, 32, 4)),  # one row, split-K
+    (3, 256, 64, 64, False, False, True, GemmConfig(1, 64, 2)),  # one-row tiles over several rows
+    (3, 384, 130, 128, True, False, True, None),
+    (16, 512, 64, 64, False, True, False, None),
+    (17, 256, 100, 128, False, False, True, None),
+    (40, 128, 136, 32, True, True, False, None),
+    (2, 1024, 40, 32, False, False, True, GemmConfig(16, 32, 4)),  # split-K: 8 K tiles in 4 splits
+    (5, 640, 72, 128, True, False, False, GemmConfig(16, 64, 3)),  # uneven: 5 K tiles, 2 + 2 + 1
+    (70, 256, 72, 64, False, True, True, GemmConfig(64, 32, 2)),  # split-K over several row tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,n,group,offsets,perm,bias,config", KERNEL_CASES)
+def test_w4a16_kernel_matches_reference(m, k, n, group, offsets, perm, bias, config, dtype):
+    w = random_int4(k, n, group, offsets, perm)
+    x = torch.randn(m, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    out = w4a16_gemm_triton(x, w, b, config)
+    ref = w4a16_gemm_reference(x.float(), w, None if b is None else b.float())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 5e-3}
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_split_k_counters_are_reset_for_the_next_call():
+    from kernels.w4a16_gemm import _locks
+
+    w = random_int4(1024, 64, 128)
+    x = torch.randn(4, 1024)
+    first = w4a16_gemm_triton(x, w, config=GemmConfig(16, 64, 8))
+    assert int(_locks(x.device).abs().sum()) == 0
+    again = w4a16_gemm_triton(x, w, config=GemmConfig(16, 64, 8))
+    assert torch.equal(first, again)  # the splits are summed in order: deterministic
+    torch.testing.assert_close(first, w4a16_gemm_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dequant_kernel_is_exact():
+    g = torch.Generator().manual_seed(0)
+    w = Int8Weight(
+        torch.randint(-128, 128, (37, 96), dtype=torch.int8, generator=g),
+        torch.rand(37, 3, generator=g).half(),
+        32,
+    )
+    assert torch.equal(int8_dequant_triton(w, torch.float32), int8_dequant_reference(w))
+
+
+# ---- merged layers and tensor parallelism --------------------------------------------------------
+
+
+def test_qkv_parts_load_into_their_rows():
+    k, heads, kv_heads, head = 128, 4, 2, 16
+    parts = {s: checkpoint("awq", k, size * head, 32, seed=i) for i, (s, size) in
+             enumerate((("q", heads), ("k", kv_heads), ("v", kv_heads)))}  # fmt: skip
+    layer = make(QKVParallelLinear, method_for("awq", 32), k, head, heads, kv_heads)
+    for shard, (tensors, _) in parts.items():
+        load(layer, tensors, shard)
+    layer.quant_method.process_weights(layer)
+    dense = torch.cat([parts[s][1] for s in "qkv"])
+    x = torch.randn(3, k)
+    torch.testing.assert_close(layer(x), F.linear(x, dense), rtol=0, atol=0)
+
+
+def test_merged_gptq_parts_must_share_their_act_order():
+    gate, _ = checkpoint("gptq_act", 128, 64, 32, seed=1)
+    up, _ = checkpoint("gptq_act", 128, 64, 32, seed=2)
+    layer = make(MergedColumnParallelLinear, method_for("gptq_act", 32), 128, [64, 64])
+    load(layer, gate, 0)
+    with pytest.raises(ValueError, match="differs between the parts of a merged layer"):
+        load(layer, {"g_idx": up["g_idx"]}, 1)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
+def test_tensor_parallel_ranks_hold_their_slices(fmt, cls):
+    k, n, group = 256, 128, 32
+    tensors, dense = checkpoint(fmt, k, n, group, seed=4)
+    for rank in range(2):
+        layer = make(cls, method_for(fmt, group), k, n, tp_rank=rank, tp_size=2)
+        load(layer, tensors)
+        layer.quant_method.process_weights(layer)
+        w = layer.quant_method.weight
+        got = int8_dequant_reference(w) if isinstance(w, Int8Weight) else int4_dequant_reference(w)
+        expected = dense.chunk(2, dim=0 if cls is ColumnParallelLinear else 1)[rank]
+        assert torch.equal(got, expected)
+
+
+def test_a_packed_tensor_of_the_wrong_shape_is_refused():
+    tensors, _ = checkpoint("awq", 128, 64, 32)
+    layer = make(ColumnParallelLinear, method_for("awq", 32), 128, 64)
+    params = dict(layer.named_parameters())
+    with pytest.raises(
+        ValueError, match=r"shape mismatch: checkpoint has \(128, 4\), model expects \(128, 8\)"
+    ):
+        params["qweight"].weight_loader(params["qweight"], tensors["qweight"][:, :4])

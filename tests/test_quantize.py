@@ -1,0 +1,211 @@
+"""`pdserve quantize` and the AWQ / GPTQ loaders: checkpoints written here have the formats' tensors, and the
+engine serving one gives transformers' greedy tokens on the same checkpoint dequantized (fp32, CPU); bad
+quantization configs, packed shapes and options are refused with messages that name them.
+
+The dequantized checkpoint is built with tests/quant_formats.py (AutoAWQ's and AutoGPTQ's unpacking,
+written here), so the exporter and the loader are each checked against the formats, not against each other.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.quantize.gptq import gptq, hessian
+from engine.quantize.grid import Grid, round_to_nearest
+from serving.cli import main
+from tests.hf_reference import hf_greedy, tiny_random_model_dir
+from tests.quant_checkpoints import dequantized_copy
+
+PROMPTS = [[5, 6, 7, 8, 9], [20, 30, 40], [100, 3, 250, 17, 9, 64, 2]]
+RUNS = {  # name: pdserve quantize flags
+    "rtn": ["--method", "rtn"],
+    "awq": ["--method", "awq"],
+    "gptq_act": ["--method", "gptq", "--desc-act"],
+    "gptq_head": ["--method", "gptq", "--lm-head"],  # the (tied) LM head quantized too
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    # the vocabulary a multiple of 8, as GPTQ packs a quantized LM head's rows (the tokenizer has 300)
+    return tiny_random_model_dir(tmp_path_factory.mktemp("dense"), vocab_size=304)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    for name, flags in RUNS.items():
+        argv = ["quantize", "--model", str(tiny), "--out", str(root / name), "--group-size", "32",
+                "--calibration-tokens", "512", *flags]  # fmt: skip
+        assert main(argv) == 0
+    return {name: root / name for name in RUNS}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_engine_equals_transformers_on_the_dequantized_checkpoint(name, checkpoints, tmp_path):
+    dense = dequantized_copy(checkpoints[name], tmp_path / "dense")
+    expected = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    llm = LLM(str(checkpoints[name]), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
+    method = type(llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.quant_method).__name__
+    assert method == ("AWQLinearMethod" if name == "awq" else "GPTQLinearMethod")
+    head = llm.engine.runner.model.lm_head
+    assert type(head).__name__ == ("QuantizedLMHead" if name == "gptq_head" else "ParallelLMHead")
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_checkpoints_have_the_formats_tensors_and_config(checkpoints, tiny):
+    for name, path in checkpoints.items():
+        tensors = load_file(str(path / "model.safetensors"))
+        quant = json.loads((path / "config.json").read_text())["quantization_config"]
+        k, n, g = 64, 32, 32  # the tiny model's hidden size, one k_proj's rows (2 kv heads of 16), group
+        prefix = "model.layers.1.self_attn.k_proj"
+        if name == "awq":
+            assert quant == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                             "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
+            shapes = {"qweight": (k, n // 8), "qzeros": (k // g, n // 8), "scales": (k // g, n)}
+        else:
+            assert {key: quant[key] for key in ("quant_method", "bits", "group_size", "desc_act", "sym")} == {
+                "quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": name == "gptq_act", "sym": False,
+            }  # fmt: skip
+            assert quant["checkpoint_format"] == "gptq"
+            assert quant["lm_head"] == (name == "gptq_head")
+            shapes = {
+                "qweight": (k // 8, n),
+                "qzeros": (k // g, n // 8),
+                "scales": (k // g, n),
+                "g_idx": (k,),
+            }
+        for kind, shape in shapes.items():
+            t = tensors[f"{prefix}.{kind}"]
+            assert tuple(t.shape) == shape and t.dtype == (torch.float16 if kind == "scales" else torch.int32)
+        assert f"{prefix}.weight" not in tensors
+        assert tensors["model.embed_tokens.weight"].dtype == torch.float16
+        assert (path / "tokenizer.json").is_file()
+        config = json.loads((path / "config.json").read_text())
+        if name == "gptq_head":  # the head's own tensors, no longer tied to the (dense) embedding
+            vocab = tensors["model.embed_tokens.weight"].shape[0]
+            assert tuple(tensors["lm_head.qweight"].shape) == (k // 8, vocab)
+            assert tuple(tensors["lm_head.scales"].shape) == (k // g, vocab)
+            assert "lm_head.weight" not in tensors and config["tie_word_embeddings"] is False
+        else:
+            assert not any(t.startswith("lm_head.") for t in tensors) and config["tie_word_embeddings"]
+    g_idx = load_file(str(checkpoints["gptq_act"] / "model.safetensors"))[
+        "model.layers.0.mlp.down_proj.g_idx"
+    ]
+    assert not torch.equal(g_idx, torch.arange(128, dtype=torch.int32) // 32)  # act order: permuted groups
+    assert torch.equal(torch.bincount(g_idx), torch.full((4,), 32))
+
+
+def test_gptq_beats_round_to_nearest_on_its_own_objective():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g) @ torch.randn(64, 64, generator=g)  # correlated input channels
+    w = torch.randn(48, 64, generator=g) * 0.05
+    grid = Grid(32)
+    err = {name: (x @ (w - q.dequantize()).t()).pow(2).mean().item()
+           for name, q in (("rtn", round_to_nearest(w, grid)), ("gptq", gptq(w, hessian(x), grid)))}  # fmt: skip
+    assert err["gptq"] < 0.7 * err["rtn"]
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+
+def edited(checkpoint: Path, tmp_path: Path, quant: dict | None = None, tensor: str | None = None) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(checkpoint, out)
+    if quant is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"].update(quant)
+        (out / "config.json").write_text(json.dumps(config))
+    if tensor is not None:
+        tensors = load_file(str(out / "model.safetensors"))
+        tensors[tensor] = tensors[tensor][:, :-1].contiguous()
+        save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def engine(path: Path, **kwargs) -> LLM:
+    return LLM(str(path), device="cpu", dtype="float32", cpu_kv_cache_space=0.01, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "quant,message",
+    [
+        ({"bits": 3}, r"unsupported quantization_config: bits=3"),
+        ({"quant_method": "squeezellm"}, r"unsupported quantization method 'squeezellm'"),
+        ({"version": "gemv"}, r"unsupported AWQ version 'gemv'"),
+        ({"zero_point": False}, r"zero_point=false"),
+    ],
+)
+def test_an_unsupported_quantization_config_is_named(quant, message, checkpoints, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        engine(edited(checkpoints["awq"], tmp_path, quant=quant))
+
+
+def test_a_mismatched_packed_shape_names_the_tensor(checkpoints, tmp_path):
+    bad = edited(checkpoints["gptq_act"], tmp_path, tensor="model.layers.1.mlp.up_proj.scales")
+    with pytest.raises(ValueError, match=r"cannot load model.layers.1.mlp.up_proj.scales: shape mismatch"):
+        engine(bad)
+
+
+def test_quantization_must_match_the_checkpoint(checkpoints, tiny):
+    with pytest.raises(ValueError, match=r"quantization='awq', but .* is a dense checkpoint"):
+        engine(tiny, quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='gptq', but .* holds a AWQ checkpoint"):
+        engine(checkpoints["awq"], quantization="gptq")
+    with pytest.raises(ValueError, match=r"quantization='gguf' needs a .gguf file"):
+        engine(tiny, quantization="gguf")
+
+
+def test_the_cli_reports_a_dense_checkpoint_served_as_awq(tiny, capsys):
+    assert main(["generate", "hi", "--model", str(tiny), "--device", "cpu", "--quantization", "awq"]) == 2
+    assert "is a dense checkpoint" in capsys.readouterr().err
+
+
+def test_quantize_refuses_options_its_format_lacks(tiny, tmp_path, capsys):
+    assert (
+        main(["quantize", "--model", str(tiny), "--out", str(tmp_path / "x"), "--method", "awq", "--sym"])
+        == 2
+    )
+    assert "the AWQ format has no sym or desc_act" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tiny), "--out", str(tmp_path / "y"), "--group-size", "48"]) == 2
+    assert "group size must be a positive multiple of 32" in capsys.readouterr().err
+    assert main(["quantize", "--model", str(tiny), "--out", str(tmp_path / "z"), "--lm-head"]) == 2
+    assert "a quantized LM head needs --format gptq" in capsys.readouterr().err
+    odd = tiny_random_model_dir(tmp_path, vocab_size=300)
+    argv = ["quantize", "--model", str(odd), "--out", str(tmp_path / "w"), "--method", "rtn", "--lm-head"]
+    assert main([*argv, "--group-size", "32"]) == 2
+    assert "the vocabulary of 300 is not a multiple of 8" in capsys.readouterr().err
+
+
+def test_dummy_weights_take_a_directorys_quantization_config(checkpoints):
+    """load_format="dummy" on a directory: random weights in its shapes and its quantization, LM head
+    included (how the benchmarks build an 8B shape with a quantized head)."""
+    llm = engine(checkpoints["gptq_head"], load_format="dummy")
+    model = llm.engine.runner.model
+    assert type(model.lm_head).__name__ == "QuantizedLMHead"
+    assert type(model.lm_head.quant_method).__name__ == "GPTQLinearMethod"
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"quantization='awq', but .* declares GPTQ"):
+        engine(checkpoints["gptq_head"], load_format="dummy", quantization="awq")
+
+
+def test_every_command_that_builds_an_engine_takes_quantization():
+    from serving.cli import build_parser
+    from serving.serve import _argv
+
+    parser = build_parser()
+    for command in (["generate", "hi"], ["prefill"], ["decode"]):
+        assert parser.parse_args([*command, "--quantization", "gptq"]).quantization == "gptq"
+    args = parser.parse_args(["serve", "some/model", "--quantization", "awq"])
+    assert _argv(args.worker_flags, args) == ["--quantization", "awq"]  # `serve` hands it to every worker
