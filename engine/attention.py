@@ -106,15 +106,15 @@ class PagedAttention(nn.Module):
                 q, kv_cache, meta.seq_lens, meta.block_tables, self.scale, max_seq_len=meta.max_seq_len,
                 num_splits=meta.decode_num_splits, workspace=meta.decode_workspace, kv_scale=self.kv_scale,
             )  # fmt: skip
-        else:
+        else:  # the leading one-token rows by the decode kernel, the chunks after them by the prefill one
+            nd = meta.num_decode_seqs
             out = paged_prefill_attention(
-                q,
-                kv_cache,
-                meta.query_start_loc,
-                meta.seq_lens,
-                meta.block_tables,
-                self.scale,
-                max_query_len=meta.max_query_len,
-                kv_scale=self.kv_scale,
-            )
+                q, kv_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:], meta.block_tables[nd:], self.scale,
+                max_query_len=meta.max_query_len, kv_scale=self.kv_scale,
+            )  # fmt: skip
+            if nd:  # rows 0..nd-1 are the decode sequences' tokens, one each
+                out[:nd] = paged_decode_attention(
+                    q[:nd], kv_cache, meta.seq_lens[:nd], meta.block_tables[:nd], self.scale,
+                    max_seq_len=meta.max_seq_len, kv_scale=self.kv_scale,
+                )  # fmt: skip
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -34,6 +34,10 @@ class AttentionMetadata:
     # workspace (engine/attention.py: decode_graph_plans); None: the kernel plans per call
     decode_num_splits: int | None = None
     decode_workspace: torch.Tensor | None = None
+    # the leading sequences that run one new token each (the scheduler puts decode rows first): in a step
+    # that also runs longer chunks, attention reads these with the decode kernel, which shares each kv
+    # head's pages across its query heads, instead of a prefill tile that would use one of its rows
+    num_decode_seqs: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -69,4 +73,5 @@ class AttentionMetadata:
             block_tables=upload(torch.tensor(padded, dtype=torch.int32), device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            num_decode_seqs=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
         )

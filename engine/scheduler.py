@@ -188,6 +188,8 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         if self.proposer is not None and drafts:
             budget = self._add_drafts(scheduled, budget)
+        # one-token rows first: attention reads them with the decode kernel (engine/attention_metadata.py)
+        scheduled.sort(key=lambda it: len(it.token_ids) > 1)
         self.preemption.flush()
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, by_priority + preempted)
 

@@ -190,3 +190,43 @@ def test_engine_attention_triton_equals_torch(monkeypatch):
         ]
     for got, want in zip(outs["triton"], outs["torch"], strict=True):
         torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_engine_attention_mixed_step_reads_decode_rows_with_the_decode_kernel(monkeypatch, backend):
+    """Two decode rows, then two prompt chunks over cached prefixes: the decode kernel takes the two
+    leading rows, the prefill kernel the two chunks, and every row equals its sequence attended alone."""
+    from engine import attention
+
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+    calls: list[tuple[str, int]] = []
+    decode, prefill = attention.paged_decode_attention, attention.paged_prefill_attention
+
+    def spy_decode(q, *args, **kwargs):
+        calls.append(("decode", q.shape[0]))
+        return decode(q, *args, **kwargs)
+
+    def spy_prefill(q, kv_cache, qsl, *args, **kwargs):
+        calls.append(("prefill", qsl.shape[0] - 1))
+        return prefill(q, kv_cache, qsl, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "paged_decode_attention", spy_decode)
+    monkeypatch.setattr(attention, "paged_prefill_attention", spy_prefill)
+    attn = PagedAttention(num_heads=6, num_kv_heads=2, head_dim=64, scale=0.125)
+    q_lens, s_lens = [1, 1, 9, 20], [30, 17, 29, 20]
+    tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    prefix = torch.randn(2, 8, 16, 2, 64)  # every sequence's cached keys and values
+    q, k, v = (torch.randn(sum(q_lens), h, 64) for h in (6, 2, 2))
+    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size=16)
+    assert meta.num_decode_seqs == 2
+    cache = prefix.clone()
+    got = attn(q, k, v, cache, meta)  # (num_tokens, num_heads * head_dim); writes k and v into cache
+    assert calls == [("prefill", 2), ("decode", 2)]
+    starts = [0, 1, 2, 11, 31]
+    for i in range(4):
+        rows = slice(starts[i], starts[i + 1])
+        want = paged_prefill_attention_reference(
+            q[rows], cache, torch.tensor([0, q_lens[i]], dtype=torch.int32),
+            torch.tensor([s_lens[i]], dtype=torch.int32), torch.tensor([tables[i]], dtype=torch.int32), 0.125,
+        )  # fmt: skip
+        torch.testing.assert_close(got[rows], want.flatten(1), **TOL)

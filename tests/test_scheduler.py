@@ -238,3 +238,15 @@ def test_an_urgent_arrival_preempts_when_the_pool_is_full_but_never_an_equal_pri
     order = _finish_order(sched)
     assert order[0] == "urgent" and sorted(order) == ["a", "b", "same", "urgent"]
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_one_token_rows_come_first_in_a_mixed_step():
+    """A decode row after a prompt chunk in running order is still scheduled first: attention reads the
+    leading one-token rows with the decode kernel (engine/attention_metadata.py: num_decode_seqs)."""
+    sched, _ = make(max_num_batched_tokens=10, scheduling_policy="priority")
+    sched.add(seq("a", 2, max_tokens=8, priority=5))
+    step(sched)  # a's prompt
+    sched.add(seq("b", 12, priority=0, start=100))
+    assert [(it.request_id, len(it.token_ids)) for it in step(sched).scheduled] == [("a", 1), ("b", 9)]
+    assert [s.request_id for s in sched.running] == ["b", "a"]  # b, more urgent, runs first
+    assert [(it.request_id, len(it.token_ids)) for it in step(sched).scheduled] == [("a", 1), ("b", 3)]

@@ -189,11 +189,13 @@ def test_kv_cache_write(dtype, slot_dtype):
 
 
 def test_engine_attention_triton_vs_torch(monkeypatch):
-    """A 2-chunk prefill then 3 decode steps through the engine's module, each backend."""
+    """A 2-chunk prefill, 3 decode steps, then a decode row beside a chunk, through the engine's module,
+    each backend."""
     attn = PagedAttention(num_heads=32, num_kv_heads=8, head_dim=128, scale=128**-0.5)
     steps = [([700, 33], [700, 33]), ([300, 1], [1000, 34])] + [
         ([1, 1], [1000 + i, 34 + i]) for i in (1, 2, 3)
     ]
+    steps.append(([1, 10], [1004, 47]))  # a leading decode row (the decode kernel), then a chunk
     tables = [list(range(0, 63)), list(range(63, 66))]
     inputs = [
         tuple(torch.randn(sum(q), h, 128, device=DEV, dtype=torch.bfloat16) for h in (32, 8, 8))
