@@ -71,11 +71,13 @@ def round_to_fp8(x):
     """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: adding and
     subtracting 2^(e + 20) (e: x's exponent, at least -6 where e4m3 turns subnormal) rounds away all but 3
     mantissa bits in fp32's own round-to-nearest-even. The cast to fp8 after it is exact, wherever it runs
-    (Triton's interpreter truncates a mantissa carry when it casts fp32 to fp8 itself)."""
+    (Triton's interpreter truncates a mantissa carry when it casts fp32 to fp8 itself). A value that rounds
+    to zero keeps its sign, as torch's cast does (-c + c would give +0)."""
     e = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     c = ((e + 147) << 23).to(tl.float32, bitcast=True)  # 2^(e + 20)
     c = tl.where(x < 0, -c, c)
-    return (x + c) - c
+    r = (x + c) - c
+    return tl.where(r == 0.0, x * 0.0, r)
 
 
 @triton.jit

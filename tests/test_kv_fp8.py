@@ -78,6 +78,18 @@ def test_kv_cache_write_stores_the_references_bytes(num_kv_heads, head_dim, bloc
     assert torch.equal(bits(written), bits(quantize(key[slots >= 0], scale[0])))
 
 
+def test_values_that_round_to_zero_keep_their_sign():
+    """-1e-4 is stored as fp8's -0 (byte 0x80), as torch's cast stores it, not as +0."""
+    row = torch.tensor([-1e-4, 1e-4, -3e-4, 0.0, -0.0, 1.0, -1.0, -(2**-11)]).view(1, 1, 8)
+    cache = torch.zeros(2, 1, 16, 1, 8, dtype=FP8_DTYPE)
+    expected = cache.clone()
+    scale = torch.tensor([1.0, 0.5])
+    kv_cache_write_reference(row, -row, expected, torch.tensor([3]), scale)
+    kv_cache_write_triton(row, -row, cache, torch.tensor([3]), scale)
+    assert torch.equal(bits(cache), bits(expected))
+    assert bits(cache[0, 0, 3, 0]).tolist()[:5] == [0x80, 0x00, 0x80, 0x00, 0x80]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (6, 2, 64), (8, 2, 128), (8, 1, 64)])
 @pytest.mark.parametrize("k_scale,v_scale", SCALES[1:])
 def test_rotary_kv_write_quantizes_as_the_reference(num_heads, num_kv_heads, head_dim, k_scale, v_scale):
