@@ -16,8 +16,9 @@ installed), greedy, fixed output lengths:
 - the Llama-3-8B shape with dummy weights: the time of a verification step against k at batch 1, 16, 64
   and 256 (k + 1 tokens a row), over the time of a plain decode step: the curve the adaptive policy
   weighs (random weights accept nothing, so no speedup is reported from them).
-Each engine runs in this process one after another, warmed by the timed generate itself first, then
-timed three times (the median run kept); a first engine pays the process's one-time costs untimed.
+Each comparison's two engines run side by side in this process, warmed by the timed generate itself first,
+then timed in turn five times each (the median run kept); a first engine pays the process's one-time costs
+untimed.
 Records (CUDA only): bench/results/spec_*.json (or --out-dir); --device cpu is a smoke run.
 """
 
@@ -36,7 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 COMMAND = "python -m bench.spec_decode"
 GOALS = {"ngram_b1": 2.0, "adaptive": 0.97}
-REPEATS = 3  # timed generates per engine; the median is reported
+REPEATS = 5  # timed generates per engine, alternating with the other engine; the median is reported
+# the KV blocks each of the two engines compared holds: 256 sequences of max_model_len (12 GiB of SmolLM2's)
+SIDE_BY_SIDE_BLOCKS = 256 * 2048 // 16
 # The batch-1 n-gram prompt: the output is the given text, so all of it is grounded. On edit prompts
 # ("fix only the spelling", "write numbers as digits") the bundled 135M model paraphrases and leaves the
 # text within ~70 tokens, so most of a 256-token output would not be grounded in the input at all.
@@ -149,20 +152,28 @@ def free_device_memory() -> None:
 
 
 def compare(make: Any, spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Plain then speculative decoding of the same prompts, each engine warmed by the same generate first
-    (every batch size, context length and kernel shape the timed one meets). Greedy outputs are compared
-    token by token: in fp32 they are equal (tests/); in bf16 a verification step computes a row's k + 1
-    positions in other kernel shapes than k + 1 decode steps, so a near-tie can break the other way and
-    the two continuations part there."""
-    out: dict[str, Any] = {}
-    for label, config in (("plain", None), ("spec", spec)):
-        llm = make(config)
+    """Plain and speculative decoding of the same prompts on two engines side by side (each with a KV
+    cache of SIDE_BY_SIDE_BLOCKS), each warmed by the same generate first (every batch size, context length and kernel
+    shape the timed one meets), then timed in turn, REPEATS times each, so that the machine's drift falls
+    on both alike; each side's median run is kept. Greedy outputs are compared token by token: in fp32 they
+    are equal (tests/); in bf16 a verification step computes a row's k + 1 positions in other kernel shapes
+    than k + 1 decode steps, so a near-tie can break the other way and the two continuations part there."""
+    engines = {
+        label: make(config, num_gpu_blocks_override=SIDE_BY_SIDE_BLOCKS)
+        for label, config in (("plain", None), ("spec", spec))
+    }
+    for llm in engines.values():
         timed_generate(llm, prompts, max_tokens)
-        runs = [timed_generate(llm, prompts, max_tokens) for _ in range(REPEATS)]
-        out[label] = sorted(runs, key=lambda r: r["tok_s"])[len(runs) // 2]  # the median run
-        out[label]["tok_s_runs"] = [r["tok_s"] for r in runs]
-        del llm, runs
-        free_device_memory()
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
+    for _ in range(REPEATS):
+        for label, llm in engines.items():
+            runs[label].append(timed_generate(llm, prompts, max_tokens))
+    out: dict[str, Any] = {}
+    for label, done in runs.items():
+        out[label] = sorted(done, key=lambda r: r["tok_s"])[len(done) // 2]  # the median run
+        out[label]["tok_s_runs"] = [r["tok_s"] for r in done]
+    del engines, runs
+    free_device_memory()
     plain, spec_out = out["plain"].pop("outputs"), out["spec"].pop("outputs")
     out["same_output"] = plain == spec_out
     agree = [

@@ -332,6 +332,7 @@ class EngineCore:
         prompts' KV copies there. `after_run(schedule, sampled)` sees the step once its tokens are back,
         while every block is still held (the prefill worker sends the first tokens, and the KV it could
         not queue earlier, from there)."""
+        begun = time.perf_counter()
         sched = self.scheduler.schedule()
         self._observe_step(sched)
         if trace.enabled:
@@ -348,6 +349,7 @@ class EngineCore:
         if after_run is not None:
             after_run(sched, sampled)
         updated = self.scheduler.postprocess(sched, {rid: toks for rid, (toks, _) in sampled.items()})
+        self._observe_decode_step(sched, time.perf_counter() - begun, in_order=True)
         return updated, _add_logprobs(updated, sampled)
 
     def run_step(self, hold_frees: bool = False) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
@@ -381,6 +383,7 @@ class EngineCore:
         `hold_frees`: where something besides this stream writes the KV pool (a decode worker's KV
         receiver), a block freed while a step runs is not free until that step is done: a request that
         ends or is preempted meanwhile may still be written by it."""
+        begun = time.perf_counter()
         prev, self._in_flight = self._in_flight, None
         if prev is not None and not self._can_overlap():
             return self._resolve(prev, hold_frees)
@@ -398,7 +401,28 @@ class EngineCore:
             self._in_flight = _InFlight(sched, self.scheduler.launched(sched), step, next(self._step_numbers))
             if hold_frees:  # from here on, frees wait for this step (queued after prev: it covers prev)
                 self.block_manager.hold_for = self._in_flight.number
-        return self._resolve(prev, hold_frees) if prev is not None else ([], {})
+        if prev is None:
+            return [], {}
+        done = self._resolve(prev, hold_frees)
+        self._observe_decode_step(sched, time.perf_counter() - begun, in_order=False)
+        return done
+
+    def _observe_decode_step(self, sched: SchedulerOutput, seconds: float, in_order: bool) -> None:
+        """A decode step's wall time, for the draft-length policy's weighing of stepping in order against
+        overlapping (Proposer.in_order_cost). An overlapped step's is the time from planning it to reading
+        the one before; an in-order step's has its drafts' own cost taken out (their verification tokens at
+        the marginal cost, their drafting passes at the policy's share of a step)."""
+        proposer = self.scheduler.proposer
+        items = sched.scheduled
+        if proposer is None or not items or any(len(it.token_ids) - it.num_draft != 1 for it in items):
+            return
+        if not in_order:
+            proposer.overlapped.observe(len(items), seconds)
+            return
+        drafted = sched.num_batched_tokens - len(items)
+        seconds -= (proposer.cost.slope(sched.num_batched_tokens) or 0.0) * drafted
+        passes = max(it.num_draft for it in items) if proposer.on_device else 0
+        proposer.in_order.observe(len(items), max(seconds, 0.0) / (1 + proposer.draft_cost_fraction * passes))
 
     @property
     def in_flight(self) -> bool:

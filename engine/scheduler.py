@@ -116,6 +116,7 @@ class Scheduler:
         self.preemption = preemption or Preemption(block_manager)
         self.proposer = proposer  # speculative drafts for decoding requests; None: one token a step
         self.spec_stats = SpecDecodeStats()
+        self.num_steps = 0  # steps planned (the draft policy's clock)
         self.eos_token_ids = eos_token_ids
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -170,6 +171,7 @@ class Scheduler:
         before the tokens a draft would start from are known)."""
         self._release_deferred()
         self.preemption.poll()
+        self.num_steps += 1
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
@@ -282,6 +284,11 @@ class Scheduler:
                 room = min(room, self.proposer.max_draft_len - seq.num_tokens)
             k = self.proposer.length(seq.spec_stats, threshold, room)
             draft = self.proposer.propose(seq.all_token_ids, k) if k > 0 else []
+            if k > 0:
+                if seq.spec_stats is None:
+                    seq.spec_stats = SpecDecodeStats()
+                seq.spec_stats.observe_lookup(bool(draft))
+                seq.spec_stats.tried_at = self.num_steps
             if not draft or not self.block_manager.allocate(seq, seq.num_tokens + len(draft)):
                 continue  # no room for the draft's KV: a plain decode row, and nothing preempted for it
             item.token_ids = item.token_ids + draft
@@ -292,9 +299,10 @@ class Scheduler:
         return budget
 
     def would_draft(self) -> bool:
-        """Whether the proposer's policy gives any running request a draft in a decode step of the running
-        batch now: where none would pay (a large batch, verification dear against a plain step, low
-        acceptance), the engine may overlap its steps instead (engine/engine_core.py: run_step)."""
+        """Whether a decode step of the running batch now should draft: the drafts the proposer's policy
+        would give its requests are expected to gain more tokens than stepping in order loses. Where they
+        would not (a large batch, verification dear against a plain step, low acceptance, lookups that find
+        nothing), the engine overlaps its steps instead (engine/engine_core.py: run_step)."""
         if self.proposer is None:
             return False
         rows = [s for s in self.running if s.status == SequenceStatus.RUNNING and not s.params.has_penalties]
@@ -303,7 +311,21 @@ class Scheduler:
         n = len(self.running)
         threshold = self.proposer.threshold(n, n, len(rows))
         k = self.proposer.config.num_speculative_tokens
-        return any(self.proposer.length(s.spec_stats, threshold, k) > 0 for s in rows)
+        cost = self.proposer.in_order_cost(n)
+        if cost is None:
+            return False
+        gain, unseen = 0.0, None  # unseen: the gain of a request that has not drafted yet (the prior's)
+        for s in rows:
+            if s.spec_stats is None:
+                if unseen is None:
+                    unseen = self.proposer.expected_gain(None, threshold, k)
+                gain += unseen
+            else:
+                idle = self.num_steps - s.spec_stats.tried_at
+                gain += self.proposer.expected_gain(s.spec_stats, threshold, k, idle)
+            if gain > 0 and gain >= cost:
+                return True
+        return False
 
     def _may_draft(self, item: ScheduledSeq) -> bool:
         """A request without penalties whose one token to run is its newest (a decode row, or a prompt's

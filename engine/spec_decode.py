@@ -48,6 +48,9 @@ _KEYS = {
 ACCEPTANCE_PRIOR = 0.7  # a request's assumed per-token acceptance before its first draft
 ACCEPTANCE_EMA = 0.3  # the weight of a request's newest draft in its acceptance estimate
 STEP_TIME_EMA = 0.2  # the weight of a step's newest wall time in its token bucket's estimate
+# per step since a request last drafted, what its acceptance and lookup estimates keep of their distance
+# from the prior: a request that stopped drafting for a poor estimate tries again some tens of steps later
+ESTIMATE_RECALL = 0.97
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,12 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     # a request's per-token acceptance estimate: an EMA of accepted / drafted over its recent drafts
     acceptance: float = ACCEPTANCE_PRIOR
+    # how often its recent lookups found a draft (an EMA; an n-gram lookup may find none, a model always does)
+    lookup_hits: float = 1.0
+    tried_at: int = 0  # the scheduler's step count at its last lookup
+
+    def observe_lookup(self, found: bool) -> None:
+        self.lookup_hits += ACCEPTANCE_EMA * (float(found) - self.lookup_hits)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         self.acceptance += ACCEPTANCE_EMA * (num_accepted / num_draft - self.acceptance)
@@ -210,6 +219,11 @@ class StepCost:
         (n0, t0), (n1, t1) = points
         return max(t0 + (t1 - t0) * (num_tokens - n0) / (n1 - n0), 0.0)
 
+    def at(self, num_tokens: int) -> float | None:
+        """The time measured in `num_tokens`' own bucket, or None."""
+        point = self.buckets.get(num_tokens.bit_length())
+        return point[1] if point is not None else None
+
     def slope(self, num_tokens: int) -> float | None:
         points = self._nearest(num_tokens)
         if len(points) < 2:
@@ -241,7 +255,12 @@ class Proposer:
 
     A model-drafted method also pays a draft pass per depth, a fraction f of a step's time (self_draft: its
     layers over the target's; draft_model: its parameters over the target's), shared by the m requests
-    drafting: so its tokens must clear f * R / m more."""
+    drafting: so its tokens must clear f * R / m more.
+
+    A drafting step also costs once per step: it starts from the tokens of the step before, so it runs in
+    order, where plain steps overlap the next step's host work with this one's GPU work. The engine steps in
+    order only while the step's expected gain (`expected_gain`, summed over the rows) beats what running in
+    order loses (`in_order_cost`), both in tokens; both step times are measured online."""
 
     def __init__(self, config: SpeculativeConfig, draft_cost_fraction: float = 0.0) -> None:
         self.config = config
@@ -249,6 +268,10 @@ class Proposer:
         self.max_draft_len: int | None = None  # a draft model's max_model_len: it drafts only below it
         self.draft_cost_fraction = draft_cost_fraction
         self.cost = StepCost()
+        # wall seconds of a decode step against its rows: stepped in order (its drafts' verification taken
+        # out), and overlapped
+        self.in_order = StepCost()
+        self.overlapped = StepCost()
 
     def threshold(self, num_rows: int, num_tokens: int, num_drafting: int = 1) -> float:
         """The expected gain a draft token must clear in a step of `num_rows` rows and `num_tokens` tokens
@@ -272,6 +295,36 @@ class Proposer:
         while depth < k and (gain := gain * a) > threshold:
             depth += 1
         return depth
+
+    def expected_gain(
+        self, stats: SpecDecodeStats | None, threshold: float, room: int, idle: int = 0
+    ) -> float:
+        """Tokens a request's draft is expected to add to a step: the acceptance of each depth that `length`
+        gives it, times how often its lookups find a draft; both estimates drawn back towards the prior
+        over the `idle` steps since its last lookup (ESTIMATE_RECALL)."""
+        a, hits = ACCEPTANCE_PRIOR, 1.0
+        if stats is not None:
+            keep = ESTIMATE_RECALL**idle
+            a += (stats.acceptance - ACCEPTANCE_PRIOR) * keep
+            hits += (stats.lookup_hits - 1.0) * keep
+        gain, term = 0.0, 1.0
+        for _ in range(self.length(stats, threshold, room)):
+            term *= a
+            gain += term
+        return hits * gain
+
+    def in_order_cost(self, num_rows: int) -> float | None:
+        """Tokens a decode step of `num_rows` rows loses by running in order rather than overlapped: its
+        extra wall time at the overlapped step's rate, both measured at about that many rows (0 while the
+        in-order time is not, and when not adaptive). None while the overlapped time is not: the engine
+        then overlaps a step or two to measure it."""
+        if not self.config.adaptive:
+            return 0.0
+        t_over = self.overlapped.at(num_rows)
+        if not t_over:
+            return None
+        t_in = self.in_order.at(num_rows)
+        return num_rows * max(t_in - t_over, 0.0) / t_over if t_in else 0.0
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         c = self.config

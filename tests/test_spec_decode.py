@@ -417,6 +417,53 @@ def test_draft_lengths_follow_acceptance_and_cost():
     assert fixed.length(poor, fixed.threshold(256, 256), room=4) == 4
 
 
+def test_drafting_steps_in_order_only_while_its_gain_beats_the_overlap_it_loses():
+    """A drafting step runs in order; the scheduler drafts only while its rows' expected gain (acceptance
+    per depth, times how often lookups find a draft) is at least the tokens stepping in order loses against
+    overlapped steps, both step times measured at the batch's size (the overlapped one first)."""
+    from engine.block_hash import extra_keys
+    from engine.block_manager import BlockManager
+    from engine.config import SchedulerConfig
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    from engine.spec_decode import Proposer, SpecDecodeStats
+
+    proposer = Proposer(SpeculativeConfig(num_speculative_tokens=4))
+    good, poor = SpecDecodeStats(acceptance=0.9), SpecDecodeStats(acceptance=0.2)
+    assert proposer.expected_gain(good, 0.0, 4) == pytest.approx(0.9 + 0.9**2 + 0.9**3 + 0.9**4)
+    assert proposer.expected_gain(poor, 0.0, 2) == pytest.approx(0.2 + 0.04)
+    assert proposer.in_order_cost(64) is None  # the overlapped step is not measured: measure it first
+    proposer.overlapped.observe(64, 0.006)
+    assert proposer.in_order_cost(64) == 0.0  # nor the in-order one yet
+    proposer.in_order.observe(100, 0.009)  # the same bucket (64..127 rows)
+    assert proposer.in_order_cost(64) == pytest.approx(64 * 0.003 / 0.006)  # 32 tokens lost
+    assert proposer.in_order_cost(16) is None  # another batch size
+    assert Proposer(SpeculativeConfig(adaptive=False)).in_order_cost(64) == 0.0
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=512), BlockManager(256, 16), {0}, proposer)
+    rows = [
+        Sequence(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=9), 16, extra_keys("m")) for i in range(64)
+    ]
+    for seq in rows:
+        sched.add(seq)
+    out = sched.schedule()
+    sched.postprocess(out, {it.request_id: [8] for it in out.scheduled})
+    for seq in rows:
+        seq.spec_stats = SpecDecodeStats(acceptance=0.5)
+    assert sched.would_draft() is True  # 64 x (0.5 + 0.25 + 0.125 + 0.0625) = 60 tokens against 32
+    for seq in rows:
+        seq.spec_stats = SpecDecodeStats(acceptance=0.3)
+    assert sched.would_draft() is False  # 64 x 0.42 = 27 tokens: overlapped plain steps gain more
+    for seq in rows:
+        seq.spec_stats = SpecDecodeStats(acceptance=0.5)
+        for _ in range(3):  # n-gram lookups that found nothing
+            seq.spec_stats.observe_lookup(False)
+    assert sched.would_draft() is False  # 60 x 0.343 = 21 tokens
+    for seq in rows:  # 60 steps later the estimates have come most of the way back to the prior: try again
+        seq.spec_stats.tried_at = sched.num_steps - 60
+    assert sched.would_draft() is True
+
+
 def test_a_step_where_drafts_do_not_pay_is_a_plain_decode_step(tiny, batch):
     """With a cost where every token costs its share, the adaptive policy drafts nothing in a decode step,
     which is then exactly the plain engine's (rows of one token, graphed where graphs exist)."""
