@@ -153,9 +153,9 @@ def free_device_memory() -> None:
 
 def compare(make: Any, spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Plain and speculative decoding of the same prompts on two engines side by side (each with a KV
-    cache of SIDE_BY_SIDE_BLOCKS), each warmed by the same generate first (every batch size, context length and kernel
-    shape the timed one meets), then timed in turn, REPEATS times each, so that the machine's drift falls
-    on both alike; each side's median run is kept. Greedy outputs are compared token by token: in fp32 they
+    cache of SIDE_BY_SIDE_BLOCKS), each warmed by the same generate first (every batch size, context length
+    and kernel shape the timed one meets), then timed in turn, REPEATS times each, so that the machine's
+    drift falls on both alike; each side's median run is kept. Greedy outputs are compared token by token: in fp32 they
     are equal (tests/); in bf16 a verification step computes a row's k + 1 positions in other kernel shapes
     than k + 1 decode steps, so a near-tie can break the other way and the two continuations part there."""
     engines = {
