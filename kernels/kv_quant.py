@@ -66,6 +66,14 @@ def scale_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[t
     return (kv_scale if fp8 and kv_scale is not None else kv_cache), fp8
 
 
+def fp16_dots(fp8: bool, query_dtype: torch.dtype) -> bool:
+    """Whether an attention kernel runs its dots in fp16: for an fp8 cache under bf16 queries. An e4m3 tile
+    converts to fp16 in one instruction per two values and to bf16 in several (through fp16 and fp32), which
+    left the fp8 decode no faster than bf16's; every e4m3 value is exact in fp16, and fp16's mantissa is
+    wider than bf16's for q and the probabilities (queries past fp16's 65504 do not occur)."""
+    return fp8 and query_dtype == torch.bfloat16
+
+
 @triton.jit
 def round_to_fp8(x):
     """fp32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: adding and

@@ -24,7 +24,7 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
-from kernels.kv_quant import as_read, load_scales, scale_args
+from kernels.kv_quant import as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile
 from kernels.paged_prefill_attention import gather_kv
 
@@ -84,6 +84,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
@@ -100,6 +101,8 @@ def _paged_decode_kernel(
     # q before seq_len: the two loads' latencies overlap instead of adding up
     q_ptrs = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
+    if FP16_DOTS:  # the tiles convert to q's dtype (kernels/kv_quant.py: fp16_dots)
+        q = q.to(tl.float16)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
@@ -220,6 +223,7 @@ def paged_decode_attention_triton(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
         FP8=fp8,
+        FP16_DOTS=fp16_dots(fp8, query.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
-from kernels.kv_quant import as_read, load_scales, scale_args
+from kernels.kv_quant import as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile
 
 
@@ -52,6 +52,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    FP16_DOTS: tl.constexpr,
 ):
     q_tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal ranges first
     seq = tl.program_id(1)
@@ -70,6 +71,8 @@ def _paged_prefill_kernel(
     tok = (q_begin + rows).to(tl.int64)
     q = tl.load(query_ptr + tok[:, None] * stride_q_tok + head * stride_q_head + dims[None, :], mask=io_mask)
     # (BLOCK_M, BLOCK_D)
+    if FP16_DOTS:  # the tiles convert to q's dtype (kernels/kv_quant.py: fp16_dots)
+        q = q.to(tl.float16)
     q_pos = ctx_len + rows
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -157,6 +160,7 @@ def paged_prefill_attention_triton(
         BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FP8=fp8,
+        FP16_DOTS=fp16_dots(fp8, query.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

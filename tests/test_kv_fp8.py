@@ -14,7 +14,7 @@ import torch
 
 from engine.layers import RotaryEmbedding
 from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
-from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, quantize
+from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, fp16_dots, quantize
 from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
 from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
@@ -155,6 +155,28 @@ def test_prefill_reads_fp8(num_heads, num_kv_heads, head_dim, block_size, k_scal
         kv_scale=scale, out=torch.full_like(query, float("nan")),
     )  # fmt: skip
     torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEADS[1:3])
+def test_bf16_queries_read_fp8_through_fp16_dots(num_heads, num_kv_heads, head_dim, block_size):
+    """Under bf16 queries the kernels convert fp8 tiles to fp16 and run the dots in fp16 (fp16_dots): the
+    outputs match the fp32 reference to the bf16 output's rounding, decode and prefill alike."""
+    assert fp16_dots(True, torch.bfloat16) and not fp16_dots(True, torch.float32)
+    q_lens = [q for q, _ in PREFILL_SEQS]
+    seq_lens = [q + c for q, c in PREFILL_SEQS]
+    cache, tables, lens, scale = fp8_paged(seq_lens, num_kv_heads, head_dim, block_size, 0.05, 0.2)
+    tol = {"rtol": 1e-2, "atol": 1e-2}  # bf16 outputs: 2^-8 relative
+    query = torch.randn(len(seq_lens), num_heads, head_dim).bfloat16()
+    ref = paged_decode_attention_reference(query.float(), cache, lens, tables, head_dim**-0.5, scale)
+    out = paged_decode_attention_triton(query, cache, lens, tables, head_dim**-0.5, kv_scale=scale)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    qsl = query_start_loc(q_lens)
+    query = torch.randn(sum(q_lens), num_heads, head_dim).bfloat16()
+    ref = paged_prefill_attention_reference(query.float(), cache, qsl, lens, tables, head_dim**-0.5, scale)
+    out = paged_prefill_attention_triton(
+        query, cache, qsl, lens, tables, head_dim**-0.5, config={"block_m": 16, "block_n": 16}, kv_scale=scale
+    )
+    torch.testing.assert_close(out.float(), ref, **tol)
 
 
 def test_references_dequantize_then_attend():
