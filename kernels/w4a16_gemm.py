@@ -4,19 +4,25 @@ has the layout), activations bf16, fp16 or fp32.
 Three paths by the number of rows M:
 - M < DEQUANT_MIN_M, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
-  j = 0..7 nibble j of every int32 is input row 8r + j, dequantized in fp32 (scale and zero of its group)
-  and rounded to the activations' dtype, and x's matching columns (stride 8) go through one tl.dot of
-  depth 16. No unpacked tile is ever assembled:
+  j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. No
+  unpacked tile is ever assembled. The scale and zero go on after the products where the group allows:
 
-      packed (16, BLOCK_N) int32 --nibble j--> w_j (16, BLOCK_N)     x[:, k0 + j :: 8] (BLOCK_M, 16)
-      acc (BLOCK_M, BLOCK_N) += x_j @ w_j         for j in 0..7
+      sum_k (q_k s - z s) x_k = s * sum_k q_k x_k + (-z s) * sum_k x_k        (one group)
 
+  so a nibble costs a shift and a LOP3 that place it in a float's mantissa under a fixed exponent (the
+  "magic number" 128 + q, exact), and one FMA or a tensor-core product; the magic's share, 128 * sum_k x_k,
+  comes off with the zero. Paths:
+  - one row (batch-1 decode): fp32 FMAs of 128 + q against x over the (16, BLOCK_N) tile, each packed row's
+    scale and zero applied once per tile (any group size), reduced over K once, at the end;
+  - 2..16 rows, groups a multiple of the tile: per nibble one tl.dot of depth 16 with 128 + q (bf16) or
+    1024 + q (fp16) built from the bits as x's own type, the tile's scale and zero after the 8 dots;
+  - smaller groups: each weight dequantized (fp32, then x's dtype) before its dot.
+  fp32 activations take q itself (exact products, IEEE dots).
 - Split-K (small M, decode): when the output tiles alone cannot fill the GPU, SPLIT_K programs share a
   tile's K range. Each writes its fp32 partial to a workspace and takes a ticket from the tile's counter
   (atomic, acquire-release); the last to arrive sums the partials in split order (deterministic), writes
   the output and resets the counter to 0. One launch, no host sync, a fixed counter buffer per device:
-  capturable in a CUDA graph. 2..16 rows run as one 16-row tile; one row (batch-1 decode) skips tl.dot:
-  it multiplies and adds in fp32 over the (16, BLOCK_N) tile and reduces over K once, at the end.
+  capturable in a CUDA graph. 2..16 rows run as one 16-row tile.
 - M >= DEQUANT_MIN_M (prefill): dequantize into a dense weight, then the dense GEMM (cuBLAS).
 
 The torch reference (the CPU path): dequantize, then F.linear.
@@ -54,6 +60,25 @@ class GemmConfig:
 
 
 @triton.jit
+def _nibble_plus_128(packed, j: tl.constexpr):
+    """Nibble j of every int32 as the fp32 value 128 + q: moved to bits 16..19 under 128.0's exponent, where the
+    mantissa's bits count 1, 2, 4 and 8. One shift and one LOP3; (128 + q) * x is exact for 16-bit x."""
+    if j <= 4:
+        bits = (packed << (16 - 4 * j)) & 0xF0000
+    else:
+        bits = (packed >> (4 * j - 16)) & 0xF0000
+    return (bits | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _columns(perm_ptr, cols, mask, HAS_PERM: tl.constexpr):
+    """x's columns for layout rows `cols`: perm[cols] under GPTQ act order."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=mask, other=0)
+    return cols
+
+
+@triton.jit
 def _w4a16_kernel(
     # pointers
     x_ptr,
@@ -82,50 +107,84 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    POST_SCALE: tl.constexpr,
+    EXACT: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
+    MAGIC_VALUE: tl.constexpr,
 ):
     pid_mn, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    rows = tl.arange(0, BLOCK_K // 8)
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
+    rows = tl.arange(0, R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if BLOCK_M == 1:  # one row (batch-1 decode): fp32 FMAs, reduced over K once at the end
-        acc_k = tl.zeros((BLOCK_K // 8, BLOCK_N), dtype=tl.float32)
+        acc_k = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+    # what the nibble planes carry on top of q: 128 in fp32 (one row), MAGIC_VALUE in x's dtype (the dots)
+    magic_1 = 0.0 if EXACT else 128.0
+    magic = 0.0 if EXACT else MAGIC_VALUE
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
-    for t in range(first, last):
-        prow = t * (BLOCK_K // 8) + rows  # (BLOCK_K / 8,) packed rows of this K tile
+    for t in tl.range(first, last, num_stages=NUM_STAGES):
+        prow = t * R + rows  # (R,) packed rows of this K tile
         mask_r = prow < K // 8
         mask_w = mask_r[:, None] & mask_n[None, :]
+        if EVEN_K:  # the weight tile masked along K only where a tile runs past it
+            mask_w = mask_n[None, :]
         packed = tl.load(qw_ptr + prow[:, None] * N + offs_n[None, :], mask=mask_w, other=0)
-        if GROUP % BLOCK_K == 0:  # the whole tile in one group: one row of scales and zeros
-            g_off = ((t * BLOCK_K) // GROUP) * N + offs_n[None, :]
-            s = tl.load(s_ptr + g_off, mask=mask_n[None, :], other=0.0).to(tl.float32)  # (1, BLOCK_N)
-            z = tl.load(z_ptr + g_off, mask=mask_n[None, :], other=0).to(tl.float32)
+        if GROUP % BLOCK_K == 0:  # the whole tile in one group: one row of scales and zeros, loaded 1-D (the
+            # tile's column layout, no conversion)
+            g_off = ((t * BLOCK_K) // GROUP) * N + offs_n
+            s = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_N)
+            z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)[None, :]
         else:
             g_off = ((prow * 8) // GROUP)[:, None] * N + offs_n[None, :]
-            s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (BLOCK_K / 8, BLOCK_N)
+            s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (R, BLOCK_N)
             z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
         if not ZERO_IS_OFFSET:
             z = -z * s  # w = q * s - z * s, exact in fp32
-        for j in tl.static_range(8):
-            w = int4_values(packed, j) * s + z  # (BLOCK_K / 8, BLOCK_N)
-            cols = prow * 8 + j
-            if HAS_PERM:
-                cols = tl.load(perm_ptr + cols, mask=mask_r, other=0)
-            if BLOCK_M == 1:
-                x_row = x_ptr + (pid_mn // num_n) * stride_xm  # BLOCK_M == 1: the tile's row
-                xj = tl.load(x_row + cols, mask=mask_r, other=0.0).to(tl.float32)  # (BLOCK_K / 8,)
-                acc_k += w * xj[:, None]
+        if BLOCK_M == 1:  # sum_j (magic + q) x per packed row, then its scale and zero once
+            part = tl.zeros((R, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((R,), dtype=tl.float32)
+            x_row = x_ptr + (pid_mn // num_n) * stride_xm  # BLOCK_M == 1: the tile's row
+            for j in tl.static_range(8):
+                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
+                xj = tl.load(x_row + cols, mask=mask_r, other=0.0).to(tl.float32)  # (R,)
+                q = _nibble_plus_128(packed, j)
+                if EXACT:
+                    q -= 128.0
+                part += q * xj[:, None]
+                x_sum += xj
+            if GROUP % BLOCK_K == 0:  # the zero term needs only the tile's sum of x
+                acc += (z - magic_1 * s) * tl.sum(x_sum, 0)
+                acc_k += part * s
             else:
-                xj = tl.load(
-                    x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
-                    mask=mask_m[:, None] & mask_r[None, :],
-                    other=0.0,
-                )  # (BLOCK_M, BLOCK_K / 8)
-                if IEEE:
+                acc_k += part * s + x_sum[:, None] * (z - magic_1 * s)
+        elif POST_SCALE:  # raw nibbles through the dots, the tile's one scale and zero after them
+            dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
+                x_tile = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+                xj = tl.load(x_tile, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R)
+                if EXACT:
+                    dots = tl.dot(xj, _nibble_plus_128(packed, j) - 128.0, dots, input_precision="ieee")
+                else:  # magic + q in x's own 16-bit type, straight from the bits: exact, no conversion
+                    qj = (((packed >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(xj.dtype, bitcast=True)
+                    dots = tl.dot(xj, qj, dots)
+                x_sum += tl.sum(xj.to(tl.float32), 1)
+            acc += dots * s + x_sum[:, None] * (z - magic * s)
+        else:  # groups smaller than the tile: each weight dequantized before the dots
+            for j in tl.static_range(8):
+                w = int4_values(packed, j) * s + z  # (R, BLOCK_N)
+                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
+                x_tile = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+                xj = tl.load(x_tile, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R)
+                if EXACT:
                     acc = tl.dot(xj, w.to(xj.dtype), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xj, w.to(xj.dtype), acc)
@@ -160,18 +219,25 @@ def _locks(device: torch.device) -> torch.Tensor:
     return torch.zeros(NUM_LOCKS, dtype=torch.int32, device=device)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+def default_config(m: int, n: int, k: int, device: torch.device, group: int = BLOCK_K) -> GemmConfig:
     """One row alone (FMAs, no tensor cores), 16-row tiles up to 16 rows, then 32/64/128; split-K while the
-    output tiles are fewer than PROGRAMS_PER_SM per SM, each split keeping at least one K tile."""
+    output tiles are fewer than the target programs per SM, each split keeping at least one K tile. The
+    one-row and post-scaled paths take 256 columns, 2 stages and 8 (one row) or 4 programs per SM: the best
+    of an H200 sweep over a Llama-3-8B layer (bench/quant_int4.py --sweep)."""
     block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
-    block_n = 128
+    fast = block_m == 1 or (block_m == 16 and group % BLOCK_K == 0)
+    block_n = 256 if fast else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, BLOCK_K)
-    target = PROGRAMS_PER_SM * _backend.num_sms(device)
+    target = (8 if block_m == 1 else PROGRAMS_PER_SM) * _backend.num_sms(device)
     split = 1
     while split * 2 <= min(16, k_tiles) and tiles * split * 2 <= target:
         split *= 2
-    return GemmConfig(block_m, block_n, split, num_warps=8 if block_m >= 128 else 4)
+    warps = 8 if block_m >= 128 else 4
+    return GemmConfig(block_m, block_n, split, num_warps=warps, num_stages=2 if fast else 3)
+
+
+MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 16-bit bits of 128 / 1024
 
 
 def w4a16_gemm_triton(
@@ -188,12 +254,13 @@ def w4a16_gemm_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or default_config(m, n, k, x.device)
+    cfg = config or default_config(m, n, k, x.device, w.group_size)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(k, BLOCK_K)
     per_split = triton.cdiv(k_tiles, cfg.split_k)
     split = triton.cdiv(k_tiles, per_split)  # no split without a K tile
     locks = _locks(x.device)
+    magic_bits, magic_value = MAGIC.get(x.dtype, (0, 0.0))  # fp32 planes are exact: no magic
     assert split == 1 or tiles <= NUM_LOCKS, f"{tiles} output tiles exceed the {NUM_LOCKS} split-K counters"
     workspace = torch.empty(tiles * split * cfg.block_m * cfg.block_n if split > 1 else 1,
                             dtype=torch.float32, device=x.device)  # fmt: skip
@@ -204,7 +271,8 @@ def w4a16_gemm_triton(
         x.stride(0), out.stride(0),
         GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32,
+        BLOCK_K=BLOCK_K, NUM_STAGES=cfg.num_stages, EVEN_K=k % BLOCK_K == 0, POST_SCALE=w.group_size % BLOCK_K == 0,
+        EXACT=x.dtype == torch.float32, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
