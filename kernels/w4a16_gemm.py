@@ -79,6 +79,15 @@ def _columns(perm_ptr, cols, mask, HAS_PERM: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, mask_r, HAS_PERM: tl.constexpr):
+    """(BLOCK_M, R) of x: its rows offs_m at the columns of layout rows `cols`."""
+    cols = _columns(perm_ptr, cols, mask_r, HAS_PERM)
+    return tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
+    )
+
+
+@triton.jit
 def _w4a16_kernel(
     # pointers
     x_ptr,
@@ -168,9 +177,7 @@ def _w4a16_kernel(
             dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for j in tl.static_range(8):
-                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
-                x_tile = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-                xj = tl.load(x_tile, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R)
+                xj = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, prow * 8 + j, mask_m, mask_r, HAS_PERM)
                 if EXACT:
                     dots = tl.dot(xj, _nibble_plus_128(packed, j) - 128.0, dots, input_precision="ieee")
                 else:  # magic + q in x's own 16-bit type, straight from the bits: exact, no conversion
@@ -181,9 +188,7 @@ def _w4a16_kernel(
         else:  # groups smaller than the tile: each weight dequantized before the dots
             for j in tl.static_range(8):
                 w = int4_values(packed, j) * s + z  # (R, BLOCK_N)
-                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
-                x_tile = x_ptr + offs_m[:, None] * stride_xm + cols[None, :]
-                xj = tl.load(x_tile, mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # (BLOCK_M, R)
+                xj = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, prow * 8 + j, mask_m, mask_r, HAS_PERM)
                 if EXACT:
                     acc = tl.dot(xj, w.to(xj.dtype), acc, input_precision="ieee")
                 else:
