@@ -16,7 +16,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
   from the KV-sizing log line; and GPTQ with the LM head quantized too (lm_head=true, the config of a
   dummy-weight directory), whose weights are the memory record.
-- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16 (best per M printed).
+- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16, and at 4 one-row tiles too (best per M
+  printed).
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -143,10 +144,13 @@ def sweep() -> None:
     for m in (1, 4, 16):
         xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
         found = []
-        for block_n in (32, 64, 128, 256):
+        tiles = [(1 if m == 1 else 16, block_n) for block_n in (32, 64, 128, 256)]
+        if m == 4:  # also as one-row tiles (FMAs, a program per row and column tile) against the 16-row dots
+            tiles.append((1, 256))
+        for block_m, block_n in tiles:
             for split in (1, 2, 4, 8, 16):
                 for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 3)):
-                    cfg = GemmConfig(1 if m == 1 else 16, block_n, split, warps, stages)
+                    cfg = GemmConfig(block_m, block_n, split, warps, stages)
                     try:
                         t = time_us(
                             [partial(w4a16_gemm_triton, xs[n], w[n], None, cfg) for w in sets for n in LAYER]

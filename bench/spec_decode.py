@@ -11,14 +11,17 @@ installed), greedy, fixed output lengths:
 - batch 1, draft_model on chat prompts: the same, with the bundled model's first DRAFT_LAYERS layers (its
   final norm and LM head too) written as a checkpoint of their own, the one draft here that shares the
   bundled tokenizer: a LayerSkip-style draft with its own KV cache;
+  both also with "adaptive": False (always k drafted tokens): where the adaptive policy judges that drafting
+  does not pay and drafts nothing, this still measures the acceptance rate and what drafting would cost
+  (extra.fixed_k; for self_draft at 10, 20, 25 and 28 draft layers, extra.fixed_k_by_draft_layers);
 - batch 64 and 256 of chat prompts, each method with adaptive draft lengths (the default): output tok/s
   over plain decoding's (goal >= 0.97x: speculation never costs throughput);
 - the Llama-3-8B shape with dummy weights: the time of a verification step against k at batch 1, 16, 64
   and 256 (k + 1 tokens a row), over the time of a plain decode step: the curve the adaptive policy
   weighs (random weights accept nothing, so no speedup is reported from them).
 Each comparison's two engines run side by side in this process, warmed by the timed generate itself first,
-then timed in turn five times each (the median run kept); a first engine pays the process's one-time costs
-untimed.
+then timed in turn five times each (nine at the large batches; the median run kept); a first engine pays the
+process's one-time costs untimed.
 Records (CUDA only): bench/results/spec_*.json (or --out-dir); --device cpu is a smoke run.
 """
 
@@ -38,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 COMMAND = "python -m bench.spec_decode"
 GOALS = {"ngram_b1": 2.0, "adaptive": 0.97}
 REPEATS = 5  # timed generates per engine, alternating with the other engine; the median is reported
-# the KV blocks each of the two engines compared holds: 256 sequences of max_model_len (12 GiB of SmolLM2's)
-SIDE_BY_SIDE_BLOCKS = 256 * 2048 // 16
+REPEATS_BIG = 9  # at batch 64 and 256, whose single runs spread widest (21k-43k tok/s at 256 on the H200)
+MAX_MODEL_LEN = 2048
 # The batch-1 n-gram prompt: the output is the given text, so all of it is grounded. On edit prompts
 # ("fix only the spelling", "write numbers as digits") the bundled 135M model paraphrases and leaves the
 # text within ~70 tokens, so most of a 256-token output would not be grounded in the input at all.
@@ -72,6 +75,7 @@ CHATS = [
     "Describe a good morning routine.",
 ]
 DRAFT_LAYERS = 10
+SELF_DRAFT_DEPTHS = (DRAFT_LAYERS, 20, 25, 28)  # of the bundled model's 30 layers
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
     "self_draft": {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": DRAFT_LAYERS},
@@ -151,21 +155,21 @@ def free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def compare(make: Any, spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def compare(
+    make: Any, spec: dict | None, prompts: list[list[int]], max_tokens: int, repeats: int = REPEATS
+) -> dict[str, Any]:
     """Plain and speculative decoding of the same prompts on two engines side by side (each with a KV
-    cache of SIDE_BY_SIDE_BLOCKS), each warmed by the same generate first (every batch size, context length
-    and kernel shape the timed one meets), then timed in turn, REPEATS times each, so that the machine's
-    drift falls on both alike; each side's median run is kept. Greedy outputs are compared token by token: in fp32 they
-    are equal (tests/); in bf16 a verification step computes a row's k + 1 positions in other kernel shapes
-    than k + 1 decode steps, so a near-tie can break the other way and the two continuations part there."""
-    engines = {
-        label: make(config, num_gpu_blocks_override=SIDE_BY_SIDE_BLOCKS)
-        for label, config in (("plain", None), ("spec", spec))
-    }
+    cache for the largest batch at max_model_len, see main), each warmed by the same generate first (every
+    batch size, context length and kernel shape the timed one meets), then timed in turn, `repeats` times
+    each, so that the machine's drift falls on both alike; each side's median run is kept. Greedy outputs are
+    compared token by token: in fp32 they are equal (tests/); in bf16 a verification step computes a row's
+    k + 1 positions in other kernel shapes than k + 1 decode steps, so a near-tie can break the other way and
+    the two continuations part there."""
+    engines = {label: make(config) for label, config in (("plain", None), ("spec", spec))}
     for llm in engines.values():
         timed_generate(llm, prompts, max_tokens)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in engines}
-    for _ in range(REPEATS):
+    for _ in range(repeats):
         for label, llm in engines.items():
             runs[label].append(timed_generate(llm, prompts, max_tokens))
     out: dict[str, Any] = {}
@@ -244,8 +248,15 @@ def main() -> None:
     out_len = 32 if args.quick else 256
     big = [4, 8] if args.quick else [64, 256]
 
-    def make(spec: dict | None, **kw: Any) -> Any:
-        return LLM(args.model, dtype=dtype, device=device, max_model_len=2048, speculative_config=spec, **kw)
+    # each engine's KV blocks: the largest batch at max_model_len (12 GiB of SmolLM2's at 256), so that two
+    # engines fit side by side
+    blocks = max(big) * MAX_MODEL_LEN // 16
+
+    def make(spec: dict | None) -> Any:
+        return LLM(
+            args.model, dtype=dtype, device=device, max_model_len=MAX_MODEL_LEN, speculative_config=spec,
+            num_gpu_blocks_override=blocks,
+        )  # fmt: skip
 
     from engine.bundled import model_dir
 
@@ -284,10 +295,16 @@ def run_all(
     results["ngram_b1"] = compare(make, methods["ngram"], grounded[:1], out_len)
     results["self_draft_b1"] = compare(make, methods["self_draft"], chats[:1], out_len)
     results["draft_model_b1"] = compare(make, methods["draft_model"], chats[:1], out_len)
+    results["draft_model_b1_fixed_k"] = compare(
+        make, {**methods["draft_model"], "adaptive": False}, chats[:1], out_len
+    )
+    for layers in SELF_DRAFT_DEPTHS:  # an early exit that was never trained for it: acceptance by depth
+        spec = {**methods["self_draft"], "num_draft_layers": layers, "adaptive": False}
+        results[f"self_draft_b1_fixed_k_{layers}"] = compare(make, spec, chats[:1], out_len)
     for b in big:
         batch = [chats[i % len(chats)] for i in range(b)]
         for name, spec in methods.items():
-            results[f"adaptive_b{b}_{name}"] = compare(make, spec, batch, out_len // 2)
+            results[f"adaptive_b{b}_{name}"] = compare(make, spec, batch, out_len // 2, REPEATS_BIG)
     if device == "cuda" and not quick:
         results["verify_cost"] = verify_cost(device, [1, 16, 64, 256], [0, 1, 2, 4, 8])
     return results
@@ -296,18 +313,37 @@ def run_all(
 def write_records(results: dict[str, Any], big: list[int], out_dir: Path | None) -> None:
     from bench.record import record
 
-    def spec_record(name: str, r: dict[str, Any], goal: str | None) -> None:
+    def spec_record(name: str, r: dict[str, Any], goal: str | None, **more: Any) -> None:
         record(
             name, r["spec"]["tok_s"], "tok/s", baseline=r["plain"]["tok_s"],
             baseline_name="plain decoding, same prompts, same run (tok/s)", ratio=r["ratio"], goal=goal,
             out_dir=out_dir, command=COMMAND,
             extra={"acceptance_rate": r["spec"]["acceptance_rate"],
-                   "mean_accepted_length": r["spec"]["mean_accepted_length"], "same_output": r["same_output"], **r},
+                   "mean_accepted_length": r["spec"]["mean_accepted_length"], "same_output": r["same_output"], **r,
+                   **more},
         )  # fmt: skip
 
+    def fixed_k(r: dict[str, Any]) -> dict[str, Any]:
+        """The same method with every step drafting k tokens: its speedup, acceptance and accepted length."""
+        return {"ratio": r["ratio"], "tok_s": r["spec"]["tok_s"], "same_output": r["same_output"],
+                "acceptance_rate": r["spec"]["acceptance_rate"],
+                "mean_accepted_length": r["spec"]["mean_accepted_length"]}  # fmt: skip
+
     spec_record("spec_ngram_b1_smollm2", results["ngram_b1"], f">= {GOALS['ngram_b1']}x plain")
-    spec_record("spec_self_draft_b1_smollm2", results["self_draft_b1"], None)
-    spec_record("spec_draft_model_b1_smollm2", results["draft_model_b1"], None)
+    spec_record(
+        "spec_self_draft_b1_smollm2",
+        results["self_draft_b1"],
+        None,
+        fixed_k_by_draft_layers={
+            n: fixed_k(results[f"self_draft_b1_fixed_k_{n}"]) for n in SELF_DRAFT_DEPTHS
+        },
+    )
+    spec_record(
+        "spec_draft_model_b1_smollm2",
+        results["draft_model_b1"],
+        None,
+        fixed_k=fixed_k(results["draft_model_b1_fixed_k"]),
+    )
     for b in big:
         for name in METHODS:
             spec_record(
