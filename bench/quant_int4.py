@@ -16,8 +16,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
   from the KV-sizing log line; and GPTQ with the LM head quantized too (lm_head=true, the config of a
   dummy-weight directory), whose weights are the memory record.
-- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16, and at 4 one-row tiles too (best per M
-  printed).
+- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's and a few of the
+  one-row and 16-row paths' (best per M printed).
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -52,9 +52,9 @@ def int4_layer(device: str, seed: int) -> dict[str, Any]:
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, (k, n) in LAYER.items():
-        qweight = torch.randint(
-            -(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device, generator=g
-        )
+        qweight = torch.randint(  # K-contiguous, as loaded layers hold it (engine/layers/quant/int4.py)
+            -(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=device, generator=g
+        ).t()
         scales = torch.full((k // GROUP, n), 0.007, dtype=torch.float16, device=device)
         zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.uint8, device=device, generator=g)
         out[name] = Int4Weight(qweight, scales, zeros, GROUP)
@@ -144,21 +144,24 @@ def sweep() -> None:
     for m in (1, 4, 16):
         xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
         found = []
-        tiles = [(1 if m == 1 else 16, block_n) for block_n in (32, 64, 128, 256)]
-        if m == 4:  # also as one-row tiles (FMAs, a program per row and column tile) against the 16-row dots
-            tiles.append((1, 256))
-        for block_m, block_n in tiles:
-            for split in (1, 2, 4, 8, 16):
-                for warps, stages in ((2, 2), (4, 2), (4, 3), (8, 3)):
-                    cfg = GemmConfig(block_m, block_n, split, warps, stages)
-                    try:
-                        t = time_us(
-                            [partial(w4a16_gemm_triton, xs[n], w[n], None, cfg) for w in sets for n in LAYER]
-                        )
-                    except Exception as e:  # a config the device cannot run (shared memory, registers)
-                        print(f"  M={m} {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    found.append((t * len(LAYER), cfg))
+        configs = [  # the swapped kernel (the default up to 16 rows)
+            GemmConfig(8 if m <= 8 else 16, block_n, split, warps, stages, swap=True)
+            for block_n in (64, 128, 256)
+            for split in (1, 2, 4, 8, 16)
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3))
+        ]
+        configs += [  # the one-row FMA and 16-row dot tiles (fp32 x and smaller groups take them)
+            GemmConfig(1 if m == 1 else 16, block_n, split, 4, 2)
+            for block_n in (128, 256)
+            for split in (4, 8, 16)
+        ]
+        for cfg in configs:
+            try:
+                t = time_us([partial(w4a16_gemm_triton, xs[n], w[n], None, cfg) for w in sets for n in LAYER])
+            except Exception as e:  # a config the device cannot run (shared memory, registers)
+                print(f"  M={m} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            found.append((t * len(LAYER), cfg))
         found.sort(key=lambda f: f[0])
         print(f"sweep M={m}: best " + "; ".join(f"{t:.1f} us {c}" for t, c in found[:3]), flush=True)
 

@@ -3,7 +3,9 @@
 AWQ, GPTQ and GGUF Q4_0 / Q4_1 checkpoints are re-laid at load time (engine/layers/quant/) into one
 layout that the W4A16 GEMM (kernels/w4a16_gemm.py) and this dequantizer read:
 
-    qweight (K/8, N) int32   packed along K: bits 4j..4j+3 of qweight[r, n] hold q[8r + j, n], 0..15
+    qweight (K/8, N) int32   packed along K: bits 4j..4j+3 of qweight[r, n] hold q[8r + j, n], 0..15;
+                             any strides: loaded layers hold it K-contiguous, stride (1, K/8), which
+                             the small-batch GEMM reads fastest
     scales  (K/G, N) fp16    one scale per group of G input rows and output column
     zeros   (K/G, N) uint8   integer zero points:   w[k, n] = (q[k, n] - z[g, n]) * s[g, n]   (AWQ, GPTQ, Q4_0)
             (K/G, N) fp16    or float offsets:      w[k, n] = q[k, n] * s[g, n] + m[g, n]     (GGUF Q4_1)
@@ -89,6 +91,8 @@ def _int4_dequant_kernel(
     K,
     # strides
     stride_o,
+    stride_qk,
+    stride_qn,
     # meta
     GROUP: tl.constexpr,
     ZERO_IS_OFFSET: tl.constexpr,
@@ -99,7 +103,8 @@ def _int4_dequant_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) packed rows
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < K // 8)[:, None] & (cols < N)[None, :]
-    packed = tl.load(qw_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0)  # (BLOCK_R, BLOCK_N)
+    # (BLOCK_R, BLOCK_N)
+    packed = tl.load(qw_ptr + rows[:, None] * stride_qk + cols[None, :] * stride_qn, mask=mask, other=0)
     groups = (rows * 8) // GROUP
     s = tl.load(s_ptr + groups[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + groups[:, None] * N + cols[None, :], mask=mask, other=0).to(tl.float32)
@@ -127,7 +132,7 @@ def int4_dequant_triton(w: Int4Weight, dtype: torch.dtype, out: torch.Tensor | N
     _int4_dequant_kernel[grid](
         w.qweight, w.scales, w.zeros, perm, out,
         n, k,
-        out.stride(0),
+        out.stride(0), w.qweight.stride(0), w.qweight.stride(1),
         GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset, HAS_PERM=w.perm is not None,
         BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
     )  # fmt: skip

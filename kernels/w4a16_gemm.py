@@ -2,7 +2,15 @@
 has the layout), activations bf16, fp16 or fp32.
 
 Three paths by the number of rows M:
-- M < DEQUANT_MIN_M, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
+- M < DEQUANT_MIN_M, 16-bit activations, groups a multiple of BLOCK_K (AWQ, GPTQ): the swapped kernel,
+  out^T = W x^T on the tensor cores, the weights as the wide operand (BLOCK_N output columns as the MMA's
+  rows) and x^T, padded to 8 or 16 rows, as the narrow one. A K tile is again 16 packed rows; for
+  j = 0..3 one shift and one LOP3 per int32 give nibbles j and j + 4 as two 16-bit magic + q values, the
+  register pair that the MMA reads as two adjacent k: the dot's k order is (packed row, j / j + 4), and x's
+  columns are gathered in that order. A nibble costs half a shift and half a LOP3; the scale, zero and magic
+  go on once per tile as below. The weights are laid K-contiguous (qweight's stride (1, K/8)) so each
+  output column's 16 words of a tile are one 64-byte run: 16-byte async copies.
+- M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
   j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. No
   unpacked tile is ever assembled. The scale and zero go on after the products where the group allows:
@@ -48,6 +56,8 @@ BLOCK_K = 128  # input rows per K tile: 16 packed rows, tl.dot depth 16 per nibb
 DEQUANT_MIN_M = 17
 NUM_LOCKS = 1 << 14  # split-K tile counters per device
 PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
+# the swapped kernel's tile, warps, stages and split-K target
+SWAP_BLOCK_N, SWAP_WARPS, SWAP_STAGES, SWAP_PROGRAMS_PER_SM = 128, 4, 3, 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,7 @@ class GemmConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False  # the swapped kernel (16-bit x, groups a multiple of BLOCK_K); block_m 8 or 16 then
 
 
 @triton.jit
@@ -107,6 +118,8 @@ def _w4a16_kernel(
     # strides
     stride_xm,
     stride_om,
+    stride_qk,
+    stride_qn,
     # meta
     GROUP: tl.constexpr,
     ZERO_IS_OFFSET: tl.constexpr,
@@ -144,7 +157,9 @@ def _w4a16_kernel(
         mask_w = mask_r[:, None] & mask_n[None, :]
         if EVEN_K:  # the weight tile masked along K only where a tile runs past it
             mask_w = mask_n[None, :]
-        packed = tl.load(qw_ptr + prow[:, None] * N + offs_n[None, :], mask=mask_w, other=0)
+        packed = tl.load(
+            qw_ptr + prow[:, None] * stride_qk + offs_n[None, :] * stride_qn, mask=mask_w, other=0
+        )
         if GROUP % BLOCK_K == 0:  # the whole tile in one group: one row of scales and zeros, loaded 1-D (the
             # tile's column layout, no conversion)
             g_off = ((t * BLOCK_K) // GROUP) * N + offs_n
@@ -196,26 +211,115 @@ def _w4a16_kernel(
     if BLOCK_M == 1:
         acc += tl.sum(acc_k, axis=0)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask_o = mask_m[:, None] & mask_n[None, :]
+    bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    _finish(acc, bias, out_ptrs, mask_m[:, None] & mask_n[None, :], ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _finish(acc, bias, out_ptrs, mask_o, ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K: tl.constexpr):
+    """Write a program's output tile (plus bias, broadcast over it). Under split-K each program writes its
+    fp32 partial to the workspace and takes a ticket from the tile's counter; the last to arrive sums the
+    partials in split order, writes, and resets the counter."""
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+        tl.store(out_ptrs, (acc + bias).to(out_ptrs.dtype.element_ty), mask=mask_o)
     else:
-        tile = BLOCK_M * BLOCK_N
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile: tl.constexpr = acc.shape[0] * acc.shape[1]
+        local = tl.arange(0, acc.shape[0])[:, None] * acc.shape[1] + tl.arange(0, acc.shape[1])[None, :]
         partials = ws_ptr + pid_mn.to(tl.int64) * SPLIT_K * tile + local
         tl.store(partials + pid_k * tile, acc)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         ticket = tl.atomic_add(lock_ptr + pid_mn, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:  # the last to arrive: sum in split order, write, reset the counter
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.zeros(acc.shape, dtype=tl.float32)
             for split in tl.static_range(SPLIT_K):
                 total += tl.load(partials + split * tile, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_o)
+            tl.store(out_ptrs, (total + bias).to(out_ptrs.dtype.element_ty), mask=mask_o)
             tl.atomic_xchg(lock_ptr + pid_mn, 0)
+
+
+@triton.jit
+def _w4a16_swap_kernel(
+    # pointers
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    tiles_per_split,
+    # strides
+    stride_xm,
+    stride_om,
+    stride_qk,
+    stride_qn,
+    # meta
+    GROUP: tl.constexpr,
+    ZERO_IS_OFFSET: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MAGIC_BITS: tl.constexpr,
+    MAGIC_VALUE: tl.constexpr,
+):
+    """(BLOCK_N, BLOCK_M) of out^T per program over its split's K tiles; every tile lies in one group."""
+    pid_mn, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
+    rows = tl.arange(0, R)
+    # the dot's k = 2r + h reads nibble j + 4h of packed row r: x's column 8r + 4h + j of the tile
+    kappa = tl.arange(0, 2 * R)
+    pair_cols = 8 * (kappa // 2) + 4 * (kappa % 2)
+    all_cols = tl.arange(0, BLOCK_K)
+    magic_pair: tl.constexpr = MAGIC_BITS * 65537  # the magic in both 16-bit halves
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, K // BLOCK_K)
+    for t in tl.range(first, last, num_stages=NUM_STAGES):
+        prow = t * R + rows
+        packed = tl.load(qw_ptr + prow[None, :] * stride_qk + offs_n[:, None] * stride_qn, mask=mask_n[:, None],
+                         other=0)  # (BLOCK_N, R)  # fmt: skip
+        g_off = ((t * BLOCK_K) // GROUP) * N + offs_n
+        s = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)
+        if not ZERO_IS_OFFSET:
+            z = -z * s  # w = q * s - z * s, exact in fp32
+        # x's sum over the tile's columns carries the zero and the magic: sum_k (magic + q_k) x_k s + (z - magic s) sum_k x_k
+        x_all = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, t * BLOCK_K + all_cols, mask_m, all_cols < BLOCK_K,
+                        HAS_PERM)  # fmt: skip
+        x_sum = tl.sum(x_all.to(tl.float32), 1)  # (BLOCK_M,)
+        dots = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for j in tl.static_range(4):
+            pair = ((packed >> (4 * j)) & 0x000F000F) | magic_pair  # nibbles j and j + 4, as magic + q
+            lo = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+            hi = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
+            cols = _columns(perm_ptr, t * BLOCK_K + j + pair_cols, pair_cols < BLOCK_K, HAS_PERM)
+            x_t = tl.load(
+                x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0
+            )
+            dots = tl.dot(w, x_t, dots)
+        acc += dots * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * x_sum[None, :]
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    _finish(acc, bias, out_ptrs, mask_n[:, None] & mask_m[None, :], ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K)
 
 
 @functools.cache
@@ -224,22 +328,34 @@ def _locks(device: torch.device) -> torch.Tensor:
     return torch.zeros(NUM_LOCKS, dtype=torch.int32, device=device)
 
 
-def default_config(m: int, n: int, k: int, device: torch.device, group: int = BLOCK_K) -> GemmConfig:
-    """One row alone (FMAs, no tensor cores), 16-row tiles up to 16 rows, then 32/64/128; split-K while the
-    output tiles are fewer than the target programs per SM, each split keeping at least one K tile. The
-    one-row and post-scaled paths take 256 columns, 2 stages and 8 (one row) or 4 programs per SM: the best
-    of an H200 sweep over a Llama-3-8B layer (bench/quant_int4.py --sweep)."""
+def default_config(m: int, n: int, k: int, device: torch.device, group: int = BLOCK_K,
+                   dtype: torch.dtype = torch.float32) -> GemmConfig:  # fmt: skip
+    """Up to 16 rows of 16-bit x in groups of a multiple of BLOCK_K: the swapped kernel, x padded to 8 or 16
+    rows, SWAP_BLOCK_N columns a program. Otherwise one row alone (FMAs, no tensor cores), 16-row tiles up to
+    16 rows, then 32/64/128. Split-K while the output tiles are fewer than the target programs per SM, each
+    split keeping at least one K tile. Tiles, stages and targets: the best of H200 sweeps over a Llama-3-8B
+    layer (bench/quant_int4.py --sweep)."""
+    k_tiles = triton.cdiv(k, BLOCK_K)
+    if m <= 16 and dtype in MAGIC and group % BLOCK_K == 0:
+        block_m = 8 if m <= 8 else 16
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, SWAP_BLOCK_N)
+        split = _split(tiles, k_tiles, SWAP_PROGRAMS_PER_SM * _backend.num_sms(device))
+        return GemmConfig(block_m, SWAP_BLOCK_N, split, SWAP_WARPS, SWAP_STAGES, swap=True)
     block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
     fast = block_m == 1 or (block_m == 16 and group % BLOCK_K == 0)
     block_n = 256 if fast else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, BLOCK_K)
-    target = (8 if block_m == 1 else PROGRAMS_PER_SM) * _backend.num_sms(device)
+    split = _split(tiles, k_tiles, (8 if block_m == 1 else PROGRAMS_PER_SM) * _backend.num_sms(device))
+    warps = 8 if block_m >= 128 else 4
+    return GemmConfig(block_m, block_n, split, num_warps=warps, num_stages=2 if fast else 3)
+
+
+def _split(tiles: int, k_tiles: int, target: int) -> int:
+    """The power of two (at most 16, at most the K tiles) that brings the programs nearest under target."""
     split = 1
     while split * 2 <= min(16, k_tiles) and tiles * split * 2 <= target:
         split *= 2
-    warps = 8 if block_m >= 128 else 4
-    return GemmConfig(block_m, block_n, split, num_warps=warps, num_stages=2 if fast else 3)
+    return split
 
 
 MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 16-bit bits of 128 / 1024
@@ -259,7 +375,7 @@ def w4a16_gemm_triton(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or default_config(m, n, k, x.device, w.group_size)
+    cfg = config or default_config(m, n, k, x.device, w.group_size, x.dtype)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(k, BLOCK_K)
     per_split = triton.cdiv(k_tiles, cfg.split_k)
@@ -269,17 +385,28 @@ def w4a16_gemm_triton(
     assert split == 1 or tiles <= NUM_LOCKS, f"{tiles} output tiles exceed the {NUM_LOCKS} split-K counters"
     workspace = torch.empty(tiles * split * cfg.block_m * cfg.block_n if split > 1 else 1,
                             dtype=torch.float32, device=x.device)  # fmt: skip
-    _w4a16_kernel[(tiles, split)](
+    args = (
         x, w.qweight, w.scales, w.zeros, w.perm if w.perm is not None else w.qweight,
         bias if bias is not None else x, out, workspace, locks,
         m, n, k, per_split,
-        x.stride(0), out.stride(0),
+        x.stride(0), out.stride(0), w.qweight.stride(0), w.qweight.stride(1),
+    )  # fmt: skip
+    common = dict(
         GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset, HAS_PERM=w.perm is not None,
         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=BLOCK_K, NUM_STAGES=cfg.num_stages, EVEN_K=k % BLOCK_K == 0, POST_SCALE=w.group_size % BLOCK_K == 0,
-        EXACT=x.dtype == torch.float32, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
+        BLOCK_K=BLOCK_K, NUM_STAGES=cfg.num_stages, MAGIC_BITS=magic_bits, MAGIC_VALUE=magic_value,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if cfg.swap:
+        assert x.dtype in MAGIC and w.group_size % BLOCK_K == 0, (
+            f"the swapped kernel takes 16-bit x in groups of {BLOCK_K}k"
+        )
+        _w4a16_swap_kernel[(tiles, split)](*args, **common)
+    else:
+        _w4a16_kernel[(tiles, split)](
+            *args, **common, EVEN_K=k % BLOCK_K == 0, POST_SCALE=w.group_size % BLOCK_K == 0,
+            EXACT=x.dtype == torch.float32,
+        )  # fmt: skip
     return out
 
 

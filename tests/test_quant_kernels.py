@@ -9,6 +9,7 @@ the GPU's; tests/gpu covers bf16).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
@@ -28,9 +29,16 @@ from engine.layers.linear import (
     deferred_weights,
 )
 from engine.layers.quant import AWQLinearMethod, GGUFInt4Method, GGUFInt8Method, GPTQLinearMethod, QuantConfig
+from engine.layers.quant.int4 import Int4Method
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
-from kernels.w4a16_gemm import GemmConfig, _w4a16_kernel, w4a16_gemm_reference, w4a16_gemm_triton
+from kernels.w4a16_gemm import (
+    GemmConfig,
+    _w4a16_kernel,
+    default_config,
+    w4a16_gemm_reference,
+    w4a16_gemm_triton,
+)
 from tests.quant_formats import awq_dense, awq_tensors, gptq_dense, gptq_tensors, random_grid
 
 assert isinstance(_w4a16_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
@@ -157,6 +165,47 @@ def test_w4a16_kernel_matches_reference(m, k, n, group, offsets, perm, bias, con
     ref = w4a16_gemm_reference(x.float(), w, None if b is None else b.float())
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 5e-3}
     torch.testing.assert_close(out.float(), ref, **tol)
+
+
+SWAP_CASES = [  # (M, K, N, group, offsets, perm, bias, config): 16-bit x, groups a multiple of 128
+    (1, 256, 72, 128, False, False, False, None),  # the default for one row
+    (3, 1024, 64, 128, True, True, True, GemmConfig(8, 32, 4, swap=True)),  # split-K, act order, offsets
+    (5, 640, 136, 128, False, False, True, GemmConfig(8, 64, 3, swap=True)),  # uneven: 5 K tiles, 2 + 2 + 1
+    (12, 512, 100, 256, False, True, False, None),  # 16-row tiles, a group of two K tiles
+    (16, 384, 64, 128, True, False, False, GemmConfig(16, 64, 1, swap=True)),
+]
+
+
+@pytest.mark.parametrize("k_contiguous", [False, True])
+@pytest.mark.parametrize("m,k,n,group,offsets,perm,bias,config", SWAP_CASES)
+def test_swapped_kernel_matches_reference(m, k, n, group, offsets, perm, bias, config, k_contiguous):
+    """The swapped kernel (x^T against the weights, nibble pairs as 16-bit magic + q) under the interpreter in
+    fp16 (the interpreter's bf16 dots do not take bit-cast operands; tests/gpu runs bf16), on the packed
+    layout as checkpoints give it and K-contiguous as loaded layers hold it."""
+    w = random_int4(k, n, group, offsets, perm)
+    if k_contiguous:
+        w = dataclasses.replace(w, qweight=w.qweight.t().contiguous().t())
+    x = torch.randn(m, k).half()
+    b = torch.randn(n).half() if bias else None
+    assert config is not None or default_config(m, n, k, x.device, group, x.dtype).swap
+    out = w4a16_gemm_triton(x, w, b, config)
+    ref = w4a16_gemm_reference(x.float(), w, None if b is None else b.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=5e-3)
+
+
+def test_loaded_int4_layers_hold_qweight_k_contiguous():
+    class Installed(Int4Method):  # the formats' loading ends in install(); nothing else is needed here
+        def create_weights(self, *args, **kwargs):
+            raise NotImplementedError
+
+        def process_weights(self, *args, **kwargs):
+            raise NotImplementedError
+
+    layer = torch.nn.Module()
+    method = Installed()
+    method.install(layer, random_int4(256, 64, 128))  # type: ignore[arg-type]
+    assert method.weight is not None and method.weight.qweight.stride() == (1, 32)
+    assert torch.equal(method.weight.qweight, random_int4(256, 64, 128).qweight)
 
 
 def test_split_k_counters_are_reset_for_the_next_call():

@@ -28,7 +28,9 @@ class Int4Method(LinearMethod):
         if w.perm is not None:
             tensors["perm"] = w.perm
         for name, tensor in tensors.items():
-            layer.register_parameter(name, nn.Parameter(tensor.contiguous(), requires_grad=False))
+            # qweight K-contiguous: each output column's words in one run (kernels/w4a16_gemm.py)
+            laid = tensor.t().contiguous().t() if name == "qweight" else tensor.contiguous()
+            layer.register_parameter(name, nn.Parameter(laid, requires_grad=False))
         params = dict(layer.named_parameters(recurse=False))
         perm = params["perm"].data if "perm" in params else None
         self.weight = Int4Weight(
