@@ -240,6 +240,16 @@ def _finish(acc, bias, out_ptrs, mask_o, ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_
 
 
 @triton.jit
+def _pairs(packed, j: tl.constexpr, magic_pair: tl.constexpr, dtype: tl.constexpr):
+    """(BLOCK_N, R) int32 -> (BLOCK_N, 2R) of 16-bit magic + q: k = 2r + h is nibble j + 4h of word r. One
+    shift and one LOP3 per word; each word stays one register, the MMA's pair of adjacent k."""
+    pair = ((packed >> (4 * j)) & 0x000F000F) | magic_pair
+    lo = pair.to(tl.int16).to(dtype, bitcast=True)
+    hi = (pair >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (packed.shape[0], 2 * packed.shape[1]))
+
+
+@triton.jit
 def _w4a16_swap_kernel(
     # pointers
     x_ptr,
@@ -282,9 +292,6 @@ def _w4a16_swap_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
     rows = tl.arange(0, R)
-    # the dot's k = 2r + h reads nibble j + 4h of packed row r: x's column 8r + 4h + j of the tile
-    kappa = tl.arange(0, 2 * R)
-    pair_cols = 8 * (kappa // 2) + 4 * (kappa % 2)
     all_cols = tl.arange(0, BLOCK_K)
     magic_pair: tl.constexpr = MAGIC_BITS * 65537  # the magic in both 16-bit halves
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -299,21 +306,20 @@ def _w4a16_swap_kernel(
         z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)
         if not ZERO_IS_OFFSET:
             z = -z * s  # w = q * s - z * s, exact in fp32
-        # x's sum over the tile's columns carries the zero and the magic: sum_k (magic + q_k) x_k s + (z - magic s) sum_k x_k
+        # x's tile, once: its sum carries the zero and the magic,
+        #   sum_k (magic + q_k) s x_k + (z - magic s) sum_k x_k,
+        # and its columns 8r + 4h + 2b + a, regrouped in registers, are the dots' x^T (j = 2b + a, k = 2r + h)
         x_all = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, t * BLOCK_K + all_cols, mask_m, all_cols < BLOCK_K,
                         HAS_PERM)  # fmt: skip
         x_sum = tl.sum(x_all.to(tl.float32), 1)  # (BLOCK_M,)
-        dots = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for j in tl.static_range(4):
-            pair = ((packed >> (4 * j)) & 0x000F000F) | magic_pair  # nibbles j and j + 4, as magic + q
-            lo = pair.to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-            hi = (pair >> 16).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-            w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 2 * R))
-            cols = _columns(perm_ptr, t * BLOCK_K + j + pair_cols, pair_cols < BLOCK_K, HAS_PERM)
-            x_t = tl.load(
-                x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=mask_m[None, :], other=0.0
-            )
-            dots = tl.dot(w, x_t, dots)
+        x_even_b, x_odd_b = tl.split(tl.permute(tl.reshape(x_all, (BLOCK_M, R, 2, 2, 2)), (1, 2, 0, 4, 3)))
+        x_0, x_1 = tl.split(x_even_b)  # (R, 2, BLOCK_M) each: r, h, m
+        x_2, x_3 = tl.split(x_odd_b)
+        dt = x_ptr.dtype.element_ty
+        dots = tl.dot(_pairs(packed, 0, magic_pair, dt), tl.reshape(x_0, (2 * R, BLOCK_M)))
+        dots = tl.dot(_pairs(packed, 1, magic_pair, dt), tl.reshape(x_1, (2 * R, BLOCK_M)), dots)
+        dots = tl.dot(_pairs(packed, 2, magic_pair, dt), tl.reshape(x_2, (2 * R, BLOCK_M)), dots)
+        dots = tl.dot(_pairs(packed, 3, magic_pair, dt), tl.reshape(x_3, (2 * R, BLOCK_M)), dots)
         acc += dots * s[:, None] + (z - MAGIC_VALUE * s)[:, None] * x_sum[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     bias = tl.zeros((BLOCK_N, 1), dtype=tl.float32)
