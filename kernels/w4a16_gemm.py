@@ -57,7 +57,7 @@ DEQUANT_MIN_M = 17
 NUM_LOCKS = 1 << 14  # split-K tile counters per device
 PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
 # the swapped kernel's tile, warps, stages and split-K target
-SWAP_BLOCK_N, SWAP_WARPS, SWAP_STAGES, SWAP_PROGRAMS_PER_SM = 128, 4, 3, 4
+SWAP_BLOCK_N, SWAP_WARPS, SWAP_STAGES, SWAP_PROGRAMS_PER_SM = 64, 4, 3, 8
 
 
 @dataclass(frozen=True)
