@@ -7,8 +7,8 @@ Three paths by the number of rows M:
   rows) and x^T, padded to 8 or 16 rows, as the narrow one. A K tile is again 16 packed rows; for
   j = 0..3 one shift and one LOP3 per int32 give nibbles j and j + 4 as two 16-bit magic + q values, the
   register pair that the MMA reads as two adjacent k: the dot's k order is (packed row, j / j + 4), and x's
-  columns are gathered in that order. A nibble costs half a shift and half a LOP3; the scale, zero and magic
-  go on once per tile as below. The weights are laid K-contiguous (qweight's stride (1, K/8)) so each
+  tile, loaded once, is regrouped into that order in registers. A nibble costs half a shift and half a LOP3;
+  the scale, zero and magic go on once per tile as below. The weights are laid K-contiguous (qweight's stride (1, K/8)) so each
   output column's 16 words of a tile are one 64-byte run: 16-byte async copies.
 - M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
