@@ -122,3 +122,56 @@ def test_cutoff_extremes():
         got = top_k_top_p_cutoff_triton(scaled, one * k, one * p)
         want = top_k_top_p_cutoff_reference(scaled, one * k, one * p)
         assert got.item() == want.item() == cut, (k, p, got.item(), want.item())
+
+
+def _search_rows(vocab: int) -> torch.Tensor:
+    """Rows the top-p search settles at different depths: far-apart logits, ones a few ulps apart, runs
+    of equal values, -inf entries, and rows whose least or largest logit is a zero of either sign."""
+    near = 1.0 + torch.randint(0, 40, (vocab,)) * 2.0**-22  # 40 values 2 ulps apart
+    masked = torch.randn(vocab) * 3
+    masked[::3] = float("-inf")
+    runs = (torch.randn(vocab) * 2).round()  # a handful of values, 0.0 and -0.0 among them
+    at_least_zero = runs.abs()
+    at_most_zero = -runs.abs()
+    rows = [torch.randn(vocab) * 30, near, masked, runs, at_least_zero, at_most_zero]
+    return torch.stack(rows)  # (6, vocab)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.99, 0.999999, 1 - 2**-24])
+def test_cutoff_search_settles_where_the_sort_does(top_p):
+    """The search stops once its interval holds one logit value; the cutoff must not move for it, nor
+    leave the row where top_p is near 1 and Z and the search's sums round differently."""
+    vocab = 2500  # two whole blocks of lanes and a part
+    scaled = _search_rows(vocab).repeat(2, 1)  # (12, vocab): top-k off, then on
+    top_k = torch.full((12, 1), float(vocab))
+    top_k[6:, 0] = torch.tensor([7.0, 1500.0, 1000.0, 900.0, 2000.0, 100.0])
+    top_p = torch.full((12, 1), top_p)
+    got = top_k_top_p_cutoff_triton(scaled, top_k, top_p)
+    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
+    assert torch.isfinite(got).all(), got.flatten().tolist()
+    assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
+
+
+def test_cutoff_keeps_a_run_of_zeros():
+    """0.0 and -0.0 compare equal, so the search must start under both when kth is a zero."""
+    scaled = torch.tensor([[2.0, 0.0, 1.0, -0.0, 3.0]])
+    one = torch.ones(1, 1)
+    for k, p, cut in [(5, 0.99, 0.0), (4, 0.99, 0.0), (5, 0.9, 1.0), (2, 0.99, 2.0)]:
+        got = top_k_top_p_cutoff_triton(scaled, one * k, one * p)
+        want = top_k_top_p_cutoff_reference(scaled, one * k, one * p)
+        assert got.item() == want.item() == cut, (k, p, got.item(), want.item())
+
+
+def test_cutoff_next_to_masked_logits_with_top_p_near_one():
+    """-inf logits carry no mass, so some finite logit is the cutoff even where top_p * Z rounds above the
+    mass of all the finite logits."""
+    rows, vocab = 16, 2000
+    scaled = torch.randn(rows, vocab) * 3
+    scaled[:, ::5] = float("-inf")
+    top_k = torch.full((rows, 1), float(vocab))
+    top_p = torch.full((rows, 1), 1 - 2**-24)
+    got = top_k_top_p_cutoff_triton(scaled, top_k, top_p)
+    finite_least = scaled.masked_fill(scaled == float("-inf"), float("inf")).amin(dim=-1, keepdim=True)
+    assert ((got >= finite_least) & (got < float("inf"))).all(), got.flatten().tolist()
+    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
+    assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
