@@ -16,8 +16,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
   from the KV-sizing log line; and GPTQ with the LM head quantized too (lm_head=true, the config of a
   dummy-weight directory), whose weights are the memory record.
-- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's and a few of the
-  one-row and 16-row paths' (best per M printed).
+- --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core
+  kernel's (M = 1, 4) and the 16-row dots' (best per M printed).
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -150,10 +150,13 @@ def sweep() -> None:
             for split in (1, 2, 4, 8, 16)
             for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3))
         ]
-        configs += [  # the one-row FMA and 16-row dot tiles (fp32 x and smaller groups take them)
-            GemmConfig(1 if m == 1 else 16, block_n, split, 4, 2)
-            for block_n in (128, 256)
+        configs += [  # the CUDA-core kernel (m rows a program) up to 4 rows, the 16-row dots above
+            GemmConfig(m, block_n, split, warps, 3, cuda_cores=True)
+            if m <= 4
+            else GemmConfig(16, block_n, split, warps, 2)
+            for block_n in (64, 128, 256)
             for split in (4, 8, 16)
+            for warps in (4, 8)
         ]
         for cfg in configs:
             try:

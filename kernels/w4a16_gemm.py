@@ -10,20 +10,23 @@ Three paths by the number of rows M:
   tile, loaded once, is regrouped into that order in registers. A nibble costs half a shift and half a LOP3;
   the scale, zero and magic go on once per tile as below. The weights are laid K-contiguous (qweight's stride (1, K/8)) so each
   output column's 16 words of a tile are one 64-byte run: 16-byte async copies.
+- One row at a time (a config with block_m 1; fp32 x, smaller groups): the CUDA-core kernel. A program
+  owns BLOCK_N output columns of one row; a K tile is 16 packed rows, each output column's 16 words one
+  64-byte run, and x's 128 columns are one contiguous load split in registers by nibble. Three shifts per
+  word (8 either way, and a rotation by 16) and one LOP3 per nibble put each nibble in an fp32 mantissa under
+  a fixed exponent: 128 + q at bits 16..19, 2048 + q at bits 12..15 (exact, as is its product with a
+  16-bit x); one FMA each. The magics' share, 128 sum x + 1920 sum x_odd, comes off with the zero. Masks
+  are passed as arguments: as constants the compiler rebuilds them before every LOP3. fp32 x takes q
+  itself (exact products).
 - M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
-  j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. No
-  unpacked tile is ever assembled. The scale and zero go on after the products where the group allows:
+  j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. The
+  scale and zero go on after the products where the group allows:
 
       sum_k (q_k s - z s) x_k = s * sum_k q_k x_k + (-z s) * sum_k x_k        (one group)
 
-  so a nibble costs a shift and a LOP3 that place it in a float's mantissa under a fixed exponent (the
-  "magic number" 128 + q, exact), and one FMA or a tensor-core product; the magic's share, 128 * sum_k x_k,
-  comes off with the zero. Paths:
-  - one row (batch-1 decode): fp32 FMAs of 128 + q against x over the (16, BLOCK_N) tile, each packed row's
-    scale and zero applied once per tile (any group size), reduced over K once, at the end;
-  - 2..16 rows, groups a multiple of the tile: per nibble one tl.dot of depth 16 with 128 + q (bf16) or
-    1024 + q (fp16) built from the bits as x's own type, the tile's scale and zero after the 8 dots;
+  - groups a multiple of the tile: per nibble one tl.dot of depth 16 with 128 + q (bf16) or 1024 + q
+    (fp16) built from the bits as x's own type, the tile's scale and zero after the 8 dots;
   - smaller groups: each weight dequantized (fp32, then x's dtype) before its dot.
   fp32 activations take q itself (exact products, IEEE dots).
 - Split-K (small M, decode): when the output tiles alone cannot fill the GPU, SPLIT_K programs share a
@@ -68,6 +71,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # the swapped kernel (16-bit x, groups a multiple of BLOCK_K); block_m 8 or 16 then
+    cuda_cores: bool = False  # the CUDA-core kernel, which block_m 1 always takes
 
 
 @triton.jit
@@ -96,6 +100,174 @@ def _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, mask_r, HAS_PERM: 
     return tl.load(
         x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
     )
+
+
+@triton.jit
+def _nibble_plus_magic(packed, rot, j: tl.constexpr, mask_hi, mask_lo):
+    """Nibble j of every int32 as an fp32 magic + q, from the word, the word shifted 8 either way, or the word
+    rotated 16 (`rot`): nibbles 0, 2, 4, 6 land at bits 16..19 under 128.0's exponent (128 + q), nibbles
+    1, 3, 5, 7 at bits 12..15 under 2048.0's (2048 + q). One LOP3 each, with three shifts per word; both
+    products with a 16-bit x are exact. The masks 0xF0000 and 0xF000 come in as arguments: as constants
+    the compiler rebuilds them in a register before every LOP3."""
+    if j == 0:
+        bits = (rot & mask_hi) | 0x43000000
+    elif j == 1:
+        bits = ((packed << 8) & mask_lo) | 0x45000000
+    elif j == 2:
+        bits = ((packed << 8) & mask_hi) | 0x43000000
+    elif j == 3:
+        bits = (packed & mask_lo) | 0x45000000
+    elif j == 4:
+        bits = (packed & mask_hi) | 0x43000000
+    elif j == 5:
+        bits = ((packed >> 8) & mask_lo) | 0x45000000
+    elif j == 6:
+        bits = ((packed >> 8) & mask_hi) | 0x43000000
+    else:
+        bits = (rot & mask_lo) | 0x45000000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _outer(plane, x):
+    """A (BLOCK_N, R) plane against x's (R,) row or (BLOCK_M, R) rows: (BLOCK_N, R) or (BLOCK_M, BLOCK_N, R)."""
+    if len(x.shape) == 1:
+        out = plane * x[None, :]
+    else:
+        out = plane[None, :, :] * x[:, None, :]
+    return out
+
+
+@triton.jit
+def _by_nibble(x_tile, R: tl.constexpr):
+    """(BLOCK_M, 8R) or (8R,) -> 8 tensors (BLOCK_M, R) or (R,): column 8r + j goes to the j-th, at r. One contiguous load of
+    the tile and splits in registers, where 8 strided loads cost a load and a conversion per element."""
+    if len(x_tile.shape) == 1:
+        even, odd = tl.split(tl.reshape(x_tile, (R, 2, 2, 2)))  # by bit 0 of j
+    else:
+        even, odd = tl.split(tl.reshape(x_tile, (x_tile.shape[0], R, 2, 2, 2)))
+    j0, j4 = tl.split(tl.split(even)[0])
+    j2, j6 = tl.split(tl.split(even)[1])
+    j1, j5 = tl.split(tl.split(odd)[0])
+    j3, j7 = tl.split(tl.split(odd)[1])
+    return j0, j1, j2, j3, j4, j5, j6, j7
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    # pointers
+    x_ptr,
+    qw_ptr,
+    s_ptr,
+    z_ptr,
+    perm_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    # sizes
+    M,
+    N,
+    K,
+    tiles_per_split,
+    # strides
+    stride_xm,
+    stride_om,
+    stride_qk,
+    stride_qn,
+    # the nibble masks (see _nibble_plus_magic)
+    mask_hi,
+    mask_lo,
+    # meta
+    GROUP: tl.constexpr,
+    ZERO_IS_OFFSET: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    """BLOCK_M rows of x against BLOCK_N output columns per program, over its split's K tiles, on the CUDA
+    cores: each nibble is decoded once and meets every row."""
+    pid_mn, pid_k = tl.program_id(0), tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
+    rows = tl.arange(0, R)
+    # one row: (BLOCK_N, R) products and (R,) x, as 2-D and 1-D tensors (a leading dim of 1 costs the layouts
+    # their registers-only split of x); more rows: (BLOCK_M, BLOCK_N, R) and (BLOCK_M, R)
+    ONE: tl.constexpr = BLOCK_M == 1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the zero and magic terms
+    acc_r = tl.zeros((BLOCK_N, R) if ONE else (BLOCK_M, BLOCK_N, R), dtype=tl.float32)  # scaled products
+    first = pid_k * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for t in tl.range(first, last, num_stages=NUM_STAGES):
+        prow = t * R + rows
+        mask_r = prow < K // 8
+        mask_w = mask_n[:, None] & mask_r[None, :]
+        if EVEN_K:
+            mask_w = mask_n[:, None]
+        packed = tl.load(
+            qw_ptr + offs_n[:, None] * stride_qn + prow[None, :] * stride_qk, mask=mask_w, other=0
+        )  # (BLOCK_N, R)
+        u = packed.to(tl.uint32, bitcast=True)
+        rot = ((u << 16) | (u >> 16)).to(tl.int32, bitcast=True)
+        cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        if ONE:
+            x_row = x_ptr + (pid_mn // num_n) * stride_xm
+            if EVEN_K:
+                x_tile = tl.load(x_row + _columns(perm_ptr, cols, cols < K, HAS_PERM))
+            else:
+                x_tile = tl.load(
+                    x_row + _columns(perm_ptr, cols, cols < K, HAS_PERM), mask=cols < K, other=0.0
+                )
+        else:
+            x_tile = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, cols < K, HAS_PERM)
+        x_by_j = _by_nibble(x_tile.to(tl.float32), R)  # x at input rows 8r + j, for each j
+        part = tl.zeros(acc_r.shape, dtype=tl.float32)  # sum_j (magic_j + q) x, or q x when EXACT
+        x_sum = tl.zeros(x_by_j[0].shape, dtype=tl.float32)
+        x_odd = tl.zeros(x_by_j[0].shape, dtype=tl.float32)  # x of the odd nibbles: magic 2048, not 128
+        for j in tl.static_range(8):
+            xj = x_by_j[j]
+            x_sum += xj
+            if EXACT:  # fp32 x: q itself, exact products
+                part += _outer(int4_values(packed, j), xj)
+            else:
+                part += _outer(_nibble_plus_magic(packed, rot, j, mask_hi, mask_lo), xj)
+                if j % 2 == 1:
+                    x_odd += xj
+        x_magic = 128.0 * x_sum + 1920.0 * x_odd  # per packed row, sum_j magic_j x (none when EXACT)
+        if EXACT:
+            x_magic = tl.zeros(x_sum.shape, dtype=tl.float32)
+        if GROUP % BLOCK_K == 0:  # the tile in one group: one scale and zero per column
+            g_off = ((t * BLOCK_K) // GROUP) * N + offs_n
+            s = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # (BLOCK_N,)
+            z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)
+            if not ZERO_IS_OFFSET:
+                z = -z * s  # w = q * s - z * s, exact in fp32
+            acc_r += part * s[:, None]  # the scale per column (broadcast over the rows' leading dim)
+            x_total = tl.sum(x_sum, 0) if ONE else tl.sum(x_sum, 1)[:, None]
+            magic_total = tl.sum(x_magic, 0) if ONE else tl.sum(x_magic, 1)[:, None]
+            acc += z[None, :] * x_total - s[None, :] * magic_total
+        else:  # smaller groups: a scale and zero per packed row (a group holds whole packed rows)
+            g_off = ((prow * 8) // GROUP)[None, :] * N + offs_n[:, None]
+            s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (BLOCK_N, R)
+            z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
+            if not ZERO_IS_OFFSET:
+                z = -z * s
+            acc_r += part * s + _outer(z, x_sum) - _outer(s, x_magic)
+    acc += tl.sum(acc_r, 1)[None, :] if ONE else tl.sum(acc_r, 2)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    _finish(acc, bias, out_ptrs, mask_m[:, None] & mask_n[None, :], ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K)
 
 
 @triton.jit
@@ -144,11 +316,7 @@ def _w4a16_kernel(
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
     rows = tl.arange(0, R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if BLOCK_M == 1:  # one row (batch-1 decode): fp32 FMAs, reduced over K once at the end
-        acc_k = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-    # what the nibble planes carry on top of q: 128 in fp32 (one row), MAGIC_VALUE in x's dtype (the dots)
-    magic_1 = 0.0 if EXACT else 128.0
-    magic = 0.0 if EXACT else MAGIC_VALUE
+    magic = 0.0 if EXACT else MAGIC_VALUE  # what the dots' nibble planes carry on top of q
     first = pid_k * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
     for t in tl.range(first, last, num_stages=NUM_STAGES):
@@ -171,24 +339,7 @@ def _w4a16_kernel(
             z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
         if not ZERO_IS_OFFSET:
             z = -z * s  # w = q * s - z * s, exact in fp32
-        if BLOCK_M == 1:  # sum_j (magic + q) x per packed row, then its scale and zero once
-            part = tl.zeros((R, BLOCK_N), dtype=tl.float32)
-            x_sum = tl.zeros((R,), dtype=tl.float32)
-            x_row = x_ptr + (pid_mn // num_n) * stride_xm  # BLOCK_M == 1: the tile's row
-            for j in tl.static_range(8):
-                cols = _columns(perm_ptr, prow * 8 + j, mask_r, HAS_PERM)
-                xj = tl.load(x_row + cols, mask=mask_r, other=0.0).to(tl.float32)  # (R,)
-                q = _nibble_plus_128(packed, j)
-                if EXACT:
-                    q -= 128.0
-                part += q * xj[:, None]
-                x_sum += xj
-            if GROUP % BLOCK_K == 0:  # the zero term needs only the tile's sum of x
-                acc += (z - magic_1 * s) * tl.sum(x_sum, 0)
-                acc_k += part * s
-            else:
-                acc_k += part * s + x_sum[:, None] * (z - magic_1 * s)
-        elif POST_SCALE:  # raw nibbles through the dots, the tile's one scale and zero after them
+        if POST_SCALE:  # raw nibbles through the dots, the tile's one scale and zero after them
             dots = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             x_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for j in tl.static_range(8):
@@ -208,8 +359,6 @@ def _w4a16_kernel(
                     acc = tl.dot(xj, w.to(xj.dtype), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(xj, w.to(xj.dtype), acc)
-    if BLOCK_M == 1:
-        acc += tl.sum(acc_k, axis=0)[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
@@ -408,6 +557,11 @@ def w4a16_gemm_triton(
             f"the swapped kernel takes 16-bit x in groups of {BLOCK_K}k"
         )
         _w4a16_swap_kernel[(tiles, split)](*args, **common)
+    elif cfg.block_m == 1 or cfg.cuda_cores:
+        del common["MAGIC_BITS"], common["MAGIC_VALUE"]
+        _w4a16_gemv_kernel[(tiles, split)](
+            *args, 0xF0000, 0xF000, **common, EVEN_K=k % BLOCK_K == 0, EXACT=x.dtype == torch.float32
+        )
     else:
         _w4a16_kernel[(tiles, split)](
             *args, **common, EVEN_K=k % BLOCK_K == 0, POST_SCALE=w.group_size % BLOCK_K == 0,

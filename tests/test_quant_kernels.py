@@ -142,9 +142,13 @@ def random_int4(
 
 
 KERNEL_CASES = [  # (M, K, N, group, offsets, perm, bias, config)
-    (1, 256, 72, 32, False, False, False, None),  # one row: the FMA path
+    (1, 256, 72, 32, False, False, False, None),  # one row: the CUDA-core kernel
     (1, 1024, 64, 128, True, True, True, GemmConfig(1, 32, 4)),  # one row, split-K
     (3, 256, 64, 64, False, False, True, GemmConfig(1, 64, 2)),  # one-row tiles over several rows
+    (1, 576, 40, 32, True, True, True, None),  # one row, K not a multiple of the tile (SmolLM2's hidden size)
+    (2, 640, 72, 64, False, False, False, GemmConfig(1, 64, 4)),  # one-row tiles: 5 K tiles in 4 splits
+    (3, 1024, 40, 128, True, True, True, GemmConfig(2, 32, 4, cuda_cores=True)),  # CUDA cores, 2-row tiles
+    (4, 576, 72, 32, False, False, True, GemmConfig(4, 64, 2, cuda_cores=True)),  # 4 rows, K 4.5 tiles
     (3, 384, 130, 128, True, False, True, None),
     (16, 512, 64, 64, False, True, False, None),
     (17, 256, 100, 128, False, False, True, None),
