@@ -9,19 +9,10 @@ summing probability mass (top-p) above 7 candidates at once. Values are searched
 like the floats, so eleven passes pin down one exact value of the row; each lane sums its own elements
 through a pass and the lanes are added once at its end.
 
-With top-k off, one pass finds m, the least logit and Z together: each lane keeps a running max and its
-sum of exp(x - max), rescaled as the max grows (online softmax). With top-k on, one pass finds m and the
-least logit, eleven find kth and one Z. The top-p search's passes also find the smallest logit above the
-interval and the largest in it, and the search stops at the first pass whose interval holds one logit
-value or none: every key it could still end at then has the same smallest logit above it, the one that
-pass found. So top-p takes 1 to 12 passes; on 128k logits 9 or 10 for Gaussian floats, 6 or 7 for bf16
-values.
-
 With m the row's largest logit, kth its top_k-th largest, c the count of logits above kth, and
 S(v) = sum of exp(x - m) over the logits x > v:
 
-    Z      = S(kth) + (top_k - c) * exp(kth - m)       the mass of the top_k logits (ties at kth cut),
-                                                    the whole row's with top-k off
+    Z      = S(kth) + (top_k - c) * exp(kth - m)       the mass of the top_k logits (ties at kth cut)
     cutoff = the smallest logit v >= kth with S(v) < top_p * Z
 
 which is the value at the last rank the sort-based form keeps (`top_k_top_p_cutoff_reference`): a rank is
@@ -40,8 +31,7 @@ from kernels import _backend
 
 WAYS = 8  # candidates per pass, the interval's start among them: each pass narrows the interval 8-fold
 ROUNDS = 11  # 8**11 > 2**32: enough passes to pin one int32 key
-BLOCK = 1024  # lanes: logits a program reads per step of a pass
-NUM_WARPS = 8  # with BLOCK 1024, 112 registers a thread on sm_90: two programs to an SM
+BLOCK = 1024
 
 
 @triton.jit
@@ -90,27 +80,6 @@ def _row_extremes(row_ptr, vocab, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_mass(row_ptr, vocab, BLOCK: tl.constexpr):
-    """(m, the least logit, Z = the sum of exp(x - m) over the row) in one pass, as online softmax sums: each
-    lane keeps its largest logit so far and its sum of exp(x - that), rescaled when a larger one comes."""
-    offs = tl.arange(0, BLOCK)
-    top = tl.full((BLOCK,), float("-inf"), tl.float32)
-    least = tl.full((BLOCK,), float("inf"), tl.float32)
-    mass = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, vocab, BLOCK):
-        live = start + offs < vocab
-        x = tl.load(row_ptr + start + offs, mask=live, other=float("-inf"))
-        new_top = tl.maximum(top, x)
-        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a lane that has seen only -inf sums 0
-        e = tl.exp(tl.minimum(top, x) - shift)  # exp(x - top), or exp(top - x) when x is the new top
-        mass = tl.where(x > top, mass * e + 1.0, mass + e)
-        top = new_top
-        least = tl.minimum(least, tl.where(live, x, float("inf")))
-    m = tl.max(top, 0)
-    return m, tl.min(least, 0), tl.sum(mass * tl.exp(top - m), 0)
-
-
-@triton.jit
 def _kth_key(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr, ROUNDS: tl.constexpr):
     """The largest key K in [lo, hi) with count(logits >= value(K)) >= k, given that lo qualifies and hi
     does not: the key of the k-th largest logit."""
@@ -126,17 +95,17 @@ def _kth_key(row_ptr, vocab, k, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr,
 
 
 @triton.jit
-def _top_k_mass(row_ptr, vocab, m, kth, top_k, BLOCK: tl.constexpr):
-    """Z when top-k is on: S(kth), plus exp(kth - m) for each of the top_k that ties kth."""
+def _mass_above(row_ptr, vocab, m, floor, BLOCK: tl.constexpr):
+    """(S(floor), count of logits above floor), S as in the module docstring."""
     offs = tl.arange(0, BLOCK)
     mass = tl.zeros((BLOCK,), tl.float32)
     count = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, vocab, BLOCK):
         x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-        above = x > kth
+        above = x > floor
         mass += tl.where(above, tl.exp(x - m), 0.0)
         count += above.to(tl.int32)
-    return tl.sum(mass, 0) + (top_k - tl.sum(count, 0)).to(tl.float32) * tl.exp(kth - m)
+    return tl.sum(mass, 0), tl.sum(count, 0)
 
 
 @triton.jit
@@ -149,35 +118,33 @@ def _key_below(v):
 
 
 @triton.jit
-def _mass_cutoff(row_ptr, vocab, m, target, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr):
-    """The smallest logit above value(L), L the largest key in [lo, hi) with S(value(L)) >= target, given
-    that lo qualifies and hi fails (or is the key of m, where S is 0).
-
-    Beside the candidates' masses each pass finds the smallest logit above value(lo) and the largest up to
-    value(hi). Once the logits between are all one value y (or none), narrowing further cannot change the
-    answer: the keys under y's see the same logits above them as lo, the keys from y's on have hi's mass,
-    under target. That pass's smallest is then the cutoff."""
+def _mass_cut_key(
+    row_ptr, vocab, m, target, lo, hi, BLOCK: tl.constexpr, WAYS: tl.constexpr, ROUNDS: tl.constexpr
+):
+    """The largest key L in [lo, hi) with S(value(L)) >= target, given that lo qualifies and hi does not."""
     offs = tl.arange(0, BLOCK)
-    searching = hi > lo
-    cutoff = _value(hi.to(tl.int32))  # m: with nothing to search (a row of -inf), the top logits stay
-    while searching:
+    for _ in range(ROUNDS):
         cand, at = _candidates(lo, hi, WAYS)
-        at_lo = _value(lo.to(tl.int32))
-        at_hi = _value(hi.to(tl.int32))
         mass = tl.zeros((BLOCK, WAYS), tl.float32)  # per lane, summed once after the pass
-        smallest = tl.full((BLOCK,), float("inf"), tl.float32)
-        largest = tl.full((BLOCK,), float("-inf"), tl.float32)
         for start in range(0, vocab, BLOCK):
             x = tl.load(row_ptr + start + offs, mask=start + offs < vocab, other=float("-inf"))
-            w = tl.exp(x - m)  # (BLOCK,); 0 past the row's end, where x > at_lo never holds either
+            w = tl.exp(x - m)  # (BLOCK,); 0 past the row's end
             mass += tl.where(x[:, None] > at[None, :], w[:, None], 0.0)
-            smallest = tl.minimum(smallest, tl.where(x > at_lo, x, float("inf")))
-            largest = tl.maximum(largest, tl.where((x > at_lo) & (x <= at_hi), x, float("-inf")))
-        cutoff = tl.min(smallest, 0)
-        searching = (tl.max(largest, 0) > cutoff) & (hi - lo > 1)  # the first implies the second
         first = tl.arange(0, WAYS) == 0  # lo qualifies by the caller's word
         lo, hi = _narrow(lo, hi, cand, (tl.sum(mass, 0) >= target) | first)
-    return cutoff
+    return lo
+
+
+@triton.jit
+def _smallest_above(row_ptr, vocab, floor, BLOCK: tl.constexpr):
+    """The smallest logit above `floor`."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), float("inf"), tl.float32)
+    for start in range(0, vocab, BLOCK):
+        live = start + offs < vocab
+        x = tl.load(row_ptr + start + offs, mask=live, other=float("-inf"))
+        best = tl.minimum(best, tl.where(live & (x > floor), x, float("inf")))
+    return tl.min(best, 0)
 
 
 @triton.jit
@@ -200,19 +167,18 @@ def _top_k_top_p_cutoff_kernel(
     row_ptr = scaled_ptr + row.to(tl.int64) * stride_row
     top_k = tl.load(top_k_ptr + row).to(tl.int32)
     top_p = tl.load(top_p_ptr + row)
-    if top_k < vocab:  # m first: the search for kth starts from it
-        m, least = _row_extremes(row_ptr, vocab, BLOCK)
-        lo, hi = _key(least).to(tl.int64), _key(m).to(tl.int64) + 1
-        kth_value = _value(_kth_key(row_ptr, vocab, top_k, lo, hi, BLOCK, WAYS, ROUNDS).to(tl.int32))
-        z = 0.0
-        if top_p < 1.0:
-            z = _top_k_mass(row_ptr, vocab, m, kth_value, top_k, BLOCK)
-    else:  # kth is the least logit
-        m, kth_value, z = _row_mass(row_ptr, vocab, BLOCK)
+    m, least = _row_extremes(row_ptr, vocab, BLOCK)
+    top = _key(m).to(tl.int64)
+    kth_value = least
+    if top_k < vocab:
+        kth = _kth_key(row_ptr, vocab, top_k, _key(least).to(tl.int64), top + 1, BLOCK, WAYS, ROUNDS)
+        kth_value = _value(kth.to(tl.int32))
     cutoff = kth_value
     if top_p < 1.0:
-        lo, hi = _key_below(kth_value), _key(m).to(tl.int64)
-        cutoff = _mass_cutoff(row_ptr, vocab, m, top_p * z, lo, hi, BLOCK, WAYS)
+        above, count = _mass_above(row_ptr, vocab, m, kth_value, BLOCK)
+        z = above + (tl.minimum(top_k, vocab) - count).to(tl.float32) * tl.exp(kth_value - m)
+        floor = _mass_cut_key(row_ptr, vocab, m, top_p * z, _key_below(kth_value), top, BLOCK, WAYS, ROUNDS)
+        cutoff = _smallest_above(row_ptr, vocab, _value(floor.to(tl.int32)), BLOCK)
     tl.store(out_ptr + row, cutoff)
 
 
@@ -233,7 +199,7 @@ def top_k_top_p_cutoff_triton(
         vocab,
         scaled.stride(0),
         BLOCK=BLOCK, WAYS=WAYS, ROUNDS=ROUNDS,
-        num_warps=NUM_WARPS,
+        num_warps=8,
     )  # fmt: skip
     return out
 
