@@ -1,8 +1,12 @@
 """W4A16 GEMM: y = x W^T (+ bias) for int4 weights with group-wise scales and zeros (kernels/int4_dequant.py
 has the layout), activations bf16, fp16 or fp32.
 
-Three paths by the number of rows M:
-- M < DEQUANT_MIN_M, 16-bit activations, groups a multiple of BLOCK_K (AWQ, GPTQ): the swapped kernel,
+Paths by the number of rows M:
+- M = 1 (batch-1 decode), any activations and groups: the CUDA-core kernel below, with 512-row K tiles of 16
+  output columns: each column's tile is a 256-byte run of its K-contiguous words, and the tiles alone fill
+  the GPU, so no split-K. On the H200 this reads 0.42 of the copy bandwidth, 128-row tiles with split-K
+  0.34 (bench/quant_int4.py).
+- 2 <= M < DEQUANT_MIN_M, 16-bit activations, groups a multiple of BLOCK_K (AWQ, GPTQ): the swapped kernel,
   out^T = W x^T on the tensor cores, the weights as the wide operand (BLOCK_N output columns as the MMA's
   rows) and x^T, padded to 8 or 16 rows, as the narrow one. A K tile is again 16 packed rows; for
   j = 0..3 one shift and one LOP3 per int32 give nibbles j and j + 4 as two 16-bit magic + q values, the
@@ -10,15 +14,16 @@ Three paths by the number of rows M:
   tile, loaded once, is regrouped into that order in registers. A nibble costs half a shift and half a LOP3;
   the scale, zero and magic go on once per tile as below. The weights are laid K-contiguous (qweight's stride (1, K/8)) so each
   output column's 16 words of a tile are one 64-byte run: 16-byte async copies.
-- One row at a time (a config with block_m 1; fp32 x, smaller groups): the CUDA-core kernel. A program
-  owns BLOCK_N output columns of one row; a K tile is 16 packed rows, each output column's 16 words one
-  64-byte run, and x's 128 columns are one contiguous load split in registers by nibble. Three shifts per
+- The CUDA-core kernel (one row, or a config that asks for it with up to 4 rows a program): a program owns
+  BLOCK_N output columns of its rows; a K tile is block_k / 8 packed rows, each output column's words one
+  contiguous run, and x's block_k columns are one contiguous load split in registers by nibble. Three shifts per
   word (8 either way, and a rotation by 16) and one LOP3 per nibble put each nibble in an fp32 mantissa under
   a fixed exponent: 128 + q at bits 16..19, 2048 + q at bits 12..15 (exact, as is its product with a
   16-bit x); one FMA each. The magics' share, 128 sum x + 1920 sum x_odd, comes off with the zero. Masks
-  are passed as arguments: as constants the compiler rebuilds them before every LOP3. fp32 x takes q
-  itself (exact products).
-- M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
+  are passed as arguments: as constants the compiler rebuilds them before every LOP3. About 3.2 SASS
+  instructions per weight. fp32 x takes q itself (exact products). Several rows share each decoded nibble,
+  but at 2 rows the swapped kernel stays faster (0.34 of copy against 0.31).
+- 2 <= M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
   j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. The
   scale and zero go on after the products where the group allows:
@@ -61,6 +66,8 @@ NUM_LOCKS = 1 << 14  # split-K tile counters per device
 PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
 # the swapped kernel's tile, warps, stages and split-K target
 SWAP_BLOCK_N, SWAP_WARPS, SWAP_STAGES, SWAP_PROGRAMS_PER_SM = 64, 4, 3, 8
+# the CUDA-core kernel's at one row: 16 columns of 512-row K tiles, no split (the tiles fill the GPU)
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 512, 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ class GemmConfig:
     num_stages: int = 3
     swap: bool = False  # the swapped kernel (16-bit x, groups a multiple of BLOCK_K); block_m 8 or 16 then
     cuda_cores: bool = False  # the CUDA-core kernel, which block_m 1 always takes
+    block_k: int = BLOCK_K  # input rows per K tile: the CUDA-core kernel takes any power of two from 128
 
 
 @triton.jit
@@ -485,22 +493,25 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 def default_config(m: int, n: int, k: int, device: torch.device, group: int = BLOCK_K,
                    dtype: torch.dtype = torch.float32) -> GemmConfig:  # fmt: skip
-    """Up to 16 rows of 16-bit x in groups of a multiple of BLOCK_K: the swapped kernel, x padded to 8 or 16
-    rows, SWAP_BLOCK_N columns a program. Otherwise one row alone (FMAs, no tensor cores), 16-row tiles up to
-    16 rows, then 32/64/128. Split-K while the output tiles are fewer than the target programs per SM, each
+    """One row: the CUDA-core kernel, GEMV_BLOCK_N columns of GEMV_BLOCK_K-row K tiles. Up to 16 rows of 16-bit
+    x in groups of a multiple of BLOCK_K: the swapped kernel, x padded to 8 or 16 rows, SWAP_BLOCK_N columns a
+    program. Otherwise 16-row tiles up to 16 rows, then 32/64/128. Split-K while the output tiles are fewer than the target programs per SM, each
     split keeping at least one K tile. Tiles, stages and targets: the best of H200 sweeps over a Llama-3-8B
     layer (bench/quant_int4.py --sweep)."""
+    if m == 1:  # long K tiles: each output column's tile is a 512-byte run, as DRAM serves best
+        block_k = min(GEMV_BLOCK_K, triton.next_power_of_2(k))
+        return GemmConfig(1, GEMV_BLOCK_N, 1, GEMV_WARPS, 3, block_k=block_k)
     k_tiles = triton.cdiv(k, BLOCK_K)
     if m <= 16 and dtype in MAGIC and group % BLOCK_K == 0:
         block_m = 8 if m <= 8 else 16
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, SWAP_BLOCK_N)
         split = _split(tiles, k_tiles, SWAP_PROGRAMS_PER_SM * _backend.num_sms(device))
         return GemmConfig(block_m, SWAP_BLOCK_N, split, SWAP_WARPS, SWAP_STAGES, swap=True)
-    block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
-    fast = block_m == 1 or (block_m == 16 and group % BLOCK_K == 0)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 128 else 128
+    fast = block_m == 16 and group % BLOCK_K == 0
     block_n = 256 if fast else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = _split(tiles, k_tiles, (8 if block_m == 1 else PROGRAMS_PER_SM) * _backend.num_sms(device))
+    split = _split(tiles, k_tiles, PROGRAMS_PER_SM * _backend.num_sms(device))
     warps = 8 if block_m >= 128 else 4
     return GemmConfig(block_m, block_n, split, num_warps=warps, num_stages=2 if fast else 3)
 
@@ -532,7 +543,9 @@ def w4a16_gemm_triton(
         return out
     cfg = config or default_config(m, n, k, x.device, w.group_size, x.dtype)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    k_tiles = triton.cdiv(k, BLOCK_K)
+    cores = cfg.block_m == 1 or cfg.cuda_cores
+    assert cfg.block_k == BLOCK_K or cores, f"only the CUDA-core kernel takes K tiles other than {BLOCK_K}"
+    k_tiles = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(k_tiles, cfg.split_k)
     split = triton.cdiv(k_tiles, per_split)  # no split without a K tile
     locks = _locks(x.device)
@@ -557,10 +570,11 @@ def w4a16_gemm_triton(
             f"the swapped kernel takes 16-bit x in groups of {BLOCK_K}k"
         )
         _w4a16_swap_kernel[(tiles, split)](*args, **common)
-    elif cfg.block_m == 1 or cfg.cuda_cores:
+    elif cores:
         del common["MAGIC_BITS"], common["MAGIC_VALUE"]
+        common["BLOCK_K"] = cfg.block_k
         _w4a16_gemv_kernel[(tiles, split)](
-            *args, 0xF0000, 0xF000, **common, EVEN_K=k % BLOCK_K == 0, EXACT=x.dtype == torch.float32
+            *args, 0xF0000, 0xF000, **common, EVEN_K=k % cfg.block_k == 0, EXACT=x.dtype == torch.float32
         )
     else:
         _w4a16_kernel[(tiles, split)](

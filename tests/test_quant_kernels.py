@@ -149,6 +149,8 @@ KERNEL_CASES = [  # (M, K, N, group, offsets, perm, bias, config)
     (2, 640, 72, 64, False, False, False, GemmConfig(1, 64, 4)),  # one-row tiles: 5 K tiles in 4 splits
     (3, 1024, 40, 128, True, True, True, GemmConfig(2, 32, 4, cuda_cores=True)),  # CUDA cores, 2-row tiles
     (4, 576, 72, 32, False, False, True, GemmConfig(4, 64, 2, cuda_cores=True)),  # 4 rows, K 4.5 tiles
+    (1, 2048, 24, 128, False, True, True, GemmConfig(1, 16, 2, block_k=512)),  # long K tiles, 4 groups each
+    (2, 1280, 40, 64, True, False, False, GemmConfig(2, 8, 1, block_k=1024, cuda_cores=True)),  # uneven
     (3, 384, 130, 128, True, False, True, None),
     (16, 512, 64, 64, False, True, False, None),
     (17, 256, 100, 128, False, False, True, None),
@@ -172,7 +174,7 @@ def test_w4a16_kernel_matches_reference(m, k, n, group, offsets, perm, bias, con
 
 
 SWAP_CASES = [  # (M, K, N, group, offsets, perm, bias, config): 16-bit x, groups a multiple of 128
-    (1, 256, 72, 128, False, False, False, None),  # the default for one row
+    (2, 256, 72, 128, False, False, False, None),  # the default for 2..16 rows
     (3, 1024, 64, 128, True, True, True, GemmConfig(8, 32, 4, swap=True)),  # split-K, act order, offsets
     (5, 640, 136, 128, False, False, True, GemmConfig(8, 64, 3, swap=True)),  # uneven: 5 K tiles, 2 + 2 + 1
     (12, 512, 100, 256, False, True, False, None),  # 16-row tiles, a group of two K tiles
