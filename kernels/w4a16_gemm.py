@@ -21,7 +21,9 @@ Paths by the number of rows M:
   a fixed exponent: 128 + q at bits 16..19, 2048 + q at bits 12..15 (exact, as is its product with a
   16-bit x); one FMA each. The magics' share, 128 sum x + 1920 sum x_odd, comes off with the zero. Masks
   are passed as arguments: as constants the compiler rebuilds them before every LOP3. About 3.2 SASS
-  instructions per weight. fp32 x takes q itself (exact products). Several rows share each decoded nibble,
+  instructions per weight with the tile in one group, ~5 with a scale and zero per packed row (the one-row
+  default's 512-row tiles span 4 groups of 128; summing each group before its scale costs shared-memory
+  round trips instead). fp32 x takes q itself (exact products). Several rows share each decoded nibble,
   but at 2 rows the swapped kernel stays faster (0.34 of copy against 0.31).
 - 2 <= M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
@@ -148,8 +150,9 @@ def _outer(plane, x):
 
 @triton.jit
 def _by_nibble(x_tile, R: tl.constexpr):
-    """(BLOCK_M, 8R) or (8R,) -> 8 tensors (BLOCK_M, R) or (R,): column 8r + j goes to the j-th, at r. One contiguous load of
-    the tile and splits in registers, where 8 strided loads cost a load and a conversion per element."""
+    """(BLOCK_M, 8R) or (8R,) -> 8 tensors (BLOCK_M, R) or (R,): column 8r + j goes to the j-th, at r. One
+    contiguous load of the tile and splits in registers, where 8 strided loads cost a load and a conversion
+    per element."""
     if len(x_tile.shape) == 1:
         even, odd = tl.split(tl.reshape(x_tile, (R, 2, 2, 2)))  # by bit 0 of j
     else:
