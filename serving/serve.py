@@ -136,7 +136,7 @@ def _gateway(args: argparse.Namespace, router: str, directory: str) -> Child:
     cmd = [*pdserve_command(args), "gateway", "--router", router]
     cmd += ["--host", args.host, "--port", str(args.port), "--model", directory]
     cmd += ["--drain-timeout-s", f"{args.drain_timeout_s:g}", *_argv(args.gateway_flags, args)]
-    return Child("gateway", f"{args.host}:{args.port}", cmd, stops_first=True)
+    return Child("gateway", f"{args.host}:{args.port}", cmd)
 
 
 def _healthy(tls: TLSConfig) -> Callable[[Child], Awaitable[bool]]:

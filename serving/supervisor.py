@@ -7,9 +7,9 @@ death is reaped at once (no zombie) and the rest of its process group (a worker'
 killed with it. Each restart prints a line for tools: `pdserve restarted: {"role", "address", "pid"}`.
 
 On stop (`drain`), every child gets SIGTERM and drains itself; those still running after the drain timeout
-plus a margin are killed (a second SIGTERM/SIGINT to `up` kills them at once). Children marked `stops_first`
-(`pdserve serve`'s gateway) drain and exit before the others get their SIGTERM, so the cluster behind them
-keeps serving their requests meanwhile.
+plus a margin are killed (a second SIGTERM/SIGINT to `up` kills them at once). They stop front to back, in
+`STOP_ORDER`, each caller before what it calls: the gateway (`pdserve serve`'s), the router, the decode
+workers, then the prefill workers.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1
+# each caller before what it calls: a draining child's callees still serve what it finishes, and no server
+# ends a shared stream while its caller is closing it (grpc then fails to send the stream's status)
+STOP_ORDER = ("gateway", "router", "decode", "prefill")
 STOP_MARGIN_S = 15.0  # past the children's drain timeout: their engine and server shutdown
 
 
@@ -50,7 +53,6 @@ class Child:
     address: str
     cmd: list[str]
     metrics_port: int | None = None  # its Prometheus /metrics, when it serves one
-    stops_first: bool = False  # drained before the children without it
     env: dict[str, str] | None = None  # set on top of this process's environment (e.g. CUDA_VISIBLE_DEVICES)
     proc: subprocess.Popen | None = None
     started_at: float = 0.0
@@ -163,12 +165,12 @@ class Supervisor:
         logger.warning("%s died: %s; restarting in %g s", child.describe(), how_it_ended(code), delay)
 
     def drain(self, signals: StopSignals) -> int:
-        """SIGTERM every child (those that stop first, then the rest), wait for them to drain and exit, kill
-        stragglers. 0 if all exited 0."""
+        """SIGTERM the children tier by tier in STOP_ORDER, each tier once the one before has exited; wait for
+        them to drain and exit, kill stragglers. 0 if all exited 0."""
         seen = signals.count
-        first = [c for c in self.children if c.stops_first]
-        rest = [c for c in self.children if not c.stops_first]
-        codes = [self._drain(group, signals, seen) for group in (first, rest) if group]
+        tiers = [[c for c in self.children if c.role == role] for role in STOP_ORDER]
+        tiers.append([c for c in self.children if c.role not in STOP_ORDER])  # none today
+        codes = [self._drain(tier, signals, seen) for tier in tiers if tier]
         return max(codes, default=0)
 
     def _drain(self, children: list[Child], signals: StopSignals, seen: int) -> int:

@@ -106,6 +106,41 @@ def test_drain_of_children_that_exit_0_on_sigterm_is_clean():
     assert supervisor.drain(StopSignals()) == 0
 
 
+_LOGS_ITS_STOP = """
+import signal, sys, time
+log, role = sys.argv[1], sys.argv[2]
+def stop(*_):
+    with open(log, "a") as f:
+        f.write(role + " term\\n")
+    time.sleep(0.3)  # drains
+    with open(log, "a") as f:
+        f.write(role + " exit\\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(120)
+"""
+
+
+def test_drain_stops_each_caller_before_what_it_calls(tmp_path: Path):
+    log = tmp_path / "stops"
+    roles = ["prefill", "decode", "router", "gateway", "prefill", "decode"]  # started in any order
+    children = [
+        Child(role, f"127.0.0.1:{i}", [sys.executable, "-c", _LOGS_ITS_STOP, str(log), role])
+        for i, role in enumerate(roles)
+    ]
+    supervisor = Supervisor(children, drain_timeout_s=5)
+    supervisor.start_all()
+    wait_until(lambda: all(_has_handler(c.pid) for c in children), 30, "the children's handlers")
+    assert supervisor.drain(StopSignals()) == 0
+    events = log.read_text().split("\n")[:-1]
+    assert len(events) == 2 * len(roles)
+    order = ["gateway", "router", "decode", "prefill"]
+    for before, after in zip(order, order[1:]):  # every one of a tier has exited before the next gets SIGTERM
+        last_exit = max(i for i, e in enumerate(events) if e == f"{before} exit")
+        first_term = min(i for i, e in enumerate(events) if e == f"{after} term")
+        assert last_exit < first_term, events
+
+
 def _has_handler(pid: int) -> bool:
     """Whether the process catches SIGTERM (/proc's SigCgt mask)."""
     with open(f"/proc/{pid}/status") as f:
