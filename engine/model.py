@@ -21,7 +21,6 @@ from engine.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
 )
 from engine.model_config import ModelConfig
@@ -81,10 +80,9 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # via (num_tokens, 2 * intermediate / tp)
+        return self.down_proj(self.gate_up_proj(x, swiglu=True))  # silu(gate) * up, (num_tokens, inter / tp)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,6 +17,15 @@ BLOCK = 1024  # output columns per program
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in fp32, silu rounded to gate's dtype first (the unfused ops' rounding). Shared with the
+    GEMV kernels that fuse the activation into gate_up's matmul (kernels/gemv.py, kernels/w4a16_gemm.py)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     # pointers
     x_ptr,
@@ -33,10 +42,8 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < d
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # (BLOCK_D,)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul(gate, up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul_triton(

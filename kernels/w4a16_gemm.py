@@ -24,7 +24,9 @@ Paths by the number of rows M:
   instructions per weight with the tile in one group, ~5 with a scale and zero per packed row (the one-row
   default's 512-row tiles span 4 groups of 128; summing each group before its scale costs shared-memory
   round trips instead). fp32 x takes q itself (exact products). Several rows share each decoded nibble,
-  but at 2 rows the swapped kernel stays faster (0.34 of copy against 0.31).
+  but at 2 rows the swapped kernel stays faster (0.34 of copy against 0.31). For gate_up at one row
+  (`w4a16_swiglu`, SWIGLU) a program's columns are its outputs' gate columns, then their up columns, and
+  its epilogue writes silu(gate) * up, rounded as the GEMM and kernels/silu_and_mul.py round them.
 - 2 <= M < DEQUANT_MIN_M otherwise, one kernel. Each program owns a (BLOCK_M, BLOCK_N) output tile and a range of K
   tiles. A K tile is BLOCK_K = 128 input rows: 16 packed int32 rows of BLOCK_N columns, loaded once; for
   j = 0..7 nibble j of every int32 is input row 8r + j, and x's matching columns (stride 8) meet it. The
@@ -58,6 +60,7 @@ import triton.language as tl
 
 from kernels import _backend
 from kernels.int4_dequant import Int4Weight, int4_dequant, int4_dequant_reference, int4_values
+from kernels.silu_and_mul import silu_and_mul, silu_mul
 
 BLOCK_K = 128  # input rows per K tile: 16 packed rows, tl.dot depth 16 per nibble
 # from this many rows: dequantize + dense GEMM. Measured on the H200 (bench/quant_int4.py, a Llama-3-8B layer):
@@ -201,6 +204,7 @@ def _w4a16_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr,
     EXACT: tl.constexpr,
+    SWIGLU: tl.constexpr,  # N columns of (gate | up): out = silu(gate) * up, N / 2 columns
 ):
     """BLOCK_M rows of x against BLOCK_N output columns per program, over its split's K tiles, on the CUDA
     cores: each nibble is decoded once and meets every row."""
@@ -209,6 +213,12 @@ def _w4a16_gemv_kernel(
     offs_m = (pid_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (pid_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
+    outs = (pid_mn % num_n) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # SWIGLU: this program's outputs
+    if SWIGLU:  # their gate columns, then their up columns: two contiguous runs, as the scales' loads want
+        HALF: tl.constexpr = BLOCK_N // 2
+        pair = (pid_mn % num_n) * HALF + tl.arange(0, BLOCK_N) % HALF
+        offs_n = pair + (tl.arange(0, BLOCK_N) // HALF) * (N // 2)
+        mask_n = pair < N // 2
     R: tl.constexpr = BLOCK_K // 8  # packed rows per K tile
     rows = tl.arange(0, R)
     # one row: (BLOCK_N, R) products and (R,) x, as 2-D and 1-D tensors (a leading dim of 1 costs the layouts
@@ -278,7 +288,15 @@ def _w4a16_gemv_kernel(
     bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    _finish(acc, bias, out_ptrs, mask_m[:, None] & mask_n[None, :], ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K)
+    if SWIGLU:  # one row, no split: gate and up rounded as the unfused GEMM writes them
+        dtype = out_ptr.dtype.element_ty
+        gate, up = tl.split(tl.permute(tl.reshape(acc + bias, (2, BLOCK_N // 2)), (1, 0)))
+        tl.store(out_ptr + offs_m * stride_om + outs, silu_mul(gate.to(dtype), up.to(dtype)).to(dtype),
+                 mask=outs < N // 2)  # fmt: skip
+    else:
+        _finish(
+            acc, bias, out_ptrs, mask_m[:, None] & mask_n[None, :], ws_ptr, lock_ptr, pid_mn, pid_k, SPLIT_K
+        )
 
 
 @triton.jit
@@ -535,18 +553,22 @@ def w4a16_gemm_triton(
     w: Int4Weight,
     bias: torch.Tensor | None = None,  # (N,)
     config: GemmConfig | None = None,
+    swiglu: bool = False,  # N columns of (gate | up): silu(gate) * up, (M, N / 2); one row only
 ) -> torch.Tensor:  # (M, N)
     m, k = x.shape
     n = w.out_features
     assert k == w.in_features, f"x has {k} features, the weight {w.in_features}"
     assert x.stride(1) == 1, "x's last dim not contiguous"
     assert bias is None or bias.shape == (n,), f"bias {tuple(bias.shape)} for {n} outputs"
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or default_config(m, n, k, x.device, w.group_size, x.dtype)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     cores = cfg.block_m == 1 or cfg.cuda_cores
+    assert not swiglu or (
+        m == 1 and cfg.block_m == 1 and cfg.split_k == 1 and n % 2 == 0 and cfg.block_n % 2 == 0
+    ), f"swiglu runs one row of (gate | up) on the CUDA-core kernel, unsplit: {m} rows, {n} columns, {cfg}"
     assert cfg.block_k == BLOCK_K or cores, f"only the CUDA-core kernel takes K tiles other than {BLOCK_K}"
     k_tiles = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(k_tiles, cfg.split_k)
@@ -577,8 +599,9 @@ def w4a16_gemm_triton(
         del common["MAGIC_BITS"], common["MAGIC_VALUE"]
         common["BLOCK_K"] = cfg.block_k
         _w4a16_gemv_kernel[(tiles, split)](
-            *args, 0xF0000, 0xF000, **common, EVEN_K=k % cfg.block_k == 0, EXACT=x.dtype == torch.float32
-        )
+            *args, 0xF0000, 0xF000, **common, EVEN_K=k % cfg.block_k == 0, EXACT=x.dtype == torch.float32,
+            SWIGLU=swiglu,
+        )  # fmt: skip
     else:
         _w4a16_kernel[(tiles, split)](
             *args, **common, EVEN_K=k % BLOCK_K == 0, POST_SCALE=w.group_size % BLOCK_K == 0,
@@ -596,3 +619,11 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
     if _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
         return w4a16_gemm_triton(x, w, bias)
     return F.linear(x, int4_dequant(w, x.dtype), bias)
+
+
+def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel for one row on the Triton
+    path (the GEMM's epilogue), else the GEMM and then the activation."""
+    if _backend.use_triton(x) and x.shape[0] == 1:
+        return w4a16_gemm_triton(x, w, bias, swiglu=True)
+    return silu_and_mul(w4a16_gemm(x, w, bias))

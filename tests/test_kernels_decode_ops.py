@@ -12,7 +12,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import _backend
-from kernels.gemv import _gemv_kernel, dense_linear, gemv_reference, gemv_triton
+from kernels.gemv import _gemv_kernel, dense_linear, dense_swiglu, gemv_reference, gemv_triton, swiglu_config
+from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 from kernels.top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
 
 assert isinstance(_gemv_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
@@ -57,6 +58,38 @@ def test_dense_linear_takes_the_kernel_for_one_half_precision_row(monkeypatch):
     dense_linear(torch.randn(2, 32, dtype=torch.float16), w16)  # two rows: a GEMM
     dense_linear(torch.randn(1, 32), w32)  # fp32: F.linear keeps its own rounding
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "n,k,config", [(1, 16, None), (7, 100, (1, 32, 1)), (37, 200, (2, 64, 2)), (768, 576, None)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_swiglu_equals_the_gemv_then_silu_and_mul(n, k, config, dtype, bias):
+    """gate_up's GEMV with SwiGLU as its epilogue: the two unfused kernels' output bit for bit (same tile),
+    and the torch reference."""
+    x = torch.randn(1, k, dtype=dtype)
+    w = torch.randn(2 * n, k, dtype=dtype) / k**0.5
+    b = torch.randn(2 * n, dtype=dtype) if bias else None
+    got = gemv_triton(x, w, b, config, swiglu=True)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert torch.equal(got, silu_and_mul_triton(gemv_triton(x, w, b, config or swiglu_config(n, k))))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, silu_and_mul_reference(gemv_reference(x, w, b)), rtol=tol, atol=tol)
+
+
+def test_dense_swiglu_fuses_one_half_precision_row(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", "triton")
+    real = gemv_triton
+    monkeypatch.setattr("kernels.gemv.gemv_triton", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    w16 = torch.randn(16, 32, dtype=torch.float16)
+    for m in (1, 2):  # two rows: the GEMM, then the activation's kernel
+        x = torch.randn(m, 32, dtype=torch.float16)
+        torch.testing.assert_close(
+            dense_swiglu(x, w16), silu_and_mul_reference(x @ w16.T), rtol=2e-3, atol=2e-3
+        )
+    assert calls == [{"swiglu": True}]
 
 
 # ---- top-k / top-p cutoff --------------------------------------------------------------------------

@@ -30,14 +30,17 @@ from engine.layers.linear import (
 )
 from engine.layers.quant import AWQLinearMethod, GGUFInt4Method, GGUFInt8Method, GPTQLinearMethod, QuantConfig
 from engine.layers.quant.int4 import Int4Method
+from kernels import _backend
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
+from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 from kernels.w4a16_gemm import (
     GemmConfig,
     _w4a16_kernel,
     default_config,
     w4a16_gemm_reference,
     w4a16_gemm_triton,
+    w4a16_swiglu,
 )
 from tests.quant_formats import awq_dense, awq_tensors, gptq_dense, gptq_tensors, random_grid
 
@@ -113,6 +116,29 @@ def test_layer_equals_dequantize_then_matmul(fmt, k, n, group):
         torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fmt", ["awq", "Q4_1", "Q8_0", "dense"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gate_up_swiglu_equals_silu_and_mul_of_the_layer(fmt, backend, monkeypatch):
+    """gate_up_proj(x, swiglu=True), what LlamaMLP calls: silu(gate) * up of the layer's output on either path,
+    for one row (fused on the Triton path) and several."""
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+    k, n, group = 256, 64, 32
+    if fmt == "dense":
+        layer = MergedColumnParallelLinear(k, [n, n])
+        layer.weight.data = torch.randn(2 * n, k, dtype=torch.float16) / k**0.5
+    else:
+        layer = make(MergedColumnParallelLinear, method_for(fmt, group), k, [n, n])
+        for part in (0, 1):
+            load(layer, checkpoint(fmt, k, n, group, seed=part)[0], part)
+        layer.quant_method.process_weights(layer)
+    dtype = torch.float16 if fmt == "dense" else torch.float32
+    for m in (1, 3):
+        x = torch.randn(m, k, dtype=dtype)
+        torch.testing.assert_close(
+            layer(x, swiglu=True), silu_and_mul_reference(layer(x)), rtol=2e-3, atol=2e-3
+        )
+
+
 @pytest.mark.parametrize("fmt", ["awq", "gptq", "gptq_act"])
 def test_int4_layout_dequantizes_to_the_checkpoint(fmt):
     tensors, dense = checkpoint(fmt, 256, 64, 64, seed=3)
@@ -171,6 +197,44 @@ def test_w4a16_kernel_matches_reference(m, k, n, group, offsets, perm, bias, con
     ref = w4a16_gemm_reference(x.float(), w, None if b is None else b.float())
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 5e-3}
     torch.testing.assert_close(out.float(), ref, **tol)
+
+
+SWIGLU_CASES = [  # (K, N = 2 x outputs, group, offsets, perm, bias, config)
+    (256, 144, 32, False, False, False, None),  # the one-row default
+    (576, 80, 32, True, True, True, None),  # K not a multiple of the tile, 40 outputs: a partial program
+    (1024, 48, 128, False, True, True, GemmConfig(1, 4, 1, block_k=256)),  # two outputs a program
+    (2048, 64, 128, True, False, False, GemmConfig(1, 16, 1, num_warps=2, block_k=512)),  # 4 groups a tile
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k,n,group,offsets,perm,bias,config", SWIGLU_CASES)
+def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(k, n, group, offsets, perm, bias, config, dtype):
+    """gate_up's one-row GEMM with SwiGLU as its epilogue: the unfused kernels' output bit for bit (same tile),
+    and the dequantized reference."""
+    w = random_int4(k, n, group, offsets, perm)
+    x = torch.randn(1, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    out = w4a16_gemm_triton(x, w, b, config, swiglu=True)
+    assert out.shape == (1, n // 2) and out.dtype == dtype
+    assert torch.equal(out, silu_and_mul_triton(w4a16_gemm_triton(x, w, b, config)))
+    ref = silu_and_mul_reference(w4a16_gemm_reference(x.float(), w, None if b is None else b.float()))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-3, "atol": 5e-3}
+    torch.testing.assert_close(out.float(), ref, **tol)
+
+
+def test_w4a16_swiglu_fuses_one_row_and_runs_more_rows_unfused(monkeypatch):
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", "triton")
+    w = random_int4(256, 64, 64)
+    for m in (1, 3):
+        x = torch.randn(m, 256)
+        unfused = silu_and_mul_triton(w4a16_gemm_triton(x, w))
+        assert torch.equal(w4a16_swiglu(x, w), unfused)
+    calls = []
+    monkeypatch.setattr("kernels.w4a16_gemm.w4a16_gemm_triton", lambda *a, **kw: calls.append(kw) or a[0])
+    w4a16_swiglu(torch.randn(1, 256), w)
+    w4a16_swiglu(torch.randn(3, 256), w)
+    assert calls == [{"swiglu": True}, {}]
 
 
 SWAP_CASES = [  # (M, K, N, group, offsets, perm, bias, config): 16-bit x, groups a multiple of 128

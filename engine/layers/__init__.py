@@ -1,6 +1,5 @@
 """Model building blocks; each parameter loads itself through its `weight_loader`."""
 
-from engine.layers.activation import SiluAndMul
 from engine.layers.embedding import ParallelLMHead, QuantizedLMHead, VocabParallelEmbedding
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -23,7 +22,6 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "SiluAndMul",
     "VocabParallelEmbedding",
     "default_weight_loader",
 ]

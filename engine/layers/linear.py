@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.tp.heads import shard_heads
-from kernels.gemv import dense_linear
+from kernels.gemv import dense_linear, dense_swiglu
 
 WeightLoader = Callable[..., None]
 _DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=False)
@@ -40,6 +40,8 @@ _DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=Fa
 
 class LinearMethod(Protocol):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 @contextmanager
@@ -159,6 +161,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         copy_checked(param.data.narrow(0, offset, size), self._shard(loaded_weight, 0))
+
+    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        """x W^T; with `swiglu` (gate_up_proj: two equal parts) silu(gate) * up of it, (n, output_size / 2),
+        in one kernel where the matmul has one that ends in it (one row on the GPU: kernels/gemv.py,
+        kernels/w4a16_gemm.py)."""
+        if not swiglu:
+            return self.matmul(x, self.bias)
+        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1], self.output_sizes
+        if self.quant_method is not None:
+            return self.quant_method.apply_swiglu(self, x, self.bias)
+        return dense_swiglu(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

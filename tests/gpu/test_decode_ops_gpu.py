@@ -1,11 +1,14 @@
-"""The one-row GEMV and the sort-free top-k/top-p cutoff, compiled, at the models' sizes."""
+"""The one-row GEMV (alone and ending in SwiGLU) and the sort-free top-k/top-p cutoff, compiled, at the models'
+sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels.gemv import gemv_triton
+from kernels.gemv import gemv_triton, swiglu_config
+from kernels.silu_and_mul import silu_and_mul_triton
 from kernels.top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
 
 SHAPES = [  # (N, K): Llama-3-8B qkv, o, gate_up, down, LM head; SmolLM2 qkv, o, gate_up, down, LM head
@@ -28,6 +31,20 @@ def test_gemv_against_fp64(n, k, dtype, bias):
     assert err < 4e-3, err  # one rounding of the output to half precision
     cublas = torch.nn.functional.linear(x, w, b)
     assert (cublas.double() - ref).norm() / ref.norm() < 4e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(14336, 4096), (1536, 576), (1000, 300)])  # gate_up's outputs: 8B, SmolLM2
+def test_gemv_swiglu_equals_the_gemv_then_silu_and_mul(n, k, dtype):
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    w = torch.randn(2 * n, k, device="cuda", dtype=dtype) / k**0.5
+    b = torch.randn(2 * n, device="cuda", dtype=dtype)
+    for bias in (None, b):
+        y = gemv_triton(x, w, bias, swiglu=True)
+        assert torch.equal(y, silu_and_mul_triton(gemv_triton(x, w, bias, swiglu_config(n, k))))
+        gate, up = (x.double() @ w.double().T + (0 if bias is None else bias.double())).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        assert (y.double() - ref).norm() / ref.norm() < 1e-2  # the rounded gate, up, silu and product
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
@@ -68,6 +85,7 @@ def test_batch_one_engine_in_bf16_takes_the_gemv_and_keeps_transformers_tokens(t
     with_gemv = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in batch]
     assert calls, "the batch-1 step never took the GEMV"
     monkeypatch.setattr("engine.layers.linear.dense_linear", torch.nn.functional.linear)
+    monkeypatch.setattr("engine.layers.linear.dense_swiglu", lambda *a: silu_and_mul_triton(F.linear(*a)))
     monkeypatch.setattr("engine.layers.embedding.dense_linear", torch.nn.functional.linear)
     eager = LLM(str(tiny), enforce_eager=True, **kw)
     with_cublas = [eager.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in batch]

@@ -13,7 +13,8 @@ from engine import LLM, SamplingParams
 from engine.quantize import QuantizeConfig, quantize
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
-from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference
+from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
+from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -56,6 +57,23 @@ def test_w4a16_gemm_matches_reference(k, n, group, dtype):
         out = w4a16_gemm(x, w, bias)
         ref = w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
         assert out.dtype == dtype and rel_err(out, ref) < ERR[dtype], (m, k, n, group)
+
+
+@pytest.mark.parametrize("k,n,group", [(4096, 28672, 128), (576, 3072, 32), (1024, 200, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(k, n, group, dtype):
+    """gate_up's one-row GEMM ending in SwiGLU (Llama-3-8B's, SmolLM2's, an odd one): the two unfused kernels'
+    output bit for bit, and the dequantized reference."""
+    for seed in (1, 2):
+        w = random_int4(k, n, group, offsets=seed == 2, seed=seed)
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype) if seed == 2 else None
+        out = w4a16_swiglu(x, w, bias)
+        assert out.shape == (1, n // 2) and torch.equal(out, silu_and_mul(w4a16_gemm(x, w, bias)))
+        ref = silu_and_mul_reference(
+            w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
+        )
+        assert rel_err(out, ref) < ERR[dtype], (k, n, seed)
 
 
 def test_dequantize_kernels_are_exact():

@@ -23,6 +23,7 @@ from engine.layers.linear import (
     QKVParallelLinear,
     set_weight_loader,
 )
+from kernels.silu_and_mul import silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """silu(gate) * up of `apply` for a (gate | up) layer; a method whose kernel fuses it overrides this."""
+        return silu_and_mul(self.apply(layer, x, bias))
 
     def add_param(
         self,

@@ -11,7 +11,7 @@ from engine.layers.linear import LinearBase
 from engine.layers.quant.base import LinearMethod
 from kernels import _backend
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference
-from kernels.w4a16_gemm import w4a16_gemm
+from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
 
 class Int4Method(LinearMethod):
@@ -43,6 +43,12 @@ class Int4Method(LinearMethod):
         if x.device.type == "cpu" and not _backend.use_triton(x):
             return F.linear(x, self.cpu_dense(lambda dtype: int4_dequant_reference(w, dtype), x.dtype), bias)
         return w4a16_gemm(x, w, bias)
+
+    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.device.type == "cpu" and not _backend.use_triton(x):
+            return super().apply_swiglu(layer, x, bias)
+        assert self.weight is not None, "process_weights has not run"
+        return w4a16_swiglu(x, self.weight, bias)
 
 
 def sorted_by_group(
