@@ -166,18 +166,21 @@ class Supervisor:
 
     def drain(self, signals: StopSignals) -> int:
         """SIGTERM the children tier by tier in STOP_ORDER, each tier once the one before has exited; wait for
-        them to drain and exit, kill stragglers. 0 if all exited 0."""
+        them to drain and exit, kill stragglers. The drain timeout plus the margin bounds the whole stop, not
+        each tier (the tiers behind the first are idle by the time they stop), though a tier always gets the
+        margin. 0 if all exited 0."""
         seen = signals.count
+        deadline = time.monotonic() + self.drain_timeout_s + self.stop_margin_s
         tiers = [[c for c in self.children if c.role == role] for role in STOP_ORDER]
         tiers.append([c for c in self.children if c.role not in STOP_ORDER])  # none today
-        codes = [self._drain(tier, signals, seen) for tier in tiers if tier]
+        codes = [self._drain(tier, signals, seen, deadline) for tier in tiers if tier]
         return max(codes, default=0)
 
-    def _drain(self, children: list[Child], signals: StopSignals, seen: int) -> int:
+    def _drain(self, children: list[Child], signals: StopSignals, seen: int, deadline: float) -> int:
         live = [c for c in children if c.running()]
         for child in live:
             child.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-        deadline = time.monotonic() + self.drain_timeout_s + self.stop_margin_s
+        deadline = max(deadline, time.monotonic() + self.stop_margin_s)
         clean = True
         while live:
             for child in list(live):

@@ -96,6 +96,23 @@ def test_drain_kills_a_child_that_ignores_sigterm_with_its_process_group(tmp_pat
     wait_until(lambda: process_state(grandchild) in (None, "Z"), 10, "the grandchild killed")
 
 
+def test_one_deadline_bounds_the_whole_stop_across_tiers():
+    """Children of two tiers that ignore SIGTERM are killed by the drain timeout plus the margin counted once
+    (the second tier gets the margin, not a second drain timeout)."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    children = [
+        Child(role, f"127.0.0.1:{i}", [sys.executable, "-c", code])
+        for i, role in enumerate(["router", "decode"])
+    ]
+    supervisor = Supervisor(children, drain_timeout_s=3, stop_margin_s=0.5)
+    supervisor.start_all()
+    wait_until(lambda: all(_ignores_sigterm(c.pid) for c in children), 30, "the children ignoring SIGTERM")
+    t0 = time.monotonic()
+    assert supervisor.drain(StopSignals()) == 1
+    assert time.monotonic() - t0 < 6  # per-tier deadlines would take 2 x 3.5 s
+    assert all(c.proc is not None and c.proc.returncode == -signal.SIGKILL for c in children)
+
+
 def test_drain_of_children_that_exit_0_on_sigterm_is_clean():
     code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(120)"
     children = [Child("decode", f"127.0.0.1:{i}", [sys.executable, "-c", code]) for i in range(2)]
@@ -146,6 +163,13 @@ def _has_handler(pid: int) -> bool:
     with open(f"/proc/{pid}/status") as f:
         caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
     return bool(caught & (1 << (signal.SIGTERM - 1)))
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether the process ignores SIGTERM (/proc's SigIgn mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        ignored = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(ignored & (1 << (signal.SIGTERM - 1)))
 
 
 def _landed_on(worker: dict, stub, streams: list[Stream]) -> bool:
