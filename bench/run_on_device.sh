@@ -5,8 +5,8 @@
 #   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
 # Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency tests_kv_memory
-# bench_kv_memory; not in the default list: tests_quant bench_quant (int4 weights), and on a machine with 2
-# GPUs tests_tp bench_tp
+# bench_kv_memory; not in the default list: tests_quant bench_quant (int4 weights), profile (Nsight Compute's
+# counters for bench/profile_kernels.py), and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
@@ -51,6 +51,11 @@ step tests_quant 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no
 step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # batch-1 decode against the roofline and transformers compiled, GPU busy, start-up (BENCHMARKS.md, Engine)
 step bench_latency 560 python3 -m bench.latency --out-dir "$OUT/lat"
+# hardware counters of the kernels that miss their goals (W4A16 GEMM, one-row GEMV, fp8 decode attention):
+# what bounds each, per Nsight Compute (--clock-control none: the clocks stay as they are); ncu.csv
+step profile 400 ncu --clock-control none -k 'regex:^_' --section SpeedOfLight --section SchedulerStats \
+  --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis --csv --page details \
+  --log-file "$OUT/ncu.csv" python3 -m bench.profile_kernels
 # tensor parallelism on 2 GPUs: TP 2 against TP 1 and transformers, then decode speed and all-reduce time
 step tests_tp 400 python3 -m pytest tests/gpu/test_tp_gpu.py -q -rfE -p no:cacheprovider
 step bench_tp 420 python3 -m bench.tp --out-dir "$OUT/tp"
