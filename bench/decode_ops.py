@@ -7,8 +7,9 @@ GEMV: median CUDA-graph replay (bench/kernels.py: time_us) over enough copies of
 in L2 when its turn comes, as in a decode step; GB/s counts the weight bytes read, against the copy
 bandwidth (read + written) of the same run. `--sweep` times every tile in SWEEP and reports the best.
 Cutoff: the sampler's top-p 0.95 at temperature 0.8 over the Llama-3 vocabulary, rows 1..256.
-Writes decode_ops.json into the out dir, records `kernels_gemv_<model>` (the step's GEMVs together)
-and `sampler_top_p_cutoff_b<rows>`.
+gate_up ending in SwiGLU: the fused GEMV against the GEMV then the SiLU-and-mul kernel, per layer.
+Writes decode_ops.json into the out dir, records `kernels_gemv_<model>` (the step's GEMVs together, the
+SwiGLU comparison beside) and `sampler_top_p_cutoff_b<rows>`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from bench.kernels import copy_bandwidth, time_us
 from bench.record import record
 from kernels.gemv import gemv_config, gemv_triton
+from kernels.silu_and_mul import silu_and_mul_triton
 from kernels.top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
 
 MODELS = {  # name: (layers, [(N, K) per layer], LM head (N, K))
@@ -61,6 +63,21 @@ def time_shape(n: int, k: int, sweep: bool) -> dict:
     return out
 
 
+def _gemv_then_silu_and_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_triton(gemv_triton(x, w))
+
+
+def time_swiglu(n: int, k: int) -> dict:
+    """gate_up (n = 2 x intermediate rows) at one row: fused with SwiGLU, against the two kernels."""
+    x = torch.randn(1, k, device="cuda", dtype=DT)
+    ws = weights(n, k)
+    fused = time_us([partial(gemv_triton, x, w, None, None, True) for w in ws])
+    unfused = time_us([partial(_gemv_then_silu_and_mul, x, w) for w in ws])
+    del ws
+    torch.cuda.empty_cache()
+    return {"n": n, "k": k, "fused_us": fused, "gemv_then_silu_and_mul_us": unfused}
+
+
 def step_total(layers: int, per: list[dict], key: str) -> float:
     """A decode step's sum: each layer's linears, then the LM head."""
     return layers * sum(s[key] for s in per[:-1]) + per[-1][key]
@@ -90,9 +107,13 @@ def main() -> None:
                   f"default {s['default']}, best {s['best_us']:.1f} us {s['best']} "
                   f"({s['bytes'] / s['best_us'] / 1e3:.0f} GB/s)", flush=True)  # fmt: skip
         gemv, cublas, nbytes = (step_total(layers, per, key) for key in ("default_us", "cublas_us", "bytes"))
+        swiglu = time_swiglu(*shapes[2])
+        print(f"{model} gate_up + SwiGLU: fused {swiglu['fused_us']:.1f} us, GEMV then SiLU-and-mul "
+              f"{swiglu['gemv_then_silu_and_mul_us']:.1f} us", flush=True)  # fmt: skip
         record(f"kernels_gemv_{model}", gemv, "us", baseline=cublas, baseline_name="cuBLAS F.linear, same shapes",
                ratio=cublas / gemv, ceiling=nbytes / copy / 1e3, ceiling_name="weight bytes at copy bandwidth",
-               extra={"gbs": nbytes / gemv / 1e3, "of_copy": nbytes / gemv / 1e3 / copy, "shapes": per},
+               extra={"gbs": nbytes / gemv / 1e3, "of_copy": nbytes / gemv / 1e3 / copy, "shapes": per,
+                      "gate_up_swiglu": swiglu},
                out_dir=args.out_dir)  # fmt: skip
         print(f"{model}: a step's GEMVs {gemv:.0f} us vs cuBLAS {cublas:.0f} us; "
               f"{nbytes / gemv / 1e3 / copy:.3f} of copy ({copy:.0f} GB/s)", flush=True)  # fmt: skip
