@@ -35,15 +35,21 @@ FP8_TILES = [{"block_n": 128, "num_warps": 4, "num_stages": 2}, {"block_n": 128,
              {"block_n": 64, "num_warps": 4, "num_stages": 3}]  # fmt: skip
 
 
+def fp8_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 (K, V) cache in fp8 and its [k_scale, v_scale], the scales as calibration sets them."""
+    from kernels.kv_quant import quantize
+
+    scale = torch.stack([cache[0].abs().amax(), cache[1].abs().amax()]).float() * 2 / 448
+    return torch.stack([quantize(cache[0], scale[0]), quantize(cache[1], scale[1])]), scale
+
+
 def fp8_decode(copy_gbs: float, out_dir: Path | None) -> list[str]:
     from bench.kernels import paged_set, rel_err, time_us
-    from kernels.kv_quant import quantize
     from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 
     s = paged_set(BATCH, SEQ, HEADS, 1)  # bf16 pages: 1 GiB, far past L2
     cache = s["cache"]
-    scale = torch.stack([cache[0].abs().amax(), cache[1].abs().amax()]).float() * 2 / 448  # as calibrated
-    cache8 = torch.stack([quantize(cache[0], scale[0]), quantize(cache[1], scale[1])])
+    cache8, scale = fp8_cache(cache)
     q, lens, tables = s["q"][:, :, 0], s["lens"], s["tables"]
 
     def call(kv: torch.Tensor, kv_scale: torch.Tensor | None = None, config: dict | None = None):

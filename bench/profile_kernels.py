@@ -62,20 +62,15 @@ def gemv_bf16() -> list[Callable[[], object]]:
 
 
 def decode(fp8: bool) -> list[Callable[[], object]]:
-    import torch
 
     from bench.kernels import paged_set
-    from bench.kv_memory import BATCH, HEADS, SEQ
-    from kernels.kv_quant import quantize
+    from bench.kv_memory import BATCH, HEADS, SEQ, fp8_cache
     from kernels.paged_decode_attention import paged_decode_attention_triton
 
     calls: list[Callable[[], object]] = []
     for _ in range(LAUNCHES + 1):
         s = paged_set(BATCH, SEQ, HEADS, 1)
-        cache, scale = s["cache"], None
-        if fp8:
-            scale = torch.stack([cache[0].abs().amax(), cache[1].abs().amax()]).float() * 2 / 448
-            cache = torch.stack([quantize(cache[0], scale[0]), quantize(cache[1], scale[1])])
+        cache, scale = fp8_cache(s["cache"]) if fp8 else (s["cache"], None)
         q, lens, tables = s["q"][:, :, 0], s["lens"], s["tables"]
         calls.append(
             partial(paged_decode_attention_triton, q, cache, lens, tables, HEADS[2] ** -0.5, max_seq_len=SEQ,
