@@ -15,6 +15,9 @@ The ceiling is the workload's roofline, from figures measured in this run:
 - decode: each later token's step reads the weights once per step of a full batch (max_num_seqs rows: the
   N prompts decode in ceil(N / max_num_seqs) waves) and every row's KV so far, at the measured
   device-to-device copy bandwidth (bench.kernels).
+--profile adds, after the timed runs, the kernel time by name of the first PROFILE_STEPS steps of a full batch
+(each step run alone under torch.profiler, the device synchronized after it), with each step's prompt tokens and
+decode rows: where a prompt-carrying step's time goes. It goes into the records' `extra` as `step_profiles`.
 The baseline is transformers' eager `generate` (dynamic cache, sdpa) over the same prompts at each batch in
 --hf-batches, the best of them kept. The engine and transformers run in child processes.
 Records: bench/results/engine_throughput_*.json (or --out-dir).
@@ -40,6 +43,7 @@ GPU_MEMORY_UTILIZATION = 0.9
 GOALS = {"roofline": 0.75, "baseline": 2.5, "sampled": 0.95}
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 COMMAND = "python -m bench.throughput"
+PROFILE_STEPS = 40
 
 
 def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -52,7 +56,9 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 # ---- the engine -----------------------------------------------------------------------------------
 
 
-def engine_part(shape: str, nums: list[int], in_len: int, out_len: int, device: str | None) -> dict[str, Any]:
+def engine_part(
+    shape: str, nums: list[int], in_len: int, out_len: int, device: str | None, profile_steps: bool = False
+) -> dict[str, Any]:
     import torch
 
     from engine import LLM, SamplingParams
@@ -97,7 +103,63 @@ def engine_part(shape: str, nums: list[int], in_len: int, out_len: int, device: 
                 **timers.summary(),
             }
             print(json.dumps({f"{n}_{label}": out["runs"][f"{n}_{label}"]}), flush=True)
+    if profile_steps and engine.device.type == "cuda":
+        out["step_profiles"] = step_profiles(engine, in_len, out_len, vocab)
+        print(json.dumps({"step_profiles": out["step_profiles"]}), flush=True)
     return out
+
+
+def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[dict[str, Any]]:
+    """The first PROFILE_STEPS steps of MAX_NUM_SEQS prompts, each profiled alone: its prompt tokens, decode
+    rows, wall time and kernel time by name (the device synchronized after each step, so a step's window
+    holds the kernels it launched)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    for i, p in enumerate(prompts(MAX_NUM_SEQS, in_len, vocab, seed=7)):
+        engine.add_request(p, params, request_id=f"profile-{i}")
+    sched = engine.scheduler
+    schedule = sched.schedule
+    seen: dict[str, int] = {}
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        lens = [len(it.token_ids) for it in out.scheduled]
+        seen.update(prompt_tokens=sum(n for n in lens if n > 1), decode_rows=sum(1 for n in lens if n == 1))
+        return out
+
+    sched.schedule = counting
+    steps: list[dict[str, Any]] = []
+    try:
+        torch.cuda.synchronize()
+        while engine.has_unfinished_requests() and len(steps) < PROFILE_STEPS:
+            seen.clear()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                engine.step()
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t
+            by_name: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0:
+                    by_name[e.name[:90]] = (
+                        by_name.get(e.name[:90], 0.0) + e.time_range.end - e.time_range.start
+                    )
+            top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+            steps.append({
+                **seen, "wall_ms": wall * 1e3, "kernel_ms": sum(by_name.values()) / 1e3,
+                "top_kernels_ms": {name: us / 1e3 for name, us in top},
+            })  # fmt: skip
+    finally:
+        sched.schedule = schedule
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return steps
 
 
 class StepTimers:
@@ -288,6 +350,7 @@ def main() -> None:
     p.add_argument("--shape", default=SHAPE, help="a dummy shape; another than the default writes no records")
     p.add_argument("--device", default=None, help="for the engine part alone (e.g. cpu for a smoke run)")
     p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="kernel time by name of a full batch's first steps")
     p.add_argument("--part", choices=["engine", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -297,13 +360,13 @@ def main() -> None:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         if args.part == "engine":
-            result = engine_part(args.shape, args.num_prompts, *lens, args.device)
+            result = engine_part(args.shape, args.num_prompts, *lens, args.device, args.profile)
         else:
             result = hf_part(args.shape, max(args.num_prompts), args.hf_batches, *lens)
         args.json.write_text(json.dumps(result, indent=1))
         return
     common = ["--num-prompts", *map(str, args.num_prompts), "--input-len", str(lens[0]),
-              "--output-len", str(lens[1]), "--shape", args.shape]  # fmt: skip
+              "--output-len", str(lens[1]), "--shape", args.shape, *(["--profile"] if args.profile else [])]  # fmt: skip
     if args.device == "cpu":  # a smoke run of the engine path alone: no roofline, no baseline, no records
         print(json.dumps(child(["--part", "engine", *common, "--device", "cpu"], 1800), indent=1))
         return
@@ -361,7 +424,8 @@ def main() -> None:
                     baseline_name=f"transformers eager generate, batch {best[0]} (best of {args.hf_batches})" if best else None,
                     baseline_ratio=base_ratio, goal=goal, out_dir=args.out_dir, command=COMMAND,
                     extra={"run": run, "roofline": roof, "greedy_output_tok_s": greedy, "sampled_params": SAMPLED,
-                           "copy_gbs": copy_gbs, "matmul_tflops": rates, "transformers": hf},
+                           "copy_gbs": copy_gbs, "matmul_tflops": rates, "transformers": hf,
+                           **({"step_profiles": eng["step_profiles"]} if "step_profiles" in eng else {})},
                 )  # fmt: skip
             base_s = f"; transformers {best[1]:.0f} ({base_ratio:.2f}x)" if best and base_ratio else ""
             vs = f"; {tps / greedy:.2f}x greedy" if label == "sampled" else ""
