@@ -98,9 +98,7 @@ class LLM:
 
     def _drain(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    yield out
+            yield from self.engine.step(final_only=True)
 
 
 def _as_batch(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -138,6 +138,27 @@ def test_n_outputs_share_the_prompt_blocks(llm, prompts):
     assert_no_leak(llm)
 
 
+def test_final_only_steps_give_each_request_once_as_its_streamed_final_output(llm, prompts):
+    engine = llm.engine
+
+    def drain(final_only: bool) -> dict[str, list]:
+        rids = [engine.add_request(p, greedy(m)) for p, m in zip(prompts[:3], (3, 9, 5))]
+        seen: dict[str, list] = {r: [] for r in rids}
+        while engine.has_unfinished_requests():
+            for out in engine.step(final_only=final_only):
+                seen[out.request_id].append(out)
+        return seen
+
+    streamed = list(drain(final_only=False).values())
+    final = list(drain(final_only=True).values())
+    assert [len(outs) for outs in streamed] == [3, 9, 5]  # one output per step that advanced it
+    assert all(len(outs) == 1 and outs[0].finished for outs in final)
+    assert [outs[-1].outputs[0].token_ids for outs in streamed] == [
+        outs[0].outputs[0].token_ids for outs in final
+    ]
+    assert_no_leak(llm)
+
+
 def test_chat_answers_the_capital_of_france(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(40))[0]
     assert "Paris" in out.outputs[0].text
