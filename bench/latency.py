@@ -102,8 +102,7 @@ def engine_part(shape: str) -> dict[str, Any]:
     # A-B: the graphs again with the other short-context plan (engine/attention.py: SHORT_SPLIT)
     import engine.attention as attention
 
-    cfg = engine.model_config
-    default = attention.splits_short(cfg.num_key_value_heads, cfg.head_dim)
+    default = attention.splits_short()
     attention.SHORT_SPLIT = not default
     runner.capture_graphs()
     out["short_split_other"] = {"short_split": not default, **decode_tps(generate)}

@@ -22,18 +22,16 @@ from kernels.paged_prefill_attention import paged_prefill_attention
 # (kernels/paged_decode_attention.py: plan_num_splits), a graph's short class may
 SHORT_CONTEXT = 2 * MIN_PARTITION
 # a graph's short class splits short contexts into partitions of SHORT_PARTITION keys (one 64-key tile)
-# when the batch leaves the GPU idle and the kv heads are wide: a program walking its pages one tile after
-# another pays two memory latencies per tile (block table, then K/V), so at batch 1 the unsplit kernel
-# takes ~9 us for 300 keys at Llama-3-8B heads (8 x 128) whatever the bandwidth, and splitting gains
-# (226 against 220 tok/s on the H200); with narrow heads (SmolLM2's 3 x 64) the merge's launch costs
-# more than the split saves (1,134 against 1,213 tok/s)
-SHORT_SPLIT_MIN_KV_WIDTH = 512  # num_kv_heads * head_dim from which the short class splits
-SHORT_SPLIT: bool | None = None  # None: by SHORT_SPLIT_MIN_KV_WIDTH; True / False force it (bench.latency)
+# when the batch leaves the GPU idle: a program walking its pages one tile after another pays two memory
+# latencies per tile (block table, then K/V), so at batch 1 the unsplit kernel takes ~9 us for 300 keys
+# at Llama-3-8B heads (8 x 128) whatever the bandwidth. Splitting gains at every head width measured on
+# the H200: 238 against 232 tok/s at Llama-3-8B's 8 x 128, 1,260 against 1,148 at SmolLM2's 3 x 64
+SHORT_SPLIT: bool | None = None  # None: split; True / False force it (bench.latency's A-B)
 SHORT_PARTITION = 64
 
 
-def splits_short(num_kv_heads: int, head_dim: int) -> bool:
-    return SHORT_SPLIT if SHORT_SPLIT is not None else num_kv_heads * head_dim >= SHORT_SPLIT_MIN_KV_WIDTH
+def splits_short() -> bool:
+    return SHORT_SPLIT is not False
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ def decode_graph_plans(
     # splits > 1: max_model_len > SHORT_CONTEXT, and (sequence, kv head) programs leave the GPU idle
     target = 4 * _backend.num_sms(device)
     short = max(1, min(SHORT_CONTEXT // SHORT_PARTITION, target // (num_seqs * num_kv_heads)))
-    short = short if splits_short(num_kv_heads, head_dim) else 1
+    short = short if splits_short() else 1
 
     def numel(s: int) -> int:
         return decode_workspace_size(num_seqs, num_heads, s, head_dim) if s > 1 else 0

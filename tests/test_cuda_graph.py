@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.attention as attention
 from engine import LLM, SamplingParams
 from engine.attention import SHORT_CONTEXT, DecodeGraphPlan, decode_graph_plans
 from engine.cuda_graph import DecodeGraphs, EagerCapturer, StaticInputs, bucket_for, capture_sizes
@@ -157,8 +158,13 @@ def test_enforce_eager_reaches_the_engine_config_from_the_command_line():
     assert worker_config(args, "decode").engine.enforce_eager is True
 
 
-def test_narrow_kv_heads_leave_short_contexts_unsplit():
-    """SmolLM2's 3 x 64 kv heads: the short class runs unsplit, the long one still splits."""
-    short, long = decode_graph_plans(1, 8192, 9, 3, 64, torch.device("cpu"))
-    assert short == DecodeGraphPlan(SHORT_CONTEXT, 1, 0)
+def test_narrow_kv_heads_split_short_contexts_too(monkeypatch):
+    """SmolLM2's 3 x 64 kv heads: both classes split at batch 1; forcing the short class unsplit (the
+    benchmark's A-B) leaves the long one split."""
+    cpu = torch.device("cpu")
+    short, long = decode_graph_plans(1, 8192, 9, 3, 64, cpu)
+    assert short.max_seq_len == SHORT_CONTEXT and short.num_splits > 1 and short.workspace_numel > 0
     assert long.num_splits > 1
+    monkeypatch.setattr(attention, "SHORT_SPLIT", False)
+    short, long = decode_graph_plans(1, 8192, 9, 3, 64, cpu)
+    assert short == DecodeGraphPlan(SHORT_CONTEXT, 1, 0) and long.num_splits > 1
