@@ -172,10 +172,10 @@ class StepTimers:
         schedule, postprocess = sched.schedule, sched.postprocess
         self._last_prefill = False
 
-        def timed_step() -> Any:
+        def timed_step(*args: Any, **kwargs: Any) -> Any:  # final_only from LLM.generate
             t = time.perf_counter()
             try:
-                return step()
+                return step(*args, **kwargs)
             finally:
                 key = "prefill_steps" if self._last_prefill else "decode_steps"
                 self.totals[key + "_s"] += time.perf_counter() - t
