@@ -6,7 +6,8 @@
 For each N (dummy bf16 weights of the Llama-3-8B shape, engine/model_config.py: DUMMY_SHAPES), the engine's
 `LLM.generate` of N prompts of random token ids, greedy and then `temperature=0.8, top_p=0.95`, reports
 output tok/s (N x output_len / wall time) and total tok/s (prompt tokens too), with the wall time split into
-the steps that carry prompt tokens and the decode-only ones, and the host time of schedule and postprocess.
+the steps that carry prompt tokens and the decode-only ones, the host time of schedule and postprocess, and the
+caching allocator's device mallocs, frees and retries during the run.
 
 The ceiling is the workload's roofline, from figures measured in this run:
 - prefill: the prompt's matmul FLOPs (2 x the matmul weights x prompt tokens, causal attention's QK and PV,
@@ -89,10 +90,12 @@ def engine_part(
             params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=out_len, ignore_eos=True)
             timers.reset()
             sync()
+            before = allocator_counts(engine.device)
             t0 = time.perf_counter()
             results = llm.generate(batch, params)
             sync()
             wall = time.perf_counter() - t0
+            after = allocator_counts(engine.device)
             produced = sum(len(r.outputs[0].token_ids) for r in results)
             if produced != n * out_len:
                 raise RuntimeError(f"{label} {n}: {produced} tokens, expected {n * out_len}")
@@ -101,12 +104,24 @@ def engine_part(
                 "output_tok_s": n * out_len / wall,
                 "total_tok_s": n * (in_len + out_len) / wall,
                 **timers.summary(),
+                "allocator": {k: after[k] - before[k] for k in after},
             }
             print(json.dumps({f"{n}_{label}": out["runs"][f"{n}_{label}"]}), flush=True)
     if profile_steps and engine.device.type == "cuda":
         out["step_profiles"] = step_profiles(engine, in_len, out_len, vocab)
         print(json.dumps({"step_profiles": out["step_profiles"]}), flush=True)
     return out
+
+
+def allocator_counts(device: Any) -> dict[str, int]:
+    """The caching allocator's device mallocs and frees and its retries (a retry frees the cache and
+    synchronizes the device): a run that grows the pool pays for them."""
+    import torch
+
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
 def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[dict[str, Any]]:
