@@ -1,7 +1,7 @@
 """Offline throughput, shaped like vLLM's benchmark_throughput: N random prompts, fixed lengths, ignore_eos.
 
     python -m bench.throughput [--num-prompts 256 1000] [--input-len 1024] [--output-len 256]
-                               [--hf-batches 64 128] [--out-dir DIR]
+                               [--hf-batches 64 128] [--out-dir DIR] [--profile]
 
 For each N (dummy bf16 weights of the Llama-3-8B shape, engine/model_config.py: DUMMY_SHAPES), the engine's
 `LLM.generate` of N prompts of random token ids, greedy and then `temperature=0.8, top_p=0.95`, reports
