@@ -7,7 +7,7 @@ For each N (dummy bf16 weights of the Llama-3-8B shape, engine/model_config.py: 
 `LLM.generate` of N prompts of random token ids, greedy and then `temperature=0.8, top_p=0.95`, reports
 output tok/s (N x output_len / wall time) and total tok/s (prompt tokens too), with the wall time split into
 the steps that carry prompt tokens and the decode-only ones, the host time of schedule and postprocess, and the
-caching allocator's device mallocs, frees and retries during the run.
+caching allocator's device mallocs, frees and retries and the Triton kernel variants compiled during the run.
 
 The ceiling is the workload's roofline, from figures measured in this run:
 - prefill: the prompt's matmul FLOPs (2 x the matmul weights x prompt tokens, causal attention's QK and PV,
@@ -91,11 +91,13 @@ def engine_part(
             timers.reset()
             sync()
             before = allocator_counts(engine.device)
+            variants = triton_variants()
             t0 = time.perf_counter()
             results = llm.generate(batch, params)
             sync()
             wall = time.perf_counter() - t0
             after = allocator_counts(engine.device)
+            compiled = None if variants is None else (triton_variants() or 0) - variants
             produced = sum(len(r.outputs[0].token_ids) for r in results)
             if produced != n * out_len:
                 raise RuntimeError(f"{label} {n}: {produced} tokens, expected {n * out_len}")
@@ -105,6 +107,7 @@ def engine_part(
                 "total_tok_s": n * (in_len + out_len) / wall,
                 **timers.summary(),
                 "allocator": {k: after[k] - before[k] for k in after},
+                "triton_variants_compiled": compiled,
             }
             print(json.dumps({f"{n}_{label}": out["runs"][f"{n}_{label}"]}), flush=True)
     if profile_steps and engine.device.type == "cuda":
@@ -122,6 +125,28 @@ def allocator_counts(device: Any) -> dict[str, int]:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+def triton_variants() -> int | None:
+    """How many kernel variants Triton has compiled in this process, over the project's kernels: a run that
+    compiles one stalls the step that first needs it (each new constexpr, int value class or pointer
+    alignment is a variant). None where Triton keeps no such cache (the interpreter)."""
+    import importlib
+    import pkgutil
+
+    import kernels
+
+    seen: set[int] = set()
+    n = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        for obj in vars(importlib.import_module(f"kernels.{info.name}")).values():
+            fn = getattr(obj, "fn", obj)  # an autotuner or heuristics wraps its JITFunction
+            caches = getattr(fn, "device_caches", None)
+            if id(fn) in seen or not isinstance(caches, dict):
+                continue
+            seen.add(id(fn))
+            n += sum(len(c[0]) for c in caches.values() if isinstance(c, tuple) and isinstance(c[0], dict))
+    return n if seen else None
 
 
 def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[dict[str, Any]]:
