@@ -107,8 +107,8 @@ class PagedAttention(nn.Module):
         else:  # the leading one-token rows by the decode kernel, the chunks after them by the prefill one
             nd = meta.num_decode_seqs
             out = paged_prefill_attention(
-                q, kv_cache, meta.query_start_loc[nd:], meta.seq_lens[nd:], meta.block_tables[nd:], self.scale,
-                max_query_len=meta.max_query_len, kv_scale=self.kv_scale,
+                q, kv_cache, *meta.chunk_layout(), self.scale, max_query_len=meta.max_query_len,
+                kv_scale=self.kv_scale,
             )  # fmt: skip
             if nd:  # rows 0..nd-1 are the decode sequences' tokens, one each
                 out[:nd] = paged_decode_attention(

@@ -38,6 +38,18 @@ class AttentionMetadata:
     # that also runs longer chunks, attention reads these with the decode kernel, which shares each kv
     # head's pages across its query heads, instead of a prefill tile that would use one of its rows
     num_decode_seqs: int = 0
+    # query_start_loc, seq_lens and block_tables of the sequences after the decode rows, uploaded on their
+    # own when a step has both kinds: a slice [num_decode_seqs:] of the tensors above starts 4 bytes a row
+    # in, and Triton compiles a kernel again for each pointer that is not 16-byte aligned, which stalls the
+    # first step to meet each such layout for seconds
+    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def chunk_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start_loc, seq_lens, block_tables) of the sequences after the decode rows."""
+        if self.chunks is not None:
+            return self.chunks
+        nd = self.num_decode_seqs
+        return self.query_start_loc[nd:], self.seq_lens[nd:], self.block_tables[nd:]
 
     @property
     def num_seqs(self) -> int:
@@ -66,6 +78,14 @@ class AttentionMetadata:
             starts.append(starts[-1] + q_len)
         width = max((len(t) for t in block_tables), default=1) or 1
         padded = [t + [0] * (width - len(t)) for t in block_tables]
+        nd = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+        chunks = None
+        if 0 < nd < len(query_lens):
+            chunks = (
+                upload(torch.tensor(starts[nd:], dtype=torch.int32), device),
+                upload(torch.tensor(seq_lens[nd:], dtype=torch.int32), device),
+                upload(torch.tensor(padded[nd:], dtype=torch.int32), device),
+            )
         return cls(
             slot_mapping=upload(torch.tensor(slots, dtype=torch.int64), device),
             query_start_loc=upload(torch.tensor(starts, dtype=torch.int32), device),
@@ -73,5 +93,6 @@ class AttentionMetadata:
             block_tables=upload(torch.tensor(padded, dtype=torch.int32), device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
-            num_decode_seqs=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
+            num_decode_seqs=nd,
+            chunks=chunks,
         )

@@ -206,8 +206,11 @@ def test_engine_attention_mixed_step_reads_decode_rows_with_the_decode_kernel(mo
         calls.append(("decode", q.shape[0]))
         return decode(q, *args, **kwargs)
 
+    layouts = []
+
     def spy_prefill(q, kv_cache, qsl, *args, **kwargs):
         calls.append(("prefill", qsl.shape[0] - 1))
+        layouts.append((qsl, *args[:2]))
         return prefill(q, kv_cache, qsl, *args, **kwargs)
 
     monkeypatch.setattr(attention, "paged_decode_attention", spy_decode)
@@ -222,6 +225,10 @@ def test_engine_attention_mixed_step_reads_decode_rows_with_the_decode_kernel(mo
     cache = prefix.clone()
     got = attn(q, k, v, cache, meta)  # (num_tokens, num_heads * head_dim); writes k and v into cache
     assert calls == [("prefill", 2), ("decode", 2)]
+    ((qsl, lens, chunk_tables),) = layouts
+    assert qsl.tolist() == [2, 11, 31] and lens.tolist() == [29, 20] and chunk_tables.tolist() == tables[2:]
+    # tensors of their own, not slices 8 bytes into the step's: Triton compiles again for unaligned pointers
+    assert all(t.data_ptr() % 16 == 0 for t in (qsl, lens, chunk_tables))
     starts = [0, 1, 2, 11, 31]
     for i in range(4):
         rows = slice(starts[i], starts[i + 1])
