@@ -204,29 +204,45 @@ def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[di
 
 class StepTimers:
     """Wall time of every engine step, split by whether it carries prompt tokens, and the host time of the
-    scheduler's schedule and postprocess."""
+    scheduler's schedule and postprocess. Also the time the host waits for a step's tokens (`collect_wait_s`:
+    what is left is host work the device may have waited for), and the decode-only steps' mean wall time by
+    rows: a full batch, at least half of one, fewer."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         step, sched = engine.step, engine.scheduler
         schedule, postprocess = sched.schedule, sched.postprocess
+        runner = engine.runner
+        collect = runner.collect
         self._last_prefill = False
+        self._last_rows = 0
 
         def timed_step(*args: Any, **kwargs: Any) -> Any:  # final_only from LLM.generate
             t = time.perf_counter()
             try:
                 return step(*args, **kwargs)
             finally:
+                dt = time.perf_counter() - t
                 key = "prefill_steps" if self._last_prefill else "decode_steps"
-                self.totals[key + "_s"] += time.perf_counter() - t
+                self.totals[key + "_s"] += dt
                 self.totals[key] += 1
+                if not self._last_prefill:
+                    self.decode_steps.append((self._last_rows, dt))
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:  # drafts=False from an overlapped step
             t = time.perf_counter()
             out = schedule(*args, **kwargs)
             self._last_prefill = any(len(it.token_ids) > 1 for it in out.scheduled)
+            self._last_rows = len(out.scheduled)
             self.totals["schedule_s"] += time.perf_counter() - t
             return out
+
+        def timed_collect(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return collect(*args, **kwargs)
+            finally:
+                self.totals["collect_wait_s"] += time.perf_counter() - t
 
         def timed_postprocess(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
@@ -236,6 +252,7 @@ class StepTimers:
                 self.totals["postprocess_s"] += time.perf_counter() - t
 
         engine.step, sched.schedule, sched.postprocess = timed_step, timed_schedule, timed_postprocess
+        runner.collect = timed_collect
         self.reset()
 
     def reset(self) -> None:
@@ -247,14 +264,24 @@ class StepTimers:
                 "decode_steps_s",
                 "schedule_s",
                 "postprocess_s",
+                "collect_wait_s",
             ),
             0.0,
         )
+        self.decode_steps: list[tuple[int, float]] = []  # (rows, seconds) of each decode-only step
 
-    def summary(self) -> dict[str, float]:
-        t = dict(self.totals)
+    def summary(self) -> dict[str, Any]:
+        t: dict[str, Any] = dict(self.totals)
         if t["decode_steps"]:
             t["decode_step_ms"] = t["decode_steps_s"] / t["decode_steps"] * 1e3
+        full = max((rows for rows, _ in self.decode_steps), default=0)
+        buckets: dict[str, list[float]] = {}
+        for rows, dt in self.decode_steps:
+            key = "full" if rows == full else "half_or_more" if 2 * rows >= full else "fewer"
+            buckets.setdefault(key, []).append(dt)
+        t["decode_step_ms_by_rows"] = {
+            k: {"steps": len(v), "mean_ms": sum(v) / len(v) * 1e3} for k, v in buckets.items()
+        }
         return t
 
 
