@@ -97,7 +97,7 @@ def engine_part(
             sync()
             wall = time.perf_counter() - t0
             after = allocator_counts(engine.device)
-            compiled = None if variants is None else (triton_variants() or 0) - variants
+            compiled = compiled_since(variants)
             produced = sum(len(r.outputs[0].token_ids) for r in results)
             if produced != n * out_len:
                 raise RuntimeError(f"{label} {n}: {produced} tokens, expected {n * out_len}")
@@ -107,7 +107,8 @@ def engine_part(
                 "total_tok_s": n * (in_len + out_len) / wall,
                 **timers.summary(),
                 "allocator": {k: after[k] - before[k] for k in after},
-                "triton_variants_compiled": compiled,
+                "triton_variants_compiled": None if compiled is None else sum(map(len, compiled.values())),
+                "triton_compiled": compiled,
             }
             print(json.dumps({f"{n}_{label}": out["runs"][f"{n}_{label}"]}), flush=True)
     if profile_steps and engine.device.type == "cuda":
@@ -127,26 +128,43 @@ def allocator_counts(device: Any) -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
 
 
-def triton_variants() -> int | None:
-    """How many kernel variants Triton has compiled in this process, over the project's kernels: a run that
-    compiles one stalls the step that first needs it (each new constexpr, int value class or pointer
+def triton_variants() -> dict[str, set[str]] | None:
+    """The kernel variants Triton has compiled in this process, by kernel, over the project's kernels: a run
+    that compiles one stalls the step that first needs it (each new constexpr, int value class or pointer
     alignment is a variant). None where Triton keeps no such cache (the interpreter)."""
     import importlib
     import pkgutil
 
     import kernels
 
-    seen: set[int] = set()
-    n = 0
+    out: dict[str, set[str]] = {}
     for info in pkgutil.iter_modules(kernels.__path__):
         for obj in vars(importlib.import_module(f"kernels.{info.name}")).values():
-            fn = getattr(obj, "fn", obj)  # an autotuner or heuristics wraps its JITFunction
+            fn = obj
+            while not hasattr(fn, "device_caches") and hasattr(
+                fn, "fn"
+            ):  # an autotuner wraps its JITFunction
+                fn = fn.fn
             caches = getattr(fn, "device_caches", None)
-            if id(fn) in seen or not isinstance(caches, dict):
+            if not isinstance(caches, dict):
                 continue
-            seen.add(id(fn))
-            n += sum(len(c[0]) for c in caches.values() if isinstance(c, tuple) and isinstance(c[0], dict))
-    return n if seen else None
+            keys = out.setdefault(getattr(fn, "__name__", repr(fn)), set())
+            for c in caches.values():
+                if isinstance(c, tuple) and isinstance(c[0], dict):
+                    keys.update(str(k) for k in c[0])
+    return out or None
+
+
+def compiled_since(before: dict[str, set[str]] | None) -> dict[str, list[str]] | None:
+    """The variants compiled since `before` (triton_variants()), by kernel; each key shortened."""
+    after = triton_variants()
+    if before is None or after is None:
+        return None
+    return {
+        k: [v[:400] for v in sorted(keys - before.get(k, set()))]
+        for k, keys in after.items()
+        if keys - before.get(k, set())
+    }
 
 
 def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[dict[str, Any]]:
