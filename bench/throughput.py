@@ -63,6 +63,7 @@ def engine_part(
     import torch
 
     from engine import LLM, SamplingParams
+    from kernels import _backend
 
     llm = LLM(
         shape, load_format="dummy", dtype="bfloat16", device=device, enable_prefix_caching=False,
@@ -91,13 +92,13 @@ def engine_part(
             timers.reset()
             sync()
             before = allocator_counts(engine.device)
-            variants = triton_variants()
+            variants = _backend.compiled_variants()
             t0 = time.perf_counter()
             results = llm.generate(batch, params)
             sync()
             wall = time.perf_counter() - t0
             after = allocator_counts(engine.device)
-            compiled = compiled_since(variants)
+            compiled = _backend.compiled_since(variants)
             produced = sum(len(r.outputs[0].token_ids) for r in results)
             if produced != n * out_len:
                 raise RuntimeError(f"{label} {n}: {produced} tokens, expected {n * out_len}")
@@ -108,7 +109,9 @@ def engine_part(
                 **timers.summary(),
                 "allocator": {k: after[k] - before[k] for k in after},
                 "triton_variants_compiled": None if compiled is None else sum(map(len, compiled.values())),
-                "triton_compiled": compiled,
+                "triton_compiled": None
+                if compiled is None
+                else {k: [v[:400] for v in keys] for k, keys in compiled.items()},
             }
             print(json.dumps({f"{n}_{label}": out["runs"][f"{n}_{label}"]}), flush=True)
     if profile_steps and engine.device.type == "cuda":
@@ -126,45 +129,6 @@ def allocator_counts(device: Any) -> dict[str, int]:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {k: int(stats.get(k, 0)) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
-
-
-def triton_variants() -> dict[str, set[str]] | None:
-    """The kernel variants Triton has compiled in this process, by kernel, over the project's kernels: a run
-    that compiles one stalls the step that first needs it (each new constexpr, int value class or pointer
-    alignment is a variant). None where Triton keeps no such cache (the interpreter)."""
-    import importlib
-    import pkgutil
-
-    import kernels
-
-    out: dict[str, set[str]] = {}
-    for info in pkgutil.iter_modules(kernels.__path__):
-        for obj in vars(importlib.import_module(f"kernels.{info.name}")).values():
-            fn = obj
-            while not hasattr(fn, "device_caches") and hasattr(
-                fn, "fn"
-            ):  # an autotuner wraps its JITFunction
-                fn = fn.fn
-            caches = getattr(fn, "device_caches", None)
-            if not isinstance(caches, dict):
-                continue
-            keys = out.setdefault(getattr(fn, "__name__", repr(fn)), set())
-            for c in caches.values():
-                if isinstance(c, tuple) and isinstance(c[0], dict):
-                    keys.update(str(k) for k in c[0])
-    return out or None
-
-
-def compiled_since(before: dict[str, set[str]] | None) -> dict[str, list[str]] | None:
-    """The variants compiled since `before` (triton_variants()), by kernel; each key shortened."""
-    after = triton_variants()
-    if before is None or after is None:
-        return None
-    return {
-        k: [v[:400] for v in sorted(keys - before.get(k, set()))]
-        for k, keys in after.items()
-        if keys - before.get(k, set())
-    }
 
 
 def step_profiles(engine: Any, in_len: int, out_len: int, vocab: int) -> list[dict[str, Any]]:

@@ -37,3 +37,42 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter: any small count exercises the same code paths
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# Triton compiles a kernel once per "variant": its constexprs, its pointers' 16-byte alignment and each int
+# argument's class (divisible by 16 or not). An int that depends on a step's batch (a block table's width, a
+# split count in a workspace stride) would make a variant of each class, the second compiled in the middle of
+# serving, a second or more of stall; such arguments are listed in the kernel's do_not_specialize.
+def compiled_variants() -> dict[str, set[str]] | None:
+    """The variants Triton has compiled in this process for each of the project's kernels (None where Triton
+    keeps no such cache: the interpreter)."""
+    import importlib
+    import pkgutil
+
+    import kernels
+
+    out: dict[str, set[str]] = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        for obj in vars(importlib.import_module(f"kernels.{info.name}")).values():
+            fn = obj
+            while not hasattr(fn, "device_caches") and hasattr(
+                fn, "fn"
+            ):  # an autotuner wraps its JITFunction
+                fn = fn.fn
+            caches = getattr(fn, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            keys = out.setdefault(getattr(fn, "__name__", repr(fn)), set())
+            for cache in caches.values():
+                if isinstance(cache, tuple) and isinstance(cache[0], dict):
+                    keys.update(str(key) for key in cache[0])
+    return out or None
+
+
+def compiled_since(before: dict[str, set[str]] | None) -> dict[str, list[str]] | None:
+    """The variants compiled since `before` (compiled_variants()), by kernel."""
+    after = compiled_variants()
+    if before is None or after is None:
+        return None
+    new = {name: sorted(keys - before.get(name, set())) for name, keys in after.items()}
+    return {name: keys for name, keys in new.items() if keys}

@@ -37,7 +37,9 @@ def decode_workspace_size(num_seqs: int, num_heads: int, num_splits: int, head_d
     return num_seqs * num_heads * num_splits * (head_dim + 2)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["stride_a_seq", "stride_a_head", "stride_ml_kind", "stride_ml_seq", "stride_ml_head"]
+)
 def _decode_reduce_kernel(
     # pointers
     out_ptr,
@@ -119,7 +121,7 @@ def decode_reduce_triton(
         ml.stride(0), ml.stride(1), ml.stride(2),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_S=min(64, triton.next_power_of_2(num_splits)),  # usually all splits in one round trip
+        BLOCK_S=16 if num_splits <= 16 else 64,  # two variants whatever the split count; one round trip
         WAIT_FOR_PRIMARY=pdl,
         num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),

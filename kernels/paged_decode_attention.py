@@ -43,7 +43,13 @@ def default_config(head_dim: int, dtype: torch.dtype) -> dict:
     return {"block_n": 64, "num_warps": 2, "num_stages": 2}
 
 
-@triton.jit
+# the block tables' width and the workspace's split strides change with the step's batch: one variant for all
+# (kernels/_backend.py: compiled_variants)
+@triton.jit(
+    do_not_specialize=[
+        "stride_p_seq", "stride_p_head", "stride_ml_kind", "stride_ml_seq", "stride_ml_head", "stride_bt_seq"
+    ]
+)  # fmt: skip
 def _paged_decode_kernel(
     # pointers
     out_ptr,

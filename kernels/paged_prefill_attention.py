@@ -21,7 +21,7 @@ from kernels.kv_quant import as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt_seq"])  # the tables' width changes with the step's batch
 def _paged_prefill_kernel(
     # pointers
     out_ptr,
