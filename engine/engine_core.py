@@ -90,6 +90,8 @@ class EngineCore:
         self._check_pool(self.runner.num_blocks, config.cache.block_size)
         calibration = self.tokenizer.encode(CALIBRATION_TEXT) if self.tokenizer is not None else None
         self.kv_scales = setup_kv_scales(self.runner, config.cache.calculate_kv_scales, calibration)
+        if self.device.type == "cuda":
+            self._warm_up_kernels(config.cache.block_size)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -126,6 +128,43 @@ class EngineCore:
             return sum(p.numel() for p in net.parameters())
 
         return size(draft[0]) / size(model)
+
+    def _warm_up_kernels(self, block_size: int) -> None:
+        """Compile at start-up the kernel variants that serving would otherwise compile on first use, a second
+        or more each, stalling that step: the eager steps that mix decode rows with a prompt chunk (decode
+        attention unsplit and split, a chunk after cached context) and the sampler's filters, penalties and
+        logprobs. (The decode graphs compiled theirs when captured, the memory profile the plain prefill's;
+        arguments that change with the batch are not specialized on: kernels/_backend.py.) The steps run over
+        block 0, which holds nothing yet: what they write there is never read."""
+        from engine.scheduler import ScheduledSeq
+        from kernels.paged_decode_attention import MIN_PARTITION
+
+        t0 = time.perf_counter()
+        greedy = SamplingParams(temperature=0.0, max_tokens=1)
+        filters = SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1, max_tokens=1, logprobs=2
+        )
+        top_k = SamplingParams(temperature=0.7, top_k=5, max_tokens=1)
+
+        def row(name: str, seq_len: int, params: SamplingParams, tokens: int = 1) -> ScheduledSeq:
+            table = [0] * -(-seq_len // block_size)
+            return ScheduledSeq(
+                f"warm-up-{name}", [0] * tokens, seq_len - tokens, table, True, params, None, ([0], [0])
+            )
+
+        longest = self.max_model_len
+        cached = min(
+            block_size, longest // 2
+        )  # a prompt chunk after a cached block, where the model allows one
+        new = min(block_size + 1, longest - cached)
+        chunk = row("chunk", cached + new, greedy, tokens=new)
+        lengths = [min(longest, 8 * MIN_PARTITION), longest]  # 16 splits or fewer, then more
+        short = min(block_size, longest)
+        steps = [[chunk, row("short", short, filters), row("short-greedy", short, greedy)]]
+        steps += [[chunk, row(f"long-{n}", n, top_k)] for n in sorted(set(lengths))]
+        for items in steps:
+            self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))
+        logger.info("kernels warmed up for mixed steps and sampling in %.2f s", time.perf_counter() - t0)
 
     def _profile_step_cost(self, proposer: Proposer, tokens_per_row: int, sched_cfg: SchedulerConfig) -> None:
         """Seed the draft-length policy's cost table: a step of n one-token rows (over a scratch slot of

@@ -76,6 +76,14 @@ def test_batch_matches_transformers(llm, prompts, expected):
     assert_no_leak(llm)
 
 
+def test_start_up_warm_up_steps_leave_the_engine_exact(llm, prompts, expected):
+    """The mixed steps that compile kernel variants at start-up on CUDA (EngineCore._warm_up_kernels) run on
+    any device; after them the engine's output still equals transformers' and it holds nothing."""
+    llm.engine._warm_up_kernels(llm.engine.config.cache.block_size)
+    assert run(llm, prompts) == expected
+    assert_no_leak(llm)
+
+
 def test_chunked_prefill_matches_transformers(bundled_model_dir, prompts, expected):
     small = LLM(
         dtype="float32", device="cpu", max_num_batched_tokens=64, cpu_kv_cache_space=0.25, max_model_len=2048

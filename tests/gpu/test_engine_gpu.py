@@ -127,3 +127,31 @@ def test_a_step_waits_for_nothing_before_during(tiny, params):
             if seq.is_finished:
                 engine.requests.clear()
     assert steps == 4 and modes == [2] * 4  # one prefill and three decode steps, each hook with "error" on
+
+
+def test_serving_compiles_no_kernel_after_start_up():
+    """Start-up compiles every kernel variant that serving needs (engine/engine_core.py: _warm_up_kernels;
+    kernels/_backend.py): a ragged workload of mixed steps (prompt chunks beside decode rows, contexts short
+    and past 16 decode splits), greedy and sampled rows with every filter, compiles nothing more. A variant
+    compiled mid-run stalls its step by a second or more."""
+    llm = LLM(
+        "SmolLM2-135M", load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=6144,
+        max_num_batched_tokens=512, max_num_seqs=32, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+    )  # fmt: skip
+    before = backend.compiled_variants()
+    assert before is not None and before["_paged_decode_kernel"]
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(1, 5600, (24,), generator=g)] + [1, 15, 16, 17, 5999]
+    batch = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=g).tolist()} for n in lengths]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=1),
+        SamplingParams(temperature=0.7, top_k=40, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, max_tokens=24, ignore_eos=True, logprobs=3),
+        SamplingParams(
+            temperature=0.9, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=24, ignore_eos=True
+        ),
+    ]
+    outs = llm.generate(batch, [kinds[i % len(kinds)] for i in range(len(batch))])
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert backend.compiled_since(before) == {}
