@@ -160,8 +160,9 @@ class EngineCore:
         chunk = row("chunk", cached + new, greedy, tokens=new)
         lengths = [min(longest, 8 * MIN_PARTITION), longest]  # 16 splits or fewer, then more
         short = min(block_size, longest)
-        steps = [[chunk, row("short", short, filters), row("short-greedy", short, greedy)]]
-        steps += [[chunk, row(f"long-{n}", n, top_k)] for n in sorted(set(lengths))]
+        # decode rows first, as the scheduler orders them: a mixed step runs them through the decode kernel
+        steps = [[row("short", short, filters), row("short-greedy", short, greedy), chunk]]
+        steps += [[row(f"long-{n}", n, top_k), chunk] for n in sorted(set(lengths))]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))
         logger.info("kernels warmed up for mixed steps and sampling in %.2f s", time.perf_counter() - t0)

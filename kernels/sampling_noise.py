@@ -67,7 +67,9 @@ def _gumbel_noise_kernel(
     tl.store(out_ptr + row.to(tl.int64) * stride_out_row + offs, noise.to(tl.float32), mask=offs < vocab)
 
 
-@triton.jit
+# per-row knobs are slices of one packed upload, whose offsets' alignment changes with the batch's rows; each is
+# read once a program, so alignment buys nothing (kernels/_backend.py: compiled_variants)
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "threshold_ptr", "seeds_ptr", "positions_ptr"])
 def _gumbel_argmax_kernel(
     # pointers
     logits_ptr,

@@ -147,7 +147,8 @@ def _smallest_above(row_ptr, vocab, floor, BLOCK: tl.constexpr):
     return tl.min(best, 0)
 
 
-@triton.jit
+# per-row knobs: slices of a packed upload, aligned or not with the batch's rows (kernels/_backend.py)
+@triton.jit(do_not_specialize_on_alignment=["top_k_ptr", "top_p_ptr", "out_ptr"])
 def _top_k_top_p_cutoff_kernel(
     # pointers
     scaled_ptr,
