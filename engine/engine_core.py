@@ -91,7 +91,9 @@ class EngineCore:
         calibration = self.tokenizer.encode(CALIBRATION_TEXT) if self.tokenizer is not None else None
         self.kv_scales = setup_kv_scales(self.runner, config.cache.calculate_kv_scales, calibration)
         if self.device.type == "cuda":
-            self._warm_up_kernels(config.cache.block_size)
+            self._warm_up_kernels(
+                config.cache.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens
+            )
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -129,7 +131,7 @@ class EngineCore:
 
         return size(draft[0]) / size(model)
 
-    def _warm_up_kernels(self, block_size: int) -> None:
+    def _warm_up_kernels(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Compile at start-up the kernel variants that serving would otherwise compile on first use, a second
         or more each, stalling that step: the eager steps that mix decode rows with a prompt chunk (decode
         attention unsplit and split, a chunk after cached context) and the sampler's filters, penalties and
@@ -138,6 +140,7 @@ class EngineCore:
         block 0, which holds nothing yet: what they write there is never read."""
         from engine.scheduler import ScheduledSeq
         from kernels.paged_decode_attention import MIN_PARTITION
+        from kernels.top_p_cutoff import MIN_ROWS
 
         t0 = time.perf_counter()
         greedy = SamplingParams(temperature=0.0, max_tokens=1)
@@ -161,7 +164,10 @@ class EngineCore:
         lengths = [min(longest, 8 * MIN_PARTITION), longest]  # 16 splits or fewer, then more
         short = min(block_size, longest)
         # decode rows first, as the scheduler orders them: a mixed step runs them through the decode kernel
-        steps = [[row("short", short, filters), row("short-greedy", short, greedy), chunk]]
+        # MIN_ROWS sampled rows, where the batch limits allow them (fewer take torch's sort, not the top-p kernel)
+        room = min(max_num_seqs, max_num_batched_tokens - len(chunk.token_ids)) - 2
+        filtered = [row(f"short-{i}", short, filters) for i in range(max(1, min(MIN_ROWS, room)))]
+        steps = [[*filtered, row("short-greedy", short, greedy), chunk]]
         steps += [[row(f"long-{n}", n, top_k), chunk] for n in sorted(set(lengths))]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))

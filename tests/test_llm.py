@@ -79,7 +79,10 @@ def test_batch_matches_transformers(llm, prompts, expected):
 def test_start_up_warm_up_steps_leave_the_engine_exact(llm, prompts, expected):
     """The mixed steps that compile kernel variants at start-up on CUDA (EngineCore._warm_up_kernels) run on
     any device; after them the engine's output still equals transformers' and it holds nothing."""
-    llm.engine._warm_up_kernels(llm.engine.config.cache.block_size)
+    sched = llm.engine.scheduler
+    llm.engine._warm_up_kernels(
+        llm.engine.config.cache.block_size, sched.max_num_seqs, sched.max_num_batched_tokens
+    )
     assert run(llm, prompts) == expected
     assert_no_leak(llm)
 

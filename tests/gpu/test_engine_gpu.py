@@ -136,12 +136,13 @@ def test_serving_compiles_no_kernel_after_start_up():
     compiled mid-run stalls its step by a second or more."""
     llm = LLM(
         "SmolLM2-135M", load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=6144,
-        max_num_batched_tokens=512, max_num_seqs=32, gpu_memory_utilization=0.3, enable_prefix_caching=False,
+        max_num_batched_tokens=512, max_num_seqs=128, gpu_memory_utilization=0.3, enable_prefix_caching=False,
     )  # fmt: skip
     before = backend.compiled_variants()
     assert before is not None and before["_paged_decode_kernel"]
     g = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(1, 5600, (24,), generator=g)] + [1, 15, 16, 17, 5999]
+    lengths += [int(n) for n in torch.randint(1, 200, (100,), generator=g)]  # top-p's kernel takes >= 64 rows
     batch = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=g).tolist()} for n in lengths]
     kinds = [
         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -152,6 +153,6 @@ def test_serving_compiles_no_kernel_after_start_up():
             temperature=0.9, repetition_penalty=1.2, presence_penalty=0.5, max_tokens=24, ignore_eos=True
         ),
     ]
-    outs = llm.generate(batch, [kinds[i % len(kinds)] for i in range(len(batch))])
+    outs = llm.generate(batch, [kinds[i % len(kinds) if i < 29 else 1] for i in range(len(batch))])
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert backend.compiled_since(before) == {}
