@@ -18,6 +18,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   dummy-weight directory), whose weights are the memory record.
 - --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core
   kernel's (M = 1, 4) and the 16-row dots' (best per M printed).
+- --sweep-m1: the one-row kernel's configs GEMM by GEMM (columns a program, K tile, split-K, warps; gate_up
+  with its SwiGLU epilogue): quant_w4a16_m1_sweep_llama3-8b (gate_up's best against its 16-column default).
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -169,6 +171,48 @@ def sweep() -> None:
         print(f"sweep M={m}: best " + "; ".join(f"{t:.1f} us {c}" for t, c in found[:3]), flush=True)
 
 
+def sweep_m1(out_dir: Path | None) -> None:
+    """The one-row kernel's configs for each GEMM of the layer, [us, GB/s of int4 bytes] each, as a record."""
+    import torch
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_gemm import GemmConfig, w4a16_gemm_triton
+
+    sets = [int4_layer("cuda", s) for s in range(SETS)]
+    found: dict[str, dict[str, list[float]]] = {}
+    for name, (k, _) in LAYER.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        swiglu = name == "gate_up"
+        if swiglu:
+            configs = [
+                GemmConfig(1, bn, 1, w, 3, block_k=bk) for bn in (16, 32) for bk in (256, 512) for w in (4, 8)
+            ]
+        else:
+            configs = [GemmConfig(1, 16, sp, 4, 3, block_k=bk) for bk in (256, 512) for sp in (1, 2, 4, 8)]
+            configs += [GemmConfig(1, 32, sp, 4, 3, block_k=512) for sp in (1, 2)]
+            configs += [GemmConfig(1, 16, sp, 8, 3, block_k=512) for sp in (1, 2)]
+        nbytes = sets[0][name].qweight.numel() * 4
+        found[name] = {}
+        for cfg in configs:
+            us = time_us([partial(w4a16_gemm_triton, x, w[name], None, cfg, swiglu) for w in sets])
+            key = f"block_n={cfg.block_n}, split_k={cfg.split_k}, num_warps={cfg.num_warps}, block_k={cfg.block_k}"
+            found[name][key] = [round(us, 2), round(nbytes / us / 1e3)]
+        print(
+            f"sweep M=1 {name}: " + "; ".join(f"{k}: {v[0]} us" for k, v in found[name].items()), flush=True
+        )
+    gate_up = found["gate_up"]
+    default = gate_up["block_n=16, split_k=1, num_warps=4, block_k=512"][0]
+    best = min(v[0] for v in gate_up.values())
+    record(
+        "quant_w4a16_m1_sweep_llama3-8b", best, "us", baseline=default,
+        baseline_name="gate_up + SwiGLU at one row, 16 columns a program (us)", ratio=default / best,
+        out_dir=out_dir, command=COMMAND + " --sweep-m1",
+        extra={"what": "one-row W4A16 GEMMs of a Llama-3-8B layer, group 128, six weight sets, graph replay: "
+                       "[us, GB/s of int4 bytes] per config", "configs": found},
+    )  # fmt: skip
+
+
 def engine_part(part: str) -> dict[str, Any]:
     """One engine's batch-1 decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head
     dense, as AWQ keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true)."""
@@ -258,6 +302,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--sweep", action="store_true", help="also time the GEMM's tile configs at M = 1, 4, 16")
+    p.add_argument("--sweep-m1", action="store_true", help="also the one-row kernel's configs, GEMM by GEMM")
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -278,6 +323,8 @@ def main() -> None:
     rows.append(big)
     if args.sweep:
         sweep()
+    if args.sweep_m1:
+        sweep_m1(args.out_dir)
     torch.cuda.empty_cache()
     eng = engines(args.out_dir)
     print(

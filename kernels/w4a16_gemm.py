@@ -51,7 +51,7 @@ The torch reference (the CPU path): dequantize, then F.linear.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
 SWAP_BLOCK_N, SWAP_WARPS, SWAP_STAGES, SWAP_PROGRAMS_PER_SM = 64, 4, 3, 8
 # the CUDA-core kernel's at one row: 16 columns of 512-row K tiles, no split (the tiles fill the GPU)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 16, 512, 4
+# gate_up ending in SwiGLU at one row: 32 columns a program (16 outputs), 27.4 us against 16 columns' 30.6 for the
+# Llama-3-8B layer's; the other GEMMs are fastest at 16 and slower with split-K (bench/results/quant_w4a16_m1_sweep)
+GEMV_SWIGLU_BLOCK_N = 32
 
 
 @dataclass(frozen=True)
@@ -625,5 +628,6 @@ def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = Non
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel for one row on the Triton
     path (the GEMM's epilogue), else the GEMM and then the activation."""
     if _backend.use_triton(x) and x.shape[0] == 1:
-        return w4a16_gemm_triton(x, w, bias, swiglu=True)
+        cfg = replace(default_config(1, w.out_features, w.in_features, x.device), block_n=GEMV_SWIGLU_BLOCK_N)
+        return w4a16_gemm_triton(x, w, bias, config=cfg, swiglu=True)
     return silu_and_mul(w4a16_gemm(x, w, bias))

@@ -35,6 +35,7 @@ from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequan
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
 from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 from kernels.w4a16_gemm import (
+    GEMV_SWIGLU_BLOCK_N,
     GemmConfig,
     _w4a16_kernel,
     default_config,
@@ -204,6 +205,15 @@ SWIGLU_CASES = [  # (K, N = 2 x outputs, group, offsets, perm, bias, config)
     (576, 80, 32, True, True, True, None),  # K not a multiple of the tile, 40 outputs: a partial program
     (1024, 48, 128, False, True, True, GemmConfig(1, 4, 1, block_k=256)),  # two outputs a program
     (2048, 64, 128, True, False, False, GemmConfig(1, 16, 1, num_warps=2, block_k=512)),  # 4 groups a tile
+    (
+        512,
+        144,
+        64,
+        True,
+        False,
+        True,
+        GemmConfig(1, GEMV_SWIGLU_BLOCK_N, 1),
+    ),  # w4a16_swiglu's; 72 = 4.5 programs
 ]
 
 
@@ -234,7 +244,7 @@ def test_w4a16_swiglu_fuses_one_row_and_runs_more_rows_unfused(monkeypatch):
     monkeypatch.setattr("kernels.w4a16_gemm.w4a16_gemm_triton", lambda *a, **kw: calls.append(kw) or a[0])
     w4a16_swiglu(torch.randn(1, 256), w)
     w4a16_swiglu(torch.randn(3, 256), w)
-    assert calls == [{"swiglu": True}, {}]
+    assert calls[0]["swiglu"] and calls[0]["config"].block_n == GEMV_SWIGLU_BLOCK_N and calls[1] == {}
 
 
 SWAP_CASES = [  # (M, K, N, group, offsets, perm, bias, config): 16-bit x, groups a multiple of 128
