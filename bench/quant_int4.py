@@ -192,6 +192,7 @@ def sweep_m1(out_dir: Path | None) -> None:
             configs = [GemmConfig(1, 16, sp, 4, 3, block_k=bk) for bk in (256, 512) for sp in (1, 2, 4, 8)]
             configs += [GemmConfig(1, 32, sp, 4, 3, block_k=512) for sp in (1, 2)]
             configs += [GemmConfig(1, 16, sp, 8, 3, block_k=512) for sp in (1, 2)]
+            configs += [GemmConfig(1, 8, 1, w, 3, block_k=512) for w in (2, 4)]  # twice the programs
         nbytes = sets[0][name].qweight.numel() * 4
         found[name] = {}
         for cfg in configs:

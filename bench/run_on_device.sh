@@ -4,7 +4,7 @@
 # since the device tool returns only a few files per call. Run from the repo root:
 #   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
-# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency tests_kv_memory
+# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency bench_throughput tests_kv_memory
 # bench_kv_memory; not in the default list: tests_quant bench_quant (int4 weights), profile (Nsight Compute's
 # counters for bench/profile_kernels.py), and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
@@ -51,6 +51,9 @@ step tests_quant 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no
 step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # batch-1 decode against the roofline and transformers compiled, GPU busy, start-up (BENCHMARKS.md, Engine)
 step bench_latency 560 python3 -m bench.latency --out-dir "$OUT/lat"
+# offline throughput, 256 and 1000 prompts, greedy and sampled, against the workload roofline and transformers
+mkdir -p "$OUT/thr"
+step bench_throughput 300 python3 -m bench.throughput --out-dir "$OUT/thr"
 # hardware counters of the kernels that miss their goals (W4A16 GEMM, one-row GEMV, fp8 decode attention):
 # what bounds each, per Nsight Compute (--clock-control none: the clocks stay as they are); ncu.csv
 step profile 400 ncu --clock-control none -k 'regex:^_' --section SpeedOfLight --section SchedulerStats \
@@ -63,4 +66,4 @@ step bench_tp 420 python3 -m bench.tp --out-dir "$OUT/tp"
 mkdir -p "$OUT/kvm"
 step tests_kv_memory 300 python3 -m pytest tests/gpu/test_kv_memory_gpu.py -q $XDIST -rfE -p no:cacheprovider
 step bench_kv_memory 480 python3 -m bench.kv_memory --out-dir "$OUT/kvm"
-tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat tp q kvm steps.txt $(cd "$OUT" && ls *.txt)
+tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat thr tp q kvm steps.txt $(cd "$OUT" && ls *.txt)
