@@ -156,9 +156,8 @@ class EngineCore:
             )
 
         longest = self.max_model_len
-        cached = min(
-            block_size, longest // 2
-        )  # a prompt chunk after a cached block, where the model allows one
+        # a prompt chunk after a cached block, where the model allows one
+        cached = min(block_size, longest // 2)
         new = min(block_size + 1, longest - cached)
         chunk = row("chunk", cached + new, greedy, tokens=new)
         lengths = [min(longest, 8 * MIN_PARTITION), longest]  # 16 splits or fewer, then more

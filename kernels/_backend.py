@@ -55,9 +55,8 @@ def compiled_variants() -> dict[str, set[str]] | None:
     for info in pkgutil.iter_modules(kernels.__path__):
         for obj in vars(importlib.import_module(f"kernels.{info.name}")).values():
             fn = obj
-            while not hasattr(fn, "device_caches") and hasattr(
-                fn, "fn"
-            ):  # an autotuner wraps its JITFunction
+            # an autotuner or heuristics wraps its JITFunction as .fn; a JITFunction's own .fn is plain Python
+            while not hasattr(fn, "device_caches") and hasattr(fn, "fn"):
                 fn = fn.fn
             caches = getattr(fn, "device_caches", None)
             if not isinstance(caches, dict):
