@@ -208,3 +208,20 @@ def test_cutoff_next_to_masked_logits_with_top_p_near_one():
     assert ((got >= finite_least) & (got < float("inf"))).all(), got.flatten().tolist()
     want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
     assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
+
+
+@pytest.mark.parametrize("cap", [1, 16])
+def test_cutoff_with_a_small_copy_buffer(monkeypatch, cap):
+    """A buffer of a few logits makes the search take several passes over the row before it copies the
+    logits inside its interval out (one pass at CAP 1024 on these rows), and end there on one logit."""
+    import kernels.top_p_cutoff as cutoff
+
+    monkeypatch.setattr(cutoff, "CAP", cap)
+    rows, vocab = 12, 3000
+    scaled = torch.randn(rows, vocab) * 3
+    scaled[::4] = scaled[::4].round()  # runs of equal values, more than the buffer holds
+    top_k, top_p = _knobs(rows, vocab)
+    got = top_k_top_p_cutoff_triton(scaled, top_k, top_p)
+    want = top_k_top_p_cutoff_reference(scaled, top_k, top_p)
+    assert (got == want).float().mean() >= 0.9, "most rows agree exactly"
+    assert _kept_mass_disagreement(scaled, top_k, top_p, got, want) == []
