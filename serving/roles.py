@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import sys
 import time
@@ -150,10 +151,36 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' local ports from (Linux; its default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to now, for a child to listen on, and not handed out before by this process.
+    It lies below the ephemeral range: a port found there (as binding port 0 finds one) can be taken as the
+    local end of some outgoing connection before the child binds it."""
+    low = _ephemeral_ports()[0]
+    start = max(1024, low - 20000)
+    for _ in range(1000):
+        port = random.randrange(start, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port found in {start}-{low - 1}")
 
 
 def cmd_up(args: argparse.Namespace, passthrough: list[str]) -> int:
