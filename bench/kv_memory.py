@@ -5,8 +5,8 @@
 1. fp8 vs bf16 decode attention at Llama-3-8B heads, 64 x 4096 (the engine's default tiles), each timed as
    bench.kernels times kernels, with the device-to-device copy bandwidth of the same run:
    `kv_fp8_decode_llama3-8b_b64x4096` (us; baseline the bf16 us, ratio bf16 / fp8; extra: the fraction of
-   copy bandwidth at fp8's bytes), and `kv_fp8_decode_tiles_llama3-8b_b64x4096` (the best of 12 fp8 tiles against
-   the default one).
+   copy bandwidth at fp8's bytes), and `kv_fp8_decode_tiles_llama3-8b_b64x4096` (the best of 18 fp8 tiles against
+   the default one, each with the kernel's own split plan).
 2. 1 GiB of Llama-3-8B blocks (scattered ids) swapped out to the pinned CPU pool and back in, on the path the
    engine's swaps take, against a pinned host-to-device copy of 1 GiB in the same run: `kv_swap_roundtrip_1GiB`
    (GB/s, bytes both ways over the time both took; ceiling the H2D GB/s).
@@ -33,7 +33,7 @@ from bench.record import record
 COMMAND = "python3 -m bench.kv_memory"
 HEADS, BATCH, SEQ, BLOCK = (32, 8, 128), 64, 4096, 16  # Llama-3-8B: q heads, kv heads, head_dim
 FP8_TILES = [
-    {"block_n": n, "num_warps": w, "num_stages": s} for n in (64, 128) for w in (2, 4) for s in (2, 3, 4)
+    {"block_n": n, "num_warps": w, "num_stages": s} for n in (32, 64, 128) for w in (1, 2, 4) for s in (2, 3)
 ]
 
 

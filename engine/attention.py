@@ -15,7 +15,12 @@ from engine.attention_metadata import AttentionMetadata
 from kernels import _backend
 from kernels.decode_reduce import decode_workspace_size
 from kernels.kv_cache_write import kv_cache_write
-from kernels.paged_decode_attention import MIN_PARTITION, paged_decode_attention, plan_num_splits
+from kernels.paged_decode_attention import (
+    MIN_PARTITION,
+    paged_decode_attention,
+    plan_num_splits,
+    split_target,
+)
 from kernels.paged_prefill_attention import paged_prefill_attention
 
 # contexts up to this many keys are short: the kernel's own plan never splits them
@@ -42,19 +47,26 @@ class DecodeGraphPlan:
 
 
 def decode_graph_plans(
-    num_seqs: int, max_model_len: int, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    num_seqs: int,
+    max_model_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    fp8: bool = False,
 ) -> list[DecodeGraphPlan]:
     """What a captured decode batch of `num_seqs` rows passes the decode kernel on every replay, by the
     longest context in the batch, shortest class first. A batch big enough to fill the GPU unsplit has
     one plan, unsplit. Smaller batches have two: contexts up to SHORT_CONTEXT keys, split into as many
     SHORT_PARTITION-key partitions as fill the GPU (`splits_short`); longer ones, the split count planned for
     max_model_len (the partitions come from the plan's max_seq_len, fixed too, so shorter sequences leave
-    later splits idle). Each with the workspace its splits need."""
-    splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device)
+    later splits idle). Each with the workspace its splits need. fp8: an fp8 cache, whose kernel runs more,
+    smaller programs."""
+    splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device, fp8)
     if splits == 1:
         return [DecodeGraphPlan(max_model_len, 1, 0)]
     # splits > 1: max_model_len > SHORT_CONTEXT, and (sequence, kv head) programs leave the GPU idle
-    target = 4 * _backend.num_sms(device)
+    target = split_target(device, fp8)
     short = max(1, min(SHORT_CONTEXT // SHORT_PARTITION, target // (num_seqs * num_kv_heads)))
     short = short if splits_short() else 1
 

@@ -28,6 +28,7 @@ from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import accepted_length
 from engine.uploads import upload
+from kernels.kv_quant import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class ModelRunner:
         def plans(num_seqs: int) -> list[DecodeGraphPlan]:
             return decode_graph_plans(
                 num_seqs, self.max_model_len, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                self.device,
+                self.device, fp8=self.kv_dtype == FP8_DTYPE,
             )  # fmt: skip
 
         return DecodeGraphs(

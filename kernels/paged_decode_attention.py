@@ -36,11 +36,17 @@ FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: 
 MERGE_WARPS, MERGE_BLOCK_D = 2, 32
 
 
-def default_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """64 keys per iteration, 2 warps, double-buffered: the best of the H200 sweeps (docs/kernels.md)."""
+# programs per SM the split plan aims at: a 16-bit cache's 2-warp programs hold 4 an SM (registers); an fp8
+# cache's 1-warp programs hold about 10, and 8 an SM is one full wave (see plan_num_splits)
+PROGRAMS_PER_SM, FP8_PROGRAMS_PER_SM = 4, 8
+
+
+def default_config(head_dim: int, dtype: torch.dtype, one_warp: bool = False) -> dict:
+    """64 keys per iteration, double-buffered, 2 warps: the best of the H200 sweeps (docs/kernels.md).
+    one_warp (fp8_one_warp): an fp8 launch that fills the GPU runs its programs with one warp each."""
     if dtype == torch.float32:
         return FP32_CONFIG
-    return {"block_n": 64, "num_warps": 2, "num_stages": 2}
+    return {"block_n": 64, "num_warps": 1 if one_warp else 2, "num_stages": 2}
 
 
 # the block tables' width and the workspace's split strides change with the step's batch: one variant for all
@@ -153,13 +159,40 @@ def _paged_decode_kernel(
         tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
 
 
-def plan_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split the key range only when (sequence, kv head) programs cannot fill the GPU."""
-    programs = num_seqs * num_kv_heads
-    target = 4 * _backend.num_sms(device)
+def split_target(device: torch.device, fp8: bool = False) -> int:
+    """The programs a decode launch aims at: enough to fill the GPU with the default tile's programs."""
+    return (FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM) * _backend.num_sms(device)
+
+
+def fp8_one_warp(programs: int, device: torch.device) -> bool:
+    """Whether an fp8 launch of `programs` programs runs them with one warp each: when they are at least
+    PROGRAMS_PER_SM an SM. An fp8 tile is half a 16-bit one's bytes, so more, smaller programs keep enough
+    loads in flight: at Llama-3-8B heads (H200) 1 warp takes 150-160 us where 2 take 178-183, at 64 x 4096,
+    128 x 2048 and 256 x 1024 alike. Fewer programs are latency-bound, and two warps each do better there
+    (12.1 against 16.2 us at 4 x 2048)."""
+    return programs >= split_target(device)
+
+
+def _splits(programs: int, max_seq_len: int, target: int, round_up: bool) -> int:
     if programs * 2 > target or max_seq_len <= 2 * MIN_PARTITION:
         return 1
-    return max(1, min(triton.cdiv(target, programs), triton.cdiv(max_seq_len, MIN_PARTITION)))
+    wanted = triton.cdiv(target, programs) if round_up else target // programs
+    return max(1, min(wanted, triton.cdiv(max_seq_len, MIN_PARTITION)))
+
+
+def plan_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device, fp8: bool = False
+) -> int:
+    """Split the key range only when (sequence, kv head) programs cannot fill the GPU. An fp8 cache aims at
+    twice the programs, rounding down so they fit one wave (at 64 x 4096, 2 splits take 159-162 us; 3, whose
+    programs spill into a second wave that runs a few of them, 193), when that many run one warp each
+    (fp8_one_warp); else it plans as a 16-bit cache does."""
+    programs = num_seqs * num_kv_heads
+    if fp8:
+        splits = _splits(programs, max_seq_len, split_target(device, fp8=True), round_up=False)
+        if fp8_one_warp(programs * splits, device):
+            return splits
+    return _splits(programs, max_seq_len, split_target(device), round_up=True)
 
 
 def paged_decode_attention_triton(
@@ -190,7 +223,7 @@ def paged_decode_attention_triton(
     assert query.stride(2) == 1 and kv_cache.stride(4) == 1 and block_tables.stride(1) == 1
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
     scale_ptr, fp8 = scale_args(kv_cache, kv_scale)
-    cfg = {**default_config(head_dim, query.dtype), **(config or {})}
+    block_n = (config or {}).get("block_n", default_config(head_dim, query.dtype)["block_n"])
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
@@ -199,9 +232,11 @@ def paged_decode_attention_triton(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item())
     if num_splits is None:
-        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), cfg["block_n"]) * cfg["block_n"]
+        num_splits = plan_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device, fp8)
+    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), partition)
+    one_warp = fp8 and fp8_one_warp(num_seqs * num_kv_heads * num_splits, query.device)
+    cfg = {**default_config(head_dim, query.dtype, one_warp), **(config or {})}
     split = num_splits > 1
     pdl = split and query.is_cuda  # the interpreter has no programmatic dependent launch
     if split:

@@ -14,6 +14,8 @@ from engine.attention import SHORT_CONTEXT, DecodeGraphPlan, decode_graph_plans
 from engine.cuda_graph import DecodeGraphs, EagerCapturer, StaticInputs, bucket_for, capture_sizes
 from engine.sampling_params import SamplingParams as Params
 from engine.scheduler import ScheduledSeq
+from kernels.decode_reduce import decode_workspace_size
+from kernels.paged_decode_attention import fp8_one_warp, plan_num_splits
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 
 
@@ -137,6 +139,20 @@ def test_decode_plans_split_only_small_batches_and_long_contexts():
     assert long.max_seq_len == 8192 and long.num_splits > 1 and long.workspace_numel > 0
     assert decode_graph_plans(64, 8192, 32, 8, 128, cpu) == [DecodeGraphPlan(8192, 1, 0)]
     assert decode_graph_plans(1, 256, 32, 8, 128, cpu) == [DecodeGraphPlan(256, 1, 0)]
+
+
+def test_fp8_plans_aim_at_twice_the_programs_within_one_wave():
+    cpu = torch.device("cpu")  # 8 "SMs": a 16-bit cache aims at 32 programs, an fp8 cache at 64
+    assert plan_num_splits(1, 3, 8192, cpu) == 11  # 33 programs: rounded up
+    assert plan_num_splits(1, 3, 8192, cpu, fp8=True) == 21  # 63: rounded down, none in a second wave
+    assert plan_num_splits(4, 8, 8192, cpu) == 1 and plan_num_splits(4, 8, 8192, cpu, fp8=True) == 2
+    short, long = decode_graph_plans(1, 8192, 32, 8, 128, cpu, fp8=True)
+    assert (short.num_splits, long.num_splits) == (8, 8)
+    assert long.workspace_numel == decode_workspace_size(1, 32, 8, 128)
+    assert decode_graph_plans(8, 8192, 32, 8, 128, cpu, fp8=True) == [DecodeGraphPlan(8192, 1, 0)]
+    # one-warp programs only from 4 an SM: fewer plan, and run, as a 16-bit cache's
+    assert not fp8_one_warp(31, cpu) and fp8_one_warp(32, cpu)
+    assert plan_num_splits(1, 2, 1024, cpu, fp8=True) == plan_num_splits(1, 2, 1024, cpu) == 4  # 8 programs
 
 
 def test_cpu_engine_captures_nothing(tiny):
