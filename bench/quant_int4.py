@@ -192,12 +192,20 @@ def sweep_m1(out_dir: Path | None) -> None:
             configs = [GemmConfig(1, 16, sp, 4, 3, block_k=bk) for bk in (256, 512) for sp in (1, 2, 4, 8)]
             configs += [GemmConfig(1, 32, sp, 4, 3, block_k=512) for sp in (1, 2)]
             configs += [GemmConfig(1, 16, sp, 8, 3, block_k=512) for sp in (1, 2)]
-            configs += [GemmConfig(1, 8, 1, w, 3, block_k=512) for w in (2, 4)]  # twice the programs
+            configs += [GemmConfig(1, 16, 1, 4, st, block_k=512) for st in (2, 4)]
+            # more, smaller programs: 8 columns, 1-2 warps, 1,024-row K tiles
+            configs += [
+                GemmConfig(1, 8, 1, w, st, block_k=bk)
+                for w in (1, 2, 4)
+                for st in (3, 4)
+                for bk in (512, 1024)
+            ]
         nbytes = sets[0][name].qweight.numel() * 4
         found[name] = {}
         for cfg in configs:
             us = time_us([partial(w4a16_gemm_triton, x, w[name], None, cfg, swiglu) for w in sets])
             key = f"block_n={cfg.block_n}, split_k={cfg.split_k}, num_warps={cfg.num_warps}, block_k={cfg.block_k}"
+            key += f", num_stages={cfg.num_stages}" if cfg.num_stages != 3 else ""
             found[name][key] = [round(us, 2), round(nbytes / us / 1e3)]
         print(
             f"sweep M=1 {name}: " + "; ".join(f"{k}: {v[0]} us" for k, v in found[name].items()), flush=True
