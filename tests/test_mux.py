@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,6 +18,7 @@ import pytest
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.mux import ManyStream, RpcAbort, serve_many
+from serving.roles import free_port
 
 
 class _Scripted(pb_grpc.PrefillServicer):
@@ -77,12 +77,6 @@ def _server_main(port: int, ready) -> None:
     asyncio.run(_serve(port, ready))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(port: int):
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
@@ -94,7 +88,7 @@ def _start(port: int):
 
 @pytest.fixture
 def server():
-    port = _free_port()
+    port = free_port()
     procs = [_start(port)]
     yield f"127.0.0.1:{port}", procs
     for proc in procs:

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,16 +30,11 @@ from router.server import SERVICE_NAME, RouterConfig, RouterServicer, add_servic
 from router.supervise import run_forever
 from router.workers import State
 from serving.grpc_common import CHANNEL_OPTIONS, add_health_and_reflection
+from serving.roles import free_port
 from tests.chaos.tools import RedisServer
 from tests.fake_workers import BLOCK_SIZE, FakeDecode, FakePrefill, start
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -20,6 +19,7 @@ import redis
 
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.tokenizer import Tokenizer
+from serving.roles import free_port
 from tests.cluster import Cluster
 
 REQUEST_TIMEOUT_S = 5.0  # nothing may hang past this
@@ -74,12 +74,6 @@ def one_thread_per_engine() -> Iterator[None]:
             del os.environ["OMP_NUM_THREADS"]
         else:
             os.environ["OMP_NUM_THREADS"] = before
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> None:
