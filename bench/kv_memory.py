@@ -14,7 +14,8 @@
    (the normal pool is ~59k; a full batch of 256 needs 20480) and --swap-space GiB of swap space, one engine,
    its preemption mode set to recompute, swap, then auto: `kv_preemption_throughput_<mode>` (output tok/s).
 About 5 minutes with the defaults on an H200 (part 3 about 4 of them); --num-prompts 500 halves part 3.
-`--parts` picks parts; `--device cpu --shape SmolLM2-135M` runs part 3 small, as a smoke test (no records).
+`--parts fp8-shapes` (not in the default list) times fp8 against bf16 and against the 2-warp tile at 9 batch x context
+shapes, `kv_fp8_decode_shapes_llama3-8b`. `--parts` picks parts; `--device cpu --shape SmolLM2-135M` runs part 3 small, as a smoke test (no records).
 """
 
 from __future__ import annotations
@@ -86,6 +87,66 @@ def fp8_decode(copy_gbs: float, out_dir: Path | None) -> list[str]:
     met = ratio >= 1.8 and fraction >= 0.8
     return [f"| fp8 decode 64 x 4096 | {fp8_us:.1f} us | bf16 {bf16_us:.1f} us | {ratio:.2f}x, {fraction:.2f} of copy "
             f"| {'yes' if met else 'NO'} |"]  # fmt: skip
+
+
+FP8_SHAPES = [
+    (64, 4096),
+    (256, 1024),
+    (128, 2048),
+    (32, 4096),
+    (16, 8192),
+    (8, 4096),
+    (1, 32768),
+    (4, 2048),
+    (256, 2048),
+]
+TWO_WARP_TILE = {"block_n": 64, "num_warps": 2, "num_stages": 2}  # the 16-bit cache's tile
+
+
+def fp8_shape_times(batch: int, seq: int) -> dict[str, float]:
+    """bf16, fp8 with the 16-bit cache's tile and split plan, and fp8 as the kernel plans it, at one shape (us)."""
+    from bench.kernels import paged_set, rel_err, time_us
+    from kernels.decode_reduce import decode_workspace_size
+    from kernels.paged_decode_attention import paged_decode_attention_triton, plan_num_splits
+
+    s = paged_set(batch, seq, HEADS, 1)
+    cache8, scale = fp8_cache(s["cache"])
+    q, lens, tables = s["q"][:, :, 0], s["lens"], s["tables"]
+    ws = torch.empty(decode_workspace_size(batch, HEADS[0], 512, HEADS[2]), device="cuda")
+
+    def call(kv, kv_scale=None, config=None, splits=None):
+        return lambda: paged_decode_attention_triton(
+            q, kv, lens, tables, HEADS[2] ** -0.5, max_seq_len=seq, kv_scale=kv_scale, config=config,
+            num_splits=splits, workspace=ws,
+        )  # fmt: skip
+
+    two_warp_splits = plan_num_splits(batch, HEADS[1], seq, q.device)
+    two_warp = call(cache8, scale, TWO_WARP_TILE, two_warp_splits)
+    return {
+        "bf16_us": time_us([call(s["cache"])]),
+        "fp8_two_warp_us": time_us([two_warp]),
+        "fp8_us": time_us([call(cache8, scale)]),
+        "rel_err_vs_two_warp": rel_err(call(cache8, scale)(), two_warp()),
+    }
+
+
+def fp8_decode_shapes(out_dir: Path | None) -> list[str]:
+    """At each batch x context: bf16, fp8 with the 16-bit cache's tile and split plan, and fp8 as the kernel
+    plans it (one-warp programs once they fill the GPU, kernels/paged_decode_attention.py: fp8_one_warp)."""
+    shapes: dict[str, dict[str, float]] = {}
+    for batch, seq in FP8_SHAPES:
+        shapes[f"{batch}x{seq}"] = fp8_shape_times(batch, seq)
+        torch.cuda.empty_cache()
+    now = statistics.geometric_mean([r["bf16_us"] / r["fp8_us"] for r in shapes.values()])
+    before = statistics.geometric_mean([r["bf16_us"] / r["fp8_two_warp_us"] for r in shapes.values()])
+    record(
+        "kv_fp8_decode_shapes_llama3-8b", now, "x", baseline=before,
+        baseline_name="the same with the 16-bit cache's 2-warp tile and split plan (x)", ratio=now / before,
+        out_dir=out_dir, command=COMMAND + " --parts fp8-shapes",
+        extra={"what": "geometric mean over batch x context of bf16 us / fp8 us, Llama-3-8B heads", "shapes": shapes},
+    )  # fmt: skip
+    return [f"| fp8 decode over {len(shapes)} shapes, bf16 / fp8 | {now:.2f}x | 2-warp tile {before:.2f}x | "
+            f"{now / before:.2f} | - |"]  # fmt: skip
 
 
 def swap_roundtrip(out_dir: Path | None) -> list[str]:
@@ -228,7 +289,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument(
-        "--parts", nargs="+", default=["fp8", "swap", "preemption"], choices=["fp8", "swap", "preemption"]
+        "--parts",
+        nargs="+",
+        default=["fp8", "swap", "preemption"],
+        choices=["fp8", "fp8-shapes", "swap", "preemption"],
     )
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=1024)
@@ -254,6 +318,8 @@ def main() -> None:
         try:
             if part == "fp8" and args.device is None:
                 rows += fp8_decode(copy_gbs, args.out_dir)
+            elif part == "fp8-shapes" and args.device is None:
+                rows += fp8_decode_shapes(args.out_dir)
             elif part == "swap" and args.device is None:
                 rows += swap_roundtrip(args.out_dir)
             elif part == "preemption":
