@@ -60,13 +60,13 @@ def decode_graph_plans(
     one plan, unsplit. Smaller batches have two: contexts up to SHORT_CONTEXT keys, split into as many
     SHORT_PARTITION-key partitions as fill the GPU (`splits_short`); longer ones, the split count planned for
     max_model_len (the partitions come from the plan's max_seq_len, fixed too, so shorter sequences leave
-    later splits idle). Each with the workspace its splits need. fp8: an fp8 cache, whose kernel runs more,
-    smaller programs."""
+    later splits idle). Each with the workspace its splits need. fp8: an fp8 cache, whose long contexts split
+    into more, smaller programs (kernels/paged_decode_attention.py: plan_num_splits)."""
     splits = plan_num_splits(num_seqs, num_kv_heads, max_model_len, device, fp8)
     if splits == 1:
         return [DecodeGraphPlan(max_model_len, 1, 0)]
     # splits > 1: max_model_len > SHORT_CONTEXT, and (sequence, kv head) programs leave the GPU idle
-    target = split_target(device, fp8)
+    target = split_target(device)  # the short class's 64-key partitions were measured with 2-warp programs
     short = max(1, min(SHORT_CONTEXT // SHORT_PARTITION, target // (num_seqs * num_kv_heads)))
     short = short if splits_short() else 1
 
