@@ -100,14 +100,13 @@ FP8_SHAPES = [
     (4, 2048),
     (256, 2048),
 ]
-TWO_WARP_TILE = {"block_n": 64, "num_warps": 2, "num_stages": 2}  # the 16-bit cache's tile
 
 
 def fp8_shape_times(batch: int, seq: int) -> dict[str, float]:
     """bf16, fp8 with the 16-bit cache's tile and split plan, and fp8 as the kernel plans it, at one shape (us)."""
     from bench.kernels import paged_set, rel_err, time_us
     from kernels.decode_reduce import decode_workspace_size
-    from kernels.paged_decode_attention import paged_decode_attention_triton, plan_num_splits
+    from kernels.paged_decode_attention import default_config, paged_decode_attention_triton, plan_num_splits
 
     s = paged_set(batch, seq, HEADS, 1)
     cache8, scale = fp8_cache(s["cache"])
@@ -121,7 +120,8 @@ def fp8_shape_times(batch: int, seq: int) -> dict[str, float]:
         )  # fmt: skip
 
     two_warp_splits = plan_num_splits(batch, HEADS[1], seq, q.device)
-    two_warp = call(cache8, scale, TWO_WARP_TILE, two_warp_splits)
+    two_warp_tile = default_config(HEADS[2], s["cache"].dtype)  # the 16-bit cache's tile
+    two_warp = call(cache8, scale, two_warp_tile, two_warp_splits)
     return {
         "bf16_us": time_us([call(s["cache"])]),
         "fp8_two_warp_us": time_us([two_warp]),
