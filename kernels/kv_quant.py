@@ -105,3 +105,31 @@ def load_scales(kv_scale_ptr, FP8: tl.constexpr):
         k_scale = tl.load(kv_scale_ptr)
         v_scale = tl.load(kv_scale_ptr + 1)
     return k_scale, v_scale
+
+
+@triton.jit
+def fp8_pairs_as_fp16(words, CUDA: tl.constexpr):
+    """int16 words, each two e4m3 bytes (dims 2c and 2c + 1 of a row), as two fp16 tensors: the low bytes'
+    values and the high bytes' (every e4m3 value is exact in fp16). Read this way an fp8 tile reaches the dots'
+    registers by ldmatrix, as a 16-bit one does, where a tile of bytes takes one shared-memory load and
+    several moves per byte. CUDA: with two words to a 32-bit register, one PRMT gathers their low (or high)
+    bytes and one cvt converts the pair. The interpreter, which has no inline assembly: bit operations put each
+    byte's sign on fp16's sign bit and its other 7 bits (4 of exponent, 3 of mantissa) at the top of fp16's
+    exponent-and-mantissa field under a zero top exponent bit; e4m3's bias is 7 and fp16's 15, so that is
+    the value times 2^-8, subnormals included, and the 2^8 goes back on exactly."""
+    if CUDA:
+        lo = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; .reg .b16 l, h; prmt.b32 a, $1, 0, 0x20; mov.b32 {l, h}, a; "
+            "cvt.rn.f16x2.e4m3x2 $0, l; }",
+            "=r,r", [words], dtype=tl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+        hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 a; .reg .b16 l, h; prmt.b32 a, $1, 0, 0x31; mov.b32 {l, h}, a; "
+            "cvt.rn.f16x2.e4m3x2 $0, l; }",
+            "=r,r", [words], dtype=tl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+        return lo, hi
+    w = words.to(tl.uint16, bitcast=True)
+    lo = ((w << 8) & 0x8000) | ((w << 7) & 0x3F80)
+    hi = (w & 0x8000) | ((w >> 1) & 0x3F80)
+    return lo.to(tl.float16, bitcast=True) * 256.0, hi.to(tl.float16, bitcast=True) * 256.0

@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import fp8_pairs_as_fp16
+
 LOG2E = 1.4426950408889634
 
 
@@ -52,3 +54,45 @@ def online_softmax_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def online_softmax_tile_fp8(
+    acc_even, acc_odd, m_i, l_i, q_even, q_odd, qk_scale, n0, end, table, kv_base, pairs,
+    stride_c_kv, stride_c_block, stride_c_off,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, CUDA: tl.constexpr,
+):  # fmt: skip
+    """online_softmax_tile over an fp8 cache read as 16-bit words (kv_base an int16 pointer, the strides in
+    words): each word's low byte is an even dim and its high byte the next odd one (kernels/kv_quant.py:
+    fp8_pairs_as_fp16), so the scores are two dots of half depth, q's even dims against the low bytes and
+    its odd dims against the high, and the output is kept as its even and odd halves. CUDA: the conversion's
+    inline assembly (the interpreter has none). No causal mask (decode)."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        block_id = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0).to(tl.int64)
+    else:
+        block_id = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row_off = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_off  # (BLOCK_N,)
+    k_ptrs = kv_base + row_off[:, None] + pairs[None, :]  # (BLOCK_N, BLOCK_D // 2) words
+    if MASKED or BLOCK_D != HEAD_DIM:
+        kv_mask = (pos < end)[:, None] & (pairs * 2 < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0)
+        v = tl.load(k_ptrs + stride_c_kv, mask=kv_mask, other=0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(k_ptrs + stride_c_kv)
+    k_even, k_odd = fp8_pairs_as_fp16(k, CUDA)
+    s = tl.dot(q_even, tl.trans(k_even.to(q_even.dtype)), input_precision=DOT_PRECISION)
+    s = tl.dot(q_odd, tl.trans(k_odd.to(q_odd.dtype)), s, input_precision=DOT_PRECISION)  # (ROWS, BLOCK_N)
+    if MASKED:
+        s = tl.where((pos < end)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_even, v_odd = fp8_pairs_as_fp16(v, CUDA)
+    p = p.to(q_even.dtype)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p, v_even.to(p.dtype), input_precision=DOT_PRECISION)
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd.to(p.dtype), input_precision=DOT_PRECISION)
+    return acc_even, acc_odd, m_new, l_i

@@ -7,8 +7,8 @@ The grid is head-major, so a sequence's kv heads start side by side and between 
 pages whole. Long contexts at small batch split the key range across programs (flash-decoding);
 the partial states then merge in kernels/decode_reduce.py's separate launch, which on CUDA is a
 programmatic dependent launch: its start-up overlaps this kernel's tail. An fp8 cache is read as fp8 (half
-the bytes) and dequantized in registers (kernels/kv_quant.py: k_scale folded into the softmax scale,
-v_scale applied to the output).
+the bytes), as 16-bit words of two dims each, and converted in registers (kernels/online_softmax.py:
+online_softmax_tile_fp8; k_scale folded into the softmax scale, v_scale applied to the output).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kernels.decode_reduce import (
     decode_workspace_size,
 )
 from kernels.kv_quant import as_read, fp16_dots, load_scales, scale_args
-from kernels.online_softmax import LOG2E, online_softmax_tile
+from kernels.online_softmax import LOG2E, online_softmax_tile, online_softmax_tile_fp8
 from kernels.paged_prefill_attention import gather_kv
 
 MIN_PARTITION = 256  # keys per split at least: below that the reduce costs more than it saves
@@ -97,6 +97,7 @@ def _paged_decode_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    CUDA: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
         tl.extra.cuda.gdc_launch_dependents()
@@ -110,11 +111,17 @@ def _paged_decode_kernel(
     dim_ok = dims < HEAD_DIM
     out_mask = row_ok[:, None] & dim_ok[None, :]
     out_rows = out_ptr + seq.to(tl.int64) * stride_o_seq + heads * stride_o_head  # (BLOCK_H,)
+    q_rows = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head  # (BLOCK_H, 1)
     # q before seq_len: the two loads' latencies overlap instead of adding up
-    q_ptrs = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
-    q = tl.load(q_ptrs, mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
-    if FP16_DOTS:  # the tiles convert to q's dtype (kernels/kv_quant.py: fp16_dots)
-        q = q.to(tl.float16)
+    if FP8:  # q's even and odd dims, against the words' low and high bytes (online_softmax_tile_fp8)
+        pairs = tl.arange(0, BLOCK_D // 2)
+        pair_mask = row_ok[:, None] & (pairs * 2 < HEAD_DIM)[None, :]
+        q_even = tl.load(q_rows + pairs[None, :] * 2, mask=pair_mask, other=0.0)
+        q_odd = tl.load(q_rows + pairs[None, :] * 2 + 1, mask=pair_mask, other=0.0)
+        if FP16_DOTS:  # the tiles convert to q's dtype (kernels/kv_quant.py: fp16_dots)
+            q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
@@ -124,27 +131,44 @@ def _paged_decode_kernel(
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_cache_ptr + kv_head * stride_c_head
-    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
-    qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = online_softmax_tile(
-            acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
-            stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
-        )  # fmt: skip
-    for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
-        acc, m_i, l_i = online_softmax_tile(
-            acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
-            stride_c_kv, stride_c_block, stride_c_off,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
-        )  # fmt: skip
+    if FP8:  # read as 16-bit words, two dims each (online_softmax_tile_fp8)
+        k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
+        qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
+        words = kv_base.to(tl.pointer_type(tl.int16))
+        acc_even = tl.zeros((BLOCK_H, BLOCK_D // 2), tl.float32)
+        acc_odd = tl.zeros((BLOCK_H, BLOCK_D // 2), tl.float32)
+        for n0 in range(start, full_end, BLOCK_N):
+            acc_even, acc_odd, m_i, l_i = online_softmax_tile_fp8(
+                acc_even, acc_odd, m_i, l_i, q_even, q_odd, qk_scale, n0, end, table, words, pairs,
+                stride_c_kv // 2, stride_c_block // 2, stride_c_off // 2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, CUDA,
+            )  # fmt: skip
+        for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
+            acc_even, acc_odd, m_i, l_i = online_softmax_tile_fp8(
+                acc_even, acc_odd, m_i, l_i, q_even, q_odd, qk_scale, n0, end, table, words, pairs,
+                stride_c_kv // 2, stride_c_block // 2, stride_c_off // 2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, CUDA,
+            )  # fmt: skip
+        # back in dim order, with V's scale, once, on the output
+        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_H, BLOCK_D)) * v_scale
+    else:
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        for n0 in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = online_softmax_tile(
+                acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
+                stride_c_kv, stride_c_block, stride_c_off,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION,
+            )  # fmt: skip
+        for n0 in range(full_end, end, BLOCK_N):  # the ragged tail: at most one tile
+            acc, m_i, l_i = online_softmax_tile(
+                acc, m_i, l_i, q, qk_scale, 0, n0, end, table, kv_base, dims,
+                stride_c_kv, stride_c_block, stride_c_off,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
+            )  # fmt: skip
 
-    if FP8:
-        acc = acc * v_scale  # likewise V's, once, on the output
     if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py
         part_rows = (
             part_ptr + seq.to(tl.int64) * stride_p_seq + heads * stride_p_head + split * stride_p_split
@@ -265,6 +289,7 @@ def paged_decode_attention_triton(
         LAUNCH_DEPENDENTS=pdl,
         FP8=fp8,
         FP16_DOTS=fp16_dots(fp8, query.dtype),
+        CUDA=query.is_cuda,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip

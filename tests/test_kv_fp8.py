@@ -18,7 +18,7 @@ from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, fp16_dots, quantize
 from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
 from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
-from tests.gpu.paged_inputs import make_paged_kv, query_start_loc
+from tests.gpu.paged_inputs import every_fp8_pair, make_paged_kv, query_start_loc
 
 # fp32 throughout; 10x the plain kernels' tolerance (tests/test_kernels.py): the kernels fold k_scale into
 # the softmax scale where the references scale K first, and the scores here run to ~100, where that
@@ -200,3 +200,13 @@ def test_an_fp8_cache_without_scales_is_refused():
     cache, tables, lens, _ = fp8_paged([9], 2, 64, 16, 1.0, 1.0)
     with pytest.raises(AssertionError, match="kv_scale"):
         paged_decode_attention_triton(torch.randn(1, 4, 64), cache, lens, tables, 0.125)
+
+
+def test_fp8_words_convert_as_torch_converts_their_bytes():
+    """The decode reads an fp8 cache as 16-bit words; every word's two bytes come out as torch's fp8 -> fp16
+    cast gives them (NaN bytes, 0x7F and 0xFF, aside: the cache never stores them)."""
+    want, got = every_fp8_pair("cpu")
+    finite = ~want.isnan()
+    assert finite.sum() == 65536 * 2 - 2 * 2 * 256  # each byte position holds a NaN in 2 of its 256 values
+    torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=0)
+    assert (got[finite].view(torch.int16) == want[finite].view(torch.int16)).all()  # -0.0 too

@@ -4,6 +4,10 @@ so a sequence's blocks are neither contiguous nor in order, and block tables pad
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_quant import fp8_pairs_as_fp16
 
 
 def make_paged_kv(
@@ -36,3 +40,25 @@ def query_start_loc(query_lens: list[int], device: str | torch.device = "cpu") -
     for n in query_lens:
         starts.append(starts[-1] + n)
     return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+@triton.jit
+def _fp8_pairs_kernel(words_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr, CUDA: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo, hi = fp8_pairs_as_fp16(tl.load(words_ptr + offs, mask=offs < n, other=0), CUDA)
+    tl.store(lo_ptr + offs, lo, mask=offs < n)
+    tl.store(hi_ptr + offs, hi, mask=offs < n)
+
+
+def every_fp8_pair(device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 65,536 16-bit words as two e4m3 bytes: the words' bytes as torch converts them to fp16 (low, then
+    high), against kernels/kv_quant.py's fp8_pairs_as_fp16 on them (the interpreter's bit operations on CPU,
+    the inline assembly on CUDA), each (65536, 2) fp16."""
+    words = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).to(device)
+    as_bytes = words.view(torch.float8_e4m3fn).view(-1, 2)  # little-endian: the low byte first
+    want = as_bytes.to(torch.float16)
+    lo, hi = torch.empty_like(words, dtype=torch.float16), torch.empty_like(words, dtype=torch.float16)
+    _fp8_pairs_kernel[(triton.cdiv(words.numel(), 1024),)](
+        words, lo, hi, words.numel(), BLOCK=1024, CUDA=words.is_cuda
+    )  # fmt: skip
+    return want, torch.stack([lo, hi], 1)

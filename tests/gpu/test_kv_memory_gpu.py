@@ -23,7 +23,7 @@ from kernels.kv_quant import FP8_DTYPE, quantize
 from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
 from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
-from tests.gpu.paged_inputs import make_paged_kv, query_start_loc
+from tests.gpu.paged_inputs import every_fp8_pair, make_paged_kv, query_start_loc
 from tests.gpu.test_kernels_gpu import DECODE_BATCHES, HEADS, PREFILL_BATCHES, check, nan_like
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 
@@ -35,6 +35,13 @@ def fp8_paged(seq_lens, heads, block_size, scale):
     kv, tables, lens = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.float32, DEV)
     kv = kv * 4 * scale.view(2, 1, 1, 1, 1)
     return torch.stack([quantize(kv[0], scale[0]), quantize(kv[1], scale[1])]), tables, lens
+
+
+def test_fp8_words_convert_as_torch_converts_their_bytes():
+    """The decode's inline assembly (PRMT + cvt per two bytes) on every 16-bit word, against torch's cast."""
+    want, got = every_fp8_pair(DEV)
+    finite = ~want.isnan()
+    assert (got[finite].view(torch.int16) == want[finite].view(torch.int16)).all()
 
 
 @pytest.mark.parametrize("batch", list(DECODE_BATCHES))
