@@ -24,7 +24,7 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
-from kernels.kv_quant import as_read, fp16_dots, load_scales, scale_args
+from kernels.kv_quant import FP8_DTYPE, as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile, online_softmax_tile_fp8
 from kernels.paged_prefill_attention import gather_kv
 
@@ -97,6 +97,7 @@ def _paged_decode_kernel(
     LAUNCH_DEPENDENTS: tl.constexpr,
     FP8: tl.constexpr,
     FP16_DOTS: tl.constexpr,
+    PAIRS: tl.constexpr,  # an fp8 cache read as 16-bit words (fp8_pairs)
     CUDA: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
@@ -113,7 +114,7 @@ def _paged_decode_kernel(
     out_rows = out_ptr + seq.to(tl.int64) * stride_o_seq + heads * stride_o_head  # (BLOCK_H,)
     q_rows = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head  # (BLOCK_H, 1)
     # q before seq_len: the two loads' latencies overlap instead of adding up
-    if FP8:  # q's even and odd dims, against the words' low and high bytes (online_softmax_tile_fp8)
+    if PAIRS:  # q's even and odd dims, against the words' low and high bytes (online_softmax_tile_fp8)
         pairs = tl.arange(0, BLOCK_D // 2)
         pair_mask = row_ok[:, None] & (pairs * 2 < HEAD_DIM)[None, :]
         q_even = tl.load(q_rows + pairs[None, :] * 2, mask=pair_mask, other=0.0)
@@ -122,6 +123,8 @@ def _paged_decode_kernel(
             q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
     else:
         q = tl.load(q_rows + dims[None, :], mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
+        if FP16_DOTS:
+            q = q.to(tl.float16)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
     if SPLIT:  # noqa: SIM102 (a compile-time branch around a run-time one)
@@ -131,12 +134,12 @@ def _paged_decode_kernel(
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_cache_ptr + kv_head * stride_c_head
+    k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
+    qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    if FP8:  # read as 16-bit words, two dims each (online_softmax_tile_fp8)
-        k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
-        qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
+    if PAIRS:  # read as 16-bit words, two dims each
         words = kv_base.to(tl.pointer_type(tl.int16))
         acc_even = tl.zeros((BLOCK_H, BLOCK_D // 2), tl.float32)
         acc_odd = tl.zeros((BLOCK_H, BLOCK_D // 2), tl.float32)
@@ -152,8 +155,7 @@ def _paged_decode_kernel(
                 stride_c_kv // 2, stride_c_block // 2, stride_c_off // 2,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, CUDA,
             )  # fmt: skip
-        # back in dim order, with V's scale, once, on the output
-        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_H, BLOCK_D)) * v_scale
+        acc = tl.reshape(tl.join(acc_even, acc_odd), (BLOCK_H, BLOCK_D))  # back in dim order
     else:
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
         for n0 in range(start, full_end, BLOCK_N):
@@ -168,7 +170,8 @@ def _paged_decode_kernel(
                 stride_c_kv, stride_c_block, stride_c_off,
                 HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, True, False, DOT_PRECISION,
             )  # fmt: skip
-
+    if FP8:
+        acc = acc * v_scale  # likewise V's, once, on the output
     if SPLIT:  # the unnormalised partial state, see kernels/decode_reduce.py
         part_rows = (
             part_ptr + seq.to(tl.int64) * stride_p_seq + heads * stride_p_head + split * stride_p_split
@@ -181,6 +184,17 @@ def _paged_decode_kernel(
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 writes zeros, not NaN
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
+
+
+def fp8_pairs(kv_cache: torch.Tensor) -> bool:
+    """Whether the decode reads an fp8 cache as 16-bit words (online_softmax_tile_fp8): when every row and head
+    starts on a word and each half of a head is a dot's depth (16 dims and more). Other fp8 caches are read
+    byte by byte."""
+    head_dim = kv_cache.shape[4]
+    even = all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
+    return (
+        kv_cache.dtype == FP8_DTYPE and even and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) >= 32
+    )
 
 
 def split_target(device: torch.device, fp8: bool = False) -> int:
@@ -289,6 +303,7 @@ def paged_decode_attention_triton(
         LAUNCH_DEPENDENTS=pdl,
         FP8=fp8,
         FP16_DOTS=fp16_dots(fp8, query.dtype),
+        PAIRS=fp8_pairs(kv_cache),
         CUDA=query.is_cuda,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],

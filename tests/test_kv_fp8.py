@@ -15,7 +15,11 @@ import torch
 from engine.layers import RotaryEmbedding
 from kernels.kv_cache_write import kv_cache_write_reference, kv_cache_write_triton
 from kernels.kv_quant import FP8_DTYPE, FP8_MAX, dequantize, fp16_dots, quantize
-from kernels.paged_decode_attention import paged_decode_attention_reference, paged_decode_attention_triton
+from kernels.paged_decode_attention import (
+    fp8_pairs,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
 from kernels.paged_prefill_attention import paged_prefill_attention_reference, paged_prefill_attention_triton
 from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
 from tests.gpu.paged_inputs import every_fp8_pair, make_paged_kv, query_start_loc
@@ -117,6 +121,7 @@ DECODE_LENS = [1, 15, 16, 17, 47, 100, 0]
 @pytest.mark.parametrize("k_scale,v_scale", SCALES)
 def test_decode_reads_fp8(num_heads, num_kv_heads, head_dim, block_size, k_scale, v_scale):
     cache, tables, lens, scale = fp8_paged(DECODE_LENS, num_kv_heads, head_dim, block_size, k_scale, v_scale)
+    assert fp8_pairs(cache)  # read as 16-bit words
     query = torch.randn(len(DECODE_LENS), num_heads, head_dim)
     ref = paged_decode_attention_reference(query, cache, lens, tables, head_dim**-0.5, scale)
     out = paged_decode_attention_triton(
@@ -210,3 +215,15 @@ def test_fp8_words_convert_as_torch_converts_their_bytes():
     assert finite.sum() == 65536 * 2 - 2 * 2 * 256  # each byte position holds a NaN in 2 of its 256 values
     torch.testing.assert_close(got[finite], want[finite], rtol=0, atol=0)
     assert (got[finite].view(torch.int16) == want[finite].view(torch.int16)).all()  # -0.0 too
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])
+def test_decode_reads_small_fp8_heads(head_dim):
+    """16 dims: each half of a head is under a dot's depth (16), so the cache is read byte by byte, not as
+    16-bit words. 24 dims: as words, the head padded to 32 (masked dims)."""
+    cache, tables, lens, scale = fp8_paged(DECODE_LENS, 2, head_dim, 16, 0.05, 0.2)
+    assert fp8_pairs(cache) == (head_dim == 24)
+    query = torch.randn(len(DECODE_LENS), 4, head_dim)
+    ref = paged_decode_attention_reference(query, cache, lens, tables, head_dim**-0.5, scale)
+    out = paged_decode_attention_triton(query, cache, lens, tables, head_dim**-0.5, kv_scale=scale)
+    torch.testing.assert_close(out, ref, **TOL)
