@@ -191,7 +191,7 @@ def fp8_pairs(kv_cache: torch.Tensor) -> bool:
     starts on a word and each half of a head is a dot's depth (16 dims and more). Other fp8 caches are read
     byte by byte."""
     head_dim = kv_cache.shape[4]
-    even = all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
+    even = kv_cache.storage_offset() % 2 == 0 and all(stride % 2 == 0 for stride in kv_cache.stride()[:4])
     return (
         kv_cache.dtype == FP8_DTYPE and even and head_dim % 2 == 0 and triton.next_power_of_2(head_dim) >= 32
     )
