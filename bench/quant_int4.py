@@ -20,6 +20,10 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   kernel's (M = 1, 4) and the 16-row dots' (best per M printed).
 - --sweep-m1: the one-row kernel's configs GEMM by GEMM (columns a program, K tile, split-K, warps; gate_up
   with its SwiGLU epilogue): quant_w4a16_m1_sweep_llama3-8b (gate_up's best against its 16-column default).
+- --limits: what bounds the one-row kernel, GEMM by GEMM: its time against a copy kernel moving the same
+  bytes (half read, half written: the same launch, ramp-up and tail), a kernel that only loads the weights
+  in the GEMM's own tiles and pipeline, and the GEMM on one weight set over and over (served from L2):
+  quant_w4a16_m1_limits_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -222,6 +226,74 @@ def sweep_m1(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+def _load_only_kernel():
+    """A Triton kernel that loads the packed weights in the one-row GEMM's tiles and pipeline (columns a
+    program, K tile, stages) and only folds them into one word per column: the GEMM without its arithmetic."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def load_only(qw_ptr, out_ptr, K, stride_qk, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):  # fmt: skip
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        R: tl.constexpr = BLOCK_K // 8
+        rows = tl.arange(0, R)
+        acc = tl.zeros((BLOCK_N, R), dtype=tl.int32)
+        for t in tl.range(0, K // BLOCK_K, num_stages=NUM_STAGES):
+            acc = acc ^ tl.load(qw_ptr + offs_n[:, None] * stride_qn + (t * R + rows)[None, :] * stride_qk)
+        tl.store(out_ptr + offs_n, tl.sum(acc, 1))
+
+    return load_only
+
+
+def limits_m1(out_dir: Path | None) -> None:
+    """The one-row GEMMs against a same-bytes copy, their own loads alone, and their L2-resident time."""
+    import torch
+
+    from bench.kernels import same_bytes_copy_us, time_us
+    from bench.record import record
+    from kernels.w4a16_gemm import (
+        GEMV_SWIGLU_BLOCK_N,
+        GEMV_SWIGLU_STAGES,
+        default_config,
+        w4a16_gemm,
+        w4a16_swiglu,
+    )
+
+    load_only = _load_only_kernel()
+    sets = [int4_layer("cuda", s) for s in range(SETS)]
+    per: dict[str, dict[str, float]] = {}
+    for name, (k, n) in LAYER.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        gemm = w4a16_swiglu if name == "gate_up" else w4a16_gemm
+        cfg = default_config(1, n, k, x.device)
+        block_n, stages = (
+            (GEMV_SWIGLU_BLOCK_N, GEMV_SWIGLU_STAGES) if name == "gate_up" else (cfg.block_n, cfg.num_stages)
+        )
+        out = torch.empty(n, dtype=torch.int32, device="cuda")
+        loads = [
+            partial(load_only[(n // block_n,)], w[name].qweight, out, k, *w[name].qweight.stride(), BLOCK_N=block_n,
+                    BLOCK_K=cfg.block_k, NUM_STAGES=stages, num_warps=cfg.num_warps, num_stages=stages)
+            for w in sets
+        ]  # fmt: skip
+        per[name] = {
+            "kernel_us": time_us([partial(gemm, x, w[name]) for w in sets]),
+            "same_bytes_copy_us": same_bytes_copy_us(k * n // 2, SETS),
+            "load_only_us": time_us(loads),
+            "one_set_from_l2_us": time_us([partial(gemm, x, sets[0][name])]),
+        }
+        print(f"limits M=1 {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in per[name].items()), flush=True)
+    layer = {key: sum(p[key] for p in per.values()) for key in per["qkv"]}
+    record(
+        "quant_w4a16_m1_limits_llama3-8b", layer["kernel_us"], "us", baseline=layer["same_bytes_copy_us"],
+        baseline_name="a copy kernel moving the same bytes, GEMM by GEMM (us)",
+        ratio=layer["same_bytes_copy_us"] / layer["kernel_us"], out_dir=out_dir, command=COMMAND + " --limits",
+        extra={"what": "one-row W4A16 GEMMs of a Llama-3-8B layer (gate_up with SwiGLU), group 128, graph "
+                       "replay over six weight sets; load_only: the same tiles and pipeline, loads only; "
+                       "one_set_from_l2: one weight set replayed (it stays in L2)", "layer": layer, "per_gemm": per},
+    )  # fmt: skip
+
+
 def engine_part(part: str) -> dict[str, Any]:
     """One engine's batch-1 decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head
     dense, as AWQ keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true)."""
@@ -312,6 +384,9 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--sweep", action="store_true", help="also time the GEMM's tile configs at M = 1, 4, 16")
     p.add_argument("--sweep-m1", action="store_true", help="also the one-row kernel's configs, GEMM by GEMM")
+    p.add_argument(
+        "--limits", action="store_true", help="only what bounds the one-row kernel (--limits record)"
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -327,6 +402,9 @@ def main() -> None:
     copy_gbs = max(copies["copy_"], copies["mul_kernel"])
     torch.cuda.empty_cache()
     print(f"d2d copy {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    if args.limits:
+        limits_m1(args.out_dir)
+        return
     rows = gemm_small_m(copy_gbs, args.out_dir)
     big, crossover = gemm_big_m(args.out_dir)
     rows.append(big)
