@@ -22,8 +22,10 @@ class DecodeOnlyRouter:
         self._lock = threading.Lock()
         self._decoding: dict[str, int] = {}
 
-    def route(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> RoutingDecision:
-        """A decision whose decode_worker is None when no decode worker is live."""
+    def route(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, *, speculate_later: bool = False
+    ) -> RoutingDecision:
+        """A decision whose decode_worker is None when no decode worker is live (it reads no hashes)."""
         decode = {w: load for w, load in self._live().items() if load.role != "prefill"}
         with self._lock:
             view = RoutingView(num_tokens, self.block_size, {}, {}, decode, decoding=self._decoding)
@@ -31,6 +33,9 @@ class DecodeOnlyRouter:
             if worker is not None:
                 self._decoding[worker] = self._decoding.get(worker, 0) + 1
         return RoutingDecision(LOCAL_PREFILL, worker, 0, num_tokens)
+
+    def speculate_pending(self) -> None:
+        pass  # no index: nothing to speculate
 
     def prefill_done(self, decision: RoutingDecision) -> None:
         pass  # the decode worker's own load report counts its prefill work

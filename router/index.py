@@ -235,9 +235,12 @@ class InMemoryPrefixIndex(PrefixIndex):
         if not chain or not self._holders.get(chain[0], 0) & self._live_mask:
             return result
         # Running AND of the holder masks along the chain, computed in C. Each mask is a subset of the
-        # one before, so the sequence never increases and bisect finds where each worker drops out.
+        # one before, so the sequence never increases and bisect finds where each worker drops out. It
+        # stops at the first block no live worker holds: a lazy chain (LazyBlockHashes) is read no further.
         masks = map(self._holders.get, chain, itertools.repeat(0))
-        prefix = list(itertools.accumulate(masks, operator.and_, initial=self._live_mask))
+        prefix = list(
+            itertools.takewhile(bool, itertools.accumulate(masks, operator.and_, initial=self._live_mask))
+        )
         depth, cand = 1, prefix[1]
         while cand:
             depth = bisect.bisect_right(prefix, -cand, lo=depth, key=operator.neg)  # first mask != cand

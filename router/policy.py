@@ -277,8 +277,17 @@ class PrefixRouter:
         self._outstanding: dict[str, int] = {}
         self._decoding: dict[str, int] = {}
         self._recent = RecentWork(share_window_s, clock)
+        # (prefill worker, the prompt's hashes, blocks matched) of decisions whose speculation is due
+        self._to_speculate: list[tuple[str, Sequence[BlockHash], int]] = []
 
-    def route(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> RoutingDecision:
+    def route(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, *, speculate_later: bool = False
+    ) -> RoutingDecision:
+        """Choose the workers. The prompt's unmatched blocks are speculated as held by the chosen prefill
+        worker now or, with `speculate_later`, at the next `speculate_pending()` or `route()`, whichever
+        comes first: every later decision sees them, and a lazy chain (LazyBlockHashes) is hashed past
+        its matched prefix only then, once the caller has sent the request on."""
+        self.speculate_pending()
         uses_index = self.policy.uses_index
         # One round trip; workers come sorted by id, so ties break the same way in every router.
         lookup = self.index.lookup(block_hashes if uses_index else ())
@@ -303,11 +312,27 @@ class PrefixRouter:
             self._recent.add(decision.prefill_worker, decision.uncached_tokens)
             if decision.decode_worker is not None:
                 _add(self._decoding, decision.decode_worker, 1)
-        if uses_index and self.speculate_ttl > 0:  # the matched prefix is held (or speculated) already
-            self.index.speculate(
-                decision.prefill_worker, block_hashes[decision.matched_blocks :], self.speculate_ttl
-            )
+        if uses_index and self.speculate_ttl > 0:
+            due = (decision.prefill_worker, block_hashes, decision.matched_blocks)
+            if speculate_later:
+                with self._lock:
+                    self._to_speculate.append(due)
+            else:
+                self._speculate(*due)
         return decision
+
+    def speculate_pending(self) -> None:
+        """Speculate the blocks of the decisions routed with `speculate_later` so far."""
+        if not self._to_speculate:
+            return
+        with self._lock:
+            due, self._to_speculate = self._to_speculate, []
+        for worker, block_hashes, matched in due:
+            self._speculate(worker, block_hashes, matched)
+
+    def _speculate(self, worker: str, block_hashes: Sequence[BlockHash], matched: int) -> None:
+        # the matched prefix is held (or speculated) already
+        self.index.speculate(worker, block_hashes[matched:], self.speculate_ttl)
 
     def prefill_done(self, decision: RoutingDecision) -> None:
         with self._lock:

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from engine import trace
-from engine.block_hash import extra_keys, hash_prompt_blocks
+from engine.block_hash import LazyBlockHashes, extra_keys
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams, completion_params
 from engine.tokenizer import Tokenizer
@@ -95,7 +95,8 @@ class _Started:
     params: SamplingParams
     decision: RoutingDecision
     call: ManyCall
-    prompt_list: list[int] | None
+    prompt_ids: np.ndarray
+    prompt_list: list[int] | None  # the prompt as a list where the call was made from one
     first_seen: bool = False  # the first chunk came: the prefill's share of the accounting is settled
     ended: bool = False  # the decode worker ended the call itself
     released: bool = False
@@ -392,7 +393,9 @@ class RouterServicer(pb_grpc.RouterServicer):
         started: _Started,
         out: asyncio.Queue,
     ) -> None:
+        assert self.router is not None
         try:
+            self.router.speculate_pending()  # after the write loop has sent the decode call's frame
             await self._decode(rid, index, request, started, out)
         except _Stop as stop:
             out.put_nowait(stop)
@@ -411,12 +414,15 @@ class RouterServicer(pb_grpc.RouterServicer):
         return stream
 
     def _route(self, prompt_ids: np.ndarray, salt: str | None) -> RoutingDecision:
+        """Route a completion. The prompt's blocks are hashed as far as the index holds them; the rest is
+        hashed and speculated by `_completion`, once the decode call's frame has gone out (or by the next
+        routing decision, whichever comes first)."""
         assert self.router is not None
-        hashes = hash_prompt_blocks(
+        hashes = LazyBlockHashes(
             prompt_ids, self.router.block_size, extra_keys(self.config.served_model_name, salt)
         )
         try:
-            decision = self.router.route(hashes, len(prompt_ids))
+            decision = self.router.route(hashes, len(prompt_ids), speculate_later=True)
         except NoWorkersError as exc:
             raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("prefill")) from exc
         if decision.decode_worker is None:
@@ -448,7 +454,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         sampling = params_to_proto(child)
         sampling.n = 1
         by_ids = request.WhichOneof("prompt") == "token_ids"
-        as_list = prompt_ids.tolist() if self.tokenizer or not by_ids else None  # once, where it is needed
+        as_list = None if by_ids else prompt_ids.tolist()  # the detokenizer's is made after the call went out
         logger.info(
             "request %s: %d prompt tokens to prefill %s, decode %s",
             sub_id,
@@ -466,7 +472,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             cache_salt=request.cache_salt,
             prefill_address=decision.prefill_worker,
         )
-        return _Started(sub_id, child, decision, call, as_list)
+        return _Started(sub_id, child, decision, call, prompt_ids, as_list)
 
     def _decode_worker_failed(self, address: str, exc: grpc.aio.AioRpcError) -> None:
         """Route around a decode worker whose call broke until it answers a poll again (one is made now)."""
@@ -499,9 +505,11 @@ class RouterServicer(pb_grpc.RouterServicer):
     ) -> None:
         decision, call = started.decision, started.call
         assert self.router is not None and decision.decode_worker is not None
-        text = (
-            TextStream(self.tokenizer, started.prompt_list or [], started.params) if self.tokenizer else None
-        )
+        if self.tokenizer is not None:
+            prompt = started.prompt_list if started.prompt_list is not None else started.prompt_ids.tolist()
+            text: TextStream | None = TextStream(self.tokenizer, prompt, started.params)
+        else:
+            text = None
         shown = 0
         try:
             async for chunk in call:

@@ -1,10 +1,12 @@
 """BlockManager: exact block ids, ref counts, prefix hits and LRU eviction order."""
 
+import itertools
 import random
 
+import numpy as np
 import pytest
 
-from engine.block_hash import NONE_HASH, extra_keys, hash_block, hash_prompt_blocks
+from engine.block_hash import NONE_HASH, LazyBlockHashes, extra_keys, hash_block, hash_prompt_blocks
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -153,3 +155,22 @@ def test_hash_prompt_blocks_equals_the_chain_of_hash_block(length, salt):
     assert hash_prompt_blocks(ids, BS, extra, parent) == want
     with pytest.raises((OverflowError, ValueError)):
         hash_prompt_blocks([-1] * BS, BS, extra)
+
+
+@pytest.mark.parametrize("length", [0, 15, 16, 100, 4099])
+def test_lazy_block_hashes_equal_the_chain_and_hash_only_what_is_read(length):
+    ids = np.array([random.Random(length).randrange(50_000) for _ in range(length)], dtype=np.int64)
+    extra = extra_keys("m", "tenant-a")
+    want = hash_prompt_blocks(ids, BS, extra)
+    lazy = LazyBlockHashes(ids, BS, extra)
+    assert len(lazy) == len(want)
+    assert lazy._hashes == []  # nothing hashed until read
+    if want:
+        assert lazy[0] == want[0] and len(lazy._hashes) == 1
+        assert lazy[-1] == want[-1]
+    assert list(lazy) == want and lazy[1:] == want[1:]
+    with pytest.raises(IndexError):
+        lazy[len(want)]
+    fresh = LazyBlockHashes(ids, BS, extra)
+    read = list(itertools.islice(fresh, 5))  # iteration hashes in doubling chunks: 1, 2, 4, ...
+    assert read == want[:5] and len(fresh._hashes) == min(len(want), 7)

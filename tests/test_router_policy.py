@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from engine.block_hash import LazyBlockHashes
 from router.index import InMemoryPrefixIndex
 from router.policy import (
     NoWorkersError,
@@ -17,6 +19,7 @@ from serving.kv_events import WorkerLoad
 from tests.test_router_index import APPLIED, FakeClock, H, stored
 
 BS = 16
+PROMPT = np.arange(100, 100 + 40 * BS, dtype=np.int64)
 
 
 def view(
@@ -166,6 +169,26 @@ def test_speculation_keeps_a_burst_together_until_events_arrive() -> None:
     for w in ("p0", "p1", "p2"):
         index.heartbeat(w, 1, WorkerLoad())
     assert index.match(H[:10]) == {}
+
+
+def test_a_prompt_nobody_holds_is_hashed_past_its_first_block_only_when_speculated() -> None:
+    """The router routes with a lazy chain and speculate_later: it hashes one block of a prompt that no
+    worker holds before the decision, the rest once it speculates (its own call, or the next decision's)."""
+    clock = FakeClock()
+    index, router = fleet(clock)
+    index.apply(stored("p1", 1, 1, *LazyBlockHashes(PROMPT[: 2 * BS], BS)))
+    cold = LazyBlockHashes(PROMPT[2 * BS :], BS)  # no worker holds its first block
+    first = router.route(cold, len(cold) * BS, speculate_later=True)
+    assert (first.prefill_worker, first.matched_blocks, len(cold._hashes)) == ("p0", 0, 1)
+    warm = LazyBlockHashes(PROMPT, BS)  # p1 holds its first two blocks: read up to the third
+    second = router.route(warm, len(PROMPT), speculate_later=True)
+    assert (second.prefill_worker, second.matched_blocks) == ("p1", 2)
+    assert len(cold._hashes) == len(cold)  # the next decision speculated the first one's blocks first
+    assert 3 <= len(warm._hashes) < len(warm)
+    router.speculate_pending()
+    assert len(warm._hashes) == len(warm)
+    assert index.match(list(cold)) == {"p0": len(cold)}
+    assert index.match(list(warm)) == {"p1": len(warm)}
 
 
 def test_dead_worker_is_routed_around_and_no_worker_is_an_error() -> None:
