@@ -81,12 +81,24 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for block_hash in seq.block_hashes[:max_blocks]:
-            block_id = self.cached.get(block_hash)
-            if block_id is None:
-                break
-            hits.append(block_id)
+        # the prompt's blocks are hashed only as far as they hit (in doubling runs): a prompt the cache does
+        # not hold costs one hash before it runs, the rest are hashed while its step computes (`warm_hashes`)
+        n = 1
+        while len(hits) < max_blocks:
+            hashes = seq.hashes_upto(min(n, max_blocks))
+            for block_hash in hashes[len(hits) : min(n, max_blocks)]:
+                block_id = self.cached.get(block_hash)
+                if block_id is None:
+                    return hits
+                hits.append(block_id)
+            n *= 2
         return hits
+
+    def warm_hashes(self, seq: Sequence) -> None:
+        """Hash the sequence's full blocks now (the engine calls this while the GPU computes a step), so that
+        caching them once computed costs no hashing after the step's tokens are back."""
+        if self.enable_prefix_caching:
+            seq.hashes_upto(seq.num_tokens // self.block_size)
 
     def allocate_prefix(self, seq: Sequence, hit_block_ids: list[int]) -> None:
         """Take the matched cached blocks into an empty block table (first admission or after preemption)."""

@@ -383,7 +383,7 @@ class EngineCore:
         if trace.enabled:
             for item in sched.scheduled:
                 trace.mark(item.request_id, "core.run")
-        hook = functools.partial(during, sched) if during is not None else None
+        hook = functools.partial(self._during, sched, during)
         started = time.perf_counter()
         sampled = self.runner.run(sched, hook) if not sched.is_empty else {}
         if self.scheduler.proposer is not None and not sched.is_empty:  # the draft-length policy's cost
@@ -396,6 +396,16 @@ class EngineCore:
         updated = self.scheduler.postprocess(sched, {rid: toks for rid, (toks, _) in sampled.items()})
         self._observe_decode_step(sched, time.perf_counter() - begun, in_order=True)
         return updated, _add_logprobs(updated, sampled)
+
+    def _during(self, sched: SchedulerOutput, during: Callable[[SchedulerOutput], None] | None) -> None:
+        """While the GPU computes `sched`: the caller's `during`, then the hashes of the blocks the step
+        fills, which caching them after the step would otherwise compute before its tokens go out."""
+        if during is not None:
+            during(sched)
+        for item in sched.scheduled:
+            seq = self.scheduler.seqs.get(item.request_id)
+            if seq is not None:
+                self.block_manager.warm_hashes(seq)
 
     def run_step(self, hold_frees: bool = False) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         """The engine's step as configured: overlapped (`async_scheduling`) where it can be, else in order.

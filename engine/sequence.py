@@ -108,9 +108,14 @@ class Sequence:
         """The prefix-cache hash of every full block of all_token_ids. Computed on first use, not at
         creation: a decode worker's remote prompt needs them only after its first token went out
         (~0.3 ms for 4096 tokens, off the time to first token), and without prefix caching never."""
+        return self.hashes_upto(len(self.all_token_ids) // self.block_size)
+
+    def hashes_upto(self, n: int) -> list[BlockHash]:
+        """The hashes computed so far, at least those of the first `n` full blocks (n at most their number):
+        a prefix lookup hashes only as far as it reads."""
         bs, hashes = self.block_size, self._hashes
         i = len(hashes)
-        if (i + 1) * bs <= len(self.all_token_ids):
+        if i < n:
             parent = hashes[-1] if hashes else NONE_HASH
-            hashes += hash_prompt_blocks(self.all_token_ids[i * bs :], bs, self.extra_keys, parent)
+            hashes += hash_prompt_blocks(self.all_token_ids[i * bs : n * bs], bs, self.extra_keys, parent)
         return hashes

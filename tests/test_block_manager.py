@@ -70,6 +70,25 @@ def test_full_prompt_hit_leaves_one_token_to_compute():
     assert bm.match_prefix(b) == [0]  # block 1 would leave nothing to compute
 
 
+def test_prefix_match_hashes_only_as_far_as_it_hits_and_warm_hashes_the_rest():
+    """A prompt the cache does not hold is hashed one block deep before it is admitted; a partial hit is
+    hashed at most twice as deep as it hits; warm_hashes (run while the step computes) hashes every full
+    block, to the same chain as hashing them at once."""
+    bm = BlockManager(64, BS, enable_prefix_caching=True)
+    a = seq(range(40), "a")
+    admit(bm, a)
+    compute_all(bm, a)
+    miss = seq(range(100, 140), "miss")
+    assert bm.match_prefix(miss) == [] and len(miss._hashes) == 1
+    partial = seq(list(range(12)) + list(range(200, 228)), "partial")  # 3 blocks hit, 10 full blocks
+    assert bm.match_prefix(partial) == a.block_table[:3]
+    assert 4 <= len(partial._hashes) <= 8
+    bm.warm_hashes(partial)
+    assert partial._hashes == hash_prompt_blocks(partial.all_token_ids, BS, extra_keys("m", None))
+    whole = seq(range(40), "whole")
+    assert bm.match_prefix(whole) == a.block_table[:9]  # the last full block would leave nothing to compute
+
+
 def test_different_salt_never_shares():
     bm = BlockManager(10, BS)
     a = seq(range(8), "a", salt="tenant-1")
