@@ -24,6 +24,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   bytes (half read, half written: the same launch, ramp-up and tail), a kernel that only loads the weights
   in the GEMM's own tiles and pipeline, and the GEMM on one weight set over and over (served from L2):
   quant_w4a16_m1_limits_llama3-8b.
+- --kernels: the GPU time of one batch-1 decode step of the int4 (AWQ) and the bf16 engine, kernel by kernel
+  (torch.profiler over a 65-token generation less a 1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -294,7 +296,31 @@ def limits_m1(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
-def engine_part(part: str) -> dict[str, Any]:
+def kernels_per_step(generate_ids) -> list[tuple[str, float, float]]:
+    """(kernel, us per decode step, launches per step), largest first: the CUDA time of a 65-token generation
+    less that of a 1-token one (its prefill), over 64 steps. `generate_ids(n)` generates n tokens."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def by_kernel(n: int) -> dict[str, list[float]]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            generate_ids(n)
+        found: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                found[e.name][0] += e.device_time_total
+                found[e.name][1] += 1
+        return found
+
+    steps = 64
+    full, one = by_kernel(steps + 1), by_kernel(1)
+    rows = [(k, (v[0] - one.get(k, [0.0, 0.0])[0]) / steps, (v[1] - one.get(k, [0.0, 0.0])[1]) / steps)
+            for k, v in full.items()]  # fmt: skip
+    return sorted((r for r in rows if r[1] > 0.05), key=lambda r: -r[1])
+
+
+def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     """One engine's batch-1 decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head
     dense, as AWQ keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true)."""
     import torch
@@ -333,6 +359,16 @@ def engine_part(part: str) -> dict[str, Any]:
         return time.perf_counter() - t
 
     linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "_proj." in n)
+    if kernels:
+        ids = prompt(128256, 0)
+
+        def generate_ids(n: int) -> None:
+            llm.generate(
+                {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            )
+            torch.cuda.synchronize()
+
+        return {**decode_tps(generate), "kernels_per_step": kernels_per_step(generate_ids)}
     return {
         **decode_tps(generate),
         "startup_s": startup,
@@ -342,9 +378,10 @@ def engine_part(part: str) -> dict[str, Any]:
     }
 
 
-def child(quantization: str, timeout: float) -> dict[str, Any]:
+def child(quantization: str, timeout: float, kernels: bool = False) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
+        cmd += ["--kernels"] if kernels else []
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
         if proc.returncode != 0:
             return {"error": f"engine ({quantization}): exit {proc.returncode}"}
@@ -379,6 +416,31 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
 
+def decode_kernels(out_dir: Path | None) -> None:
+    """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record."""
+    from bench.record import record
+
+    int4, bf16 = child("awq", 400, kernels=True), child("none", 400, kernels=True)
+    if "error" in int4 or "error" in bf16:
+        print(int4.get("error"), bf16.get("error"), flush=True)
+        return
+    engines = (("int4", int4), ("bf16", bf16))
+    total = {name: sum(us for _, us, _ in eng["kernels_per_step"]) for name, eng in engines}
+    for name, eng in engines:
+        print(f"{name}: {eng['tok_s']:.1f} tok/s, kernels {total[name]:.1f} us a step", flush=True)
+        for kernel, us, n in eng["kernels_per_step"][:10]:
+            print(f"  {us:8.1f} us {n:6.1f}x  {kernel[:100]}", flush=True)
+    record(
+        "quant_int4_decode_b1_kernels_llama3-8b", total["int4"], "us", baseline=total["bf16"],
+        baseline_name="bf16 engine's kernel time a decode step, same run (us)", ratio=total["bf16"] / total["int4"],
+        out_dir=out_dir, command=COMMAND + " --kernels",
+        extra={"what": "CUDA time of one batch-1 decode step (128-token prompt, graphs on), kernel by kernel: "
+                       "[name, us a step, launches a step]",
+               "int4_tok_s": int4["tok_s"], "bf16_tok_s": bf16["tok_s"],
+               "int4": int4["kernels_per_step"][:12], "bf16": bf16["kernels_per_step"][:12]},
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", type=Path, default=None)
@@ -387,11 +449,17 @@ def main() -> None:
     p.add_argument(
         "--limits", action="store_true", help="only what bounds the one-row kernel (--limits record)"
     )
+    p.add_argument(
+        "--kernels", action="store_true", help="only a decode step's GPU time by kernel, int4 and bf16"
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
-        args.json.write_text(json.dumps(engine_part(args.part), indent=1))
+        args.json.write_text(json.dumps(engine_part(args.part, args.kernels), indent=1))
+        return
+    if args.kernels:
+        decode_kernels(args.out_dir)
         return
 
     import torch
