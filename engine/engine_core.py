@@ -398,13 +398,18 @@ class EngineCore:
         return updated, _add_logprobs(updated, sampled)
 
     def _during(self, sched: SchedulerOutput, during: Callable[[SchedulerOutput], None] | None) -> None:
-        """While the GPU computes `sched`: the caller's `during`, then the hashes of the blocks the step
-        fills, which caching them after the step would otherwise compute before its tokens go out."""
+        """While the GPU computes `sched`: the caller's `during`, then `_warm_hashes`."""
         if during is not None:
             during(sched)
+        self._warm_hashes(sched)
+
+    def _warm_hashes(self, sched: SchedulerOutput) -> None:
+        """While the GPU computes `sched`: hash the blocks its prompt chunks fill, which caching them after the
+        step would otherwise do before their tokens go out (a decode step's one token fills at most one block:
+        that is hashed then, as before)."""
         for item in sched.scheduled:
             seq = self.scheduler.seqs.get(item.request_id)
-            if seq is not None:
+            if seq is not None and len(item.token_ids) > 1:
                 self.block_manager.warm_hashes(seq)
 
     def run_step(self, hold_frees: bool = False) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
@@ -456,6 +461,7 @@ class EngineCore:
             self._in_flight = _InFlight(sched, self.scheduler.launched(sched), step, next(self._step_numbers))
             if hold_frees:  # from here on, frees wait for this step (queued after prev: it covers prev)
                 self.block_manager.hold_for = self._in_flight.number
+            self._warm_hashes(sched)
         if prev is None:
             return [], {}
         done = self._resolve(prev, hold_frees)
