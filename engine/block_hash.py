@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import overload
 
 import numpy as np
@@ -102,8 +102,14 @@ class LazyBlockHashes(Sequence[BlockHash]):
         return self._upto(i + 1)[i]
 
     def __iter__(self) -> Iterator[BlockHash]:
-        i, chunk = 0, 1
-        while i < self._len:
-            hashes = self._upto(min(self._len, max(len(self._hashes), i + chunk)))
-            yield from hashes[i:]
-            i, chunk = len(hashes), chunk * 2
+        return hashed_as_read(self._upto, self._len)
+
+
+def hashed_as_read(upto: Callable[[int], list[BlockHash]], n: int) -> Iterator[BlockHash]:
+    """The first `n` hashes of a chain, from `upto(k)` (the chain computed so far, at least k long), asked for
+    in runs that double, so a reader that stops early has paid for at most twice what it read."""
+    i, run = 0, 1
+    while i < n:
+        hashes = upto(min(n, i + run))
+        yield from hashes[i:n]
+        i, run = min(n, len(hashes)), run * 2

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.block_hash import BlockHash
+from engine.block_hash import BlockHash, hashed_as_read
 from engine.sequence import Sequence
 
 # Called with the hashes a worker starts or stops holding (the router's KV events).
@@ -83,15 +83,11 @@ class BlockManager:
         hits: list[int] = []
         # the prompt's blocks are hashed only as far as they hit (in doubling runs): a prompt the cache does
         # not hold costs one hash before it runs, the rest are hashed while its step computes (`warm_hashes`)
-        n = 1
-        while len(hits) < max_blocks:
-            hashes = seq.hashes_upto(min(n, max_blocks))
-            for block_hash in hashes[len(hits) : min(n, max_blocks)]:
-                block_id = self.cached.get(block_hash)
-                if block_id is None:
-                    return hits
-                hits.append(block_id)
-            n *= 2
+        for block_hash in hashed_as_read(seq.hashes_upto, max_blocks):
+            block_id = self.cached.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
         return hits
 
     def warm_hashes(self, seq: Sequence) -> None:
