@@ -4,7 +4,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
     python3 -m bench.quant_int4 --out-dir DIR [--sweep]
 
 - GEMM, M = 1, 2, 4, 8, 16: one decoder layer's four GEMMs (qkv 4096x6144, o 4096x4096, gate_up
-  4096x28672, down 14336x4096; group 128, integer zeros), timed as CUDA-graph replays rotating over six
+  4096x28672, down 14336x4096; group 128, integer zeros) in the fragment layout loaded layers take on a GPU
+  (kernels/w4a16_mma.py; gate_up without SwiGLU), the rows layout's kernels beside it, timed as CUDA-graph
+  replays rotating over six
   layers' weights (654 MB: no layer is in L2 when its turn comes). GB/s = the layer's int4 bytes (K * N / 2;
   scales and zeros add 1/21, reported beside) / its time; ceiling = the device-to-device copy measured
   here (bench/kernels.py). The bf16 GEMMs of the same layers are timed beside them.
@@ -52,10 +54,11 @@ SMALL_M, BIG_M, CROSSOVER_M = (1, 2, 4, 8, 16), 4096, (32, 64, 128, 256, 512, 10
 GOALS = {"gemm_bw": 0.7, "gemm_4096": 0.8, "decode": 2.5, "weights_gb": 5.5}
 
 
-def int4_layer(device: str, seed: int) -> dict[str, Any]:
+def int4_layer(device: str, seed: int, fragments: bool = False) -> dict[str, Any]:
+    """One layer's dummy int4 weights in the rows layout, or in the fragment layout loaded layers take on a GPU."""
     import torch
 
-    from kernels.int4_dequant import Int4Weight
+    from kernels.int4_dequant import Int4Weight, to_fragments
 
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
@@ -66,6 +69,8 @@ def int4_layer(device: str, seed: int) -> dict[str, Any]:
         scales = torch.full((k // GROUP, n), 0.007, dtype=torch.float16, device=device)
         zeros = torch.randint(0, 16, (k // GROUP, n), dtype=torch.uint8, device=device, generator=g)
         out[name] = Int4Weight(qweight, scales, zeros, GROUP)
+        if fragments:
+            out[name] = to_fragments(out[name])
     return out
 
 
@@ -83,26 +88,31 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
     from bench.record import record
     from kernels.w4a16_gemm import w4a16_gemm
 
-    sets = [int4_layer("cuda", s) for s in range(SETS)]
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]  # as loaded layers hold them
+    by_rows = [int4_layer("cuda", s) for s in range(SETS)]  # the rows layout's CUDA-core and swapped kernels
     dense = [{n: torch.randn(k_n[1], k_n[0], device="cuda", dtype=torch.bfloat16) for n, k_n in LAYER.items()}
              for _ in range(SETS)]  # fmt: skip
-    packed, total = layer_bytes(sets[0])
+    packed, total = layer_bytes(by_rows[0])
     rows = []
     for m in SMALL_M:
         xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
         int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
+        rows_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows for n in LAYER]) * len(LAYER)
         bf16_us = time_us([partial(F.linear, xs[n], d[n]) for d in dense for n in LAYER]) * len(LAYER)
         gbs = packed / int4_us / 1e3
         per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets]) for n in LAYER}
+        rows_per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows]) for n in LAYER}
         record(
             f"quant_w4a16_gemm_m{m}_llama3-8b", gbs, "GB/s", ceiling=copy_gbs, ceiling_name="d2d copy (GB/s)",
             goal=f">= {GOALS['gemm_bw']} of copy bandwidth in int4 bytes", out_dir=out_dir, command=COMMAND,
             extra={"layer_us": int4_us, "int4_bytes": packed, "bytes_with_scales_zeros": total,
                    "gbs_with_scales_zeros": total / int4_us / 1e3, "bf16_layer_us": bf16_us,
-                   "speedup_over_bf16": bf16_us / int4_us, "per_gemm_us": per_shape},
+                   "speedup_over_bf16": bf16_us / int4_us, "per_gemm_us": per_shape,
+                   "rows_layout_layer_us": rows_us, "rows_layout_per_gemm_us": rows_per_shape,
+                   "speedup_over_rows_layout": rows_us / int4_us},
         )  # fmt: skip
         rows.append((f"M={m}", int4_us, gbs, gbs / copy_gbs, bf16_us / int4_us))
-    del sets, dense
+    del sets, by_rows, dense
     torch.cuda.empty_cache()
     return rows
 
@@ -129,13 +139,15 @@ def gemm_big_m(out_dir: Path | None) -> tuple[tuple, dict[int, dict[str, float]]
         (m for m in CROSSOVER_M if crossover[m]["dequant_cublas_us"] < crossover[m]["kernel_us"]), None
     )
     xs = {n: torch.randn(BIG_M, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
-    int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for n in LAYER], min_calls=8) * len(LAYER)
+    frag = int4_layer("cuda", 100, fragments=True)  # as loaded layers hold them: dequantized from fragments
+    int4_us = time_us([partial(w4a16_gemm, xs[n], frag[n]) for n in LAYER], min_calls=8) * len(LAYER)
+    rows_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for n in LAYER], min_calls=8) * len(LAYER)
     bf16_us = time_us([partial(F.linear, xs[n], dense[n]) for n in LAYER], min_calls=8) * len(LAYER)
     record(
         f"quant_w4a16_gemm_m{BIG_M}_llama3-8b", int4_us, "us", baseline=bf16_us,
         baseline_name="bf16 GEMMs of the layer (us)", ratio=bf16_us / int4_us,
         goal=f"bf16 time / int4 time >= {GOALS['gemm_4096']}", out_dir=out_dir, command=COMMAND,
-        extra={"crossover": crossover, "dequant_min_m_in_code": DEQUANT_MIN_M,
+        extra={"crossover": crossover, "dequant_min_m_in_code": DEQUANT_MIN_M, "rows_layout_us": rows_us,
                "measured_first_m_where_dequant_wins": threshold},
     )  # fmt: skip
     return (f"M={BIG_M}", int4_us, None, None, bf16_us / int4_us), crossover

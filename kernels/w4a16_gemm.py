@@ -1,7 +1,9 @@
 """W4A16 GEMM: y = x W^T (+ bias) for int4 weights with group-wise scales and zeros (kernels/int4_dequant.py
 has the layout), activations bf16, fp16 or fp32.
 
-Paths by the number of rows M:
+Weights in the fragment layout (groups of a multiple of 64 rows, loaded on a GPU: kernels/int4_dequant.py) take
+kernels/w4a16_mma.py at 1-16 rows of 16-bit x, else dequantize + the dense GEMM. For the rows layout, paths by the
+number of rows M:
 - M = 1 (batch-1 decode), any activations and groups: the CUDA-core kernel below, with 512-row K tiles of 16
   output columns: each column's tile is a 256-byte run of its K-contiguous words, and the tiles alone fill
   the GPU, so no split-K. On the H200 this reads 0.42 of the copy bandwidth, 128-row tiles with split-K
@@ -58,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _backend
+from kernels import _backend, w4a16_mma
 from kernels.int4_dequant import Int4Weight, int4_dequant, int4_dequant_reference, int4_values
 from kernels.silu_and_mul import silu_and_mul, silu_mul
 
@@ -563,6 +565,7 @@ def w4a16_gemm_triton(
     m, k = x.shape
     n = w.out_features
     assert k == w.in_features, f"x has {k} features, the weight {w.in_features}"
+    assert w.layout == "rows", "fragment-laid weights take kernels/w4a16_mma.py"
     assert x.stride(1) == 1, "x's last dim not contiguous"
     assert bias is None or bias.shape == (n,), f"bias {tuple(bias.shape)} for {n} outputs"
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
@@ -620,16 +623,20 @@ def w4a16_gemm_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | No
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) -> (M, N): the kernel below DEQUANT_MIN_M rows on the Triton path, else the dense weight's GEMM."""
-    if _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
+    """(M, K) -> (M, N): below DEQUANT_MIN_M rows on the Triton path the kernel the layout takes (fragments:
+    kernels/w4a16_mma.py, on a GPU with 16-bit x), else the dense weight's GEMM."""
+    if w.layout == "fragments":
+        if w4a16_mma.applies(x, w) and x.shape[0] < DEQUANT_MIN_M:
+            return w4a16_mma.w4a16_mma(x, w, bias)
+    elif _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
         return w4a16_gemm_triton(x, w, bias)
     return F.linear(x, int4_dequant(w, x.dtype), bias)
 
 
 def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel for one row on the Triton
-    path (the GEMM's epilogue), else the GEMM and then the activation."""
-    if _backend.use_triton(x) and x.shape[0] == 1:
+    path over the rows layout (the GEMM's epilogue), else the GEMM and then the activation."""
+    if _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
         cfg = replace(
             default_config(1, w.out_features, w.in_features, x.device),
             block_n=GEMV_SWIGLU_BLOCK_N,

@@ -39,6 +39,7 @@ from kernels.w4a16_gemm import (
     GemmConfig,
     _w4a16_kernel,
     default_config,
+    w4a16_gemm,
     w4a16_gemm_reference,
     w4a16_gemm_triton,
     w4a16_swiglu,
@@ -286,6 +287,74 @@ def test_loaded_int4_layers_hold_qweight_k_contiguous():
     method.install(layer, random_int4(256, 64, 128))  # type: ignore[arg-type]
     assert method.weight is not None and method.weight.qweight.stride() == (1, 32)
     assert torch.equal(method.weight.qweight, random_int4(256, 64, 128).qweight)
+
+
+@pytest.mark.parametrize(
+    "k,n,group,offsets,perm",
+    [(256, 40, 128, False, False), (256, 17, 64, True, False), (576, 100, 64, False, True), (512, 64, 256, True, True)],
+)  # fmt: skip
+def test_fragment_layout_dequantizes_as_the_rows_layout(k, n, group, offsets, perm):
+    """The tensor-core kernel's layout (kernels/w4a16_mma.py): laid and read back it is the rows layout, and its
+    dequantizing kernel (interpreted) writes the rows layout's dense weight bit for bit."""
+    from kernels.int4_dequant import fragments_to_rows, to_fragments
+
+    w = random_int4(k, n, group, offsets, perm, seed=k + n)
+    f = to_fragments(w)
+    assert f.layout == "fragments" and f.chunk == (128 if group % 128 == 0 else 64)
+    assert f.qweight.shape == (-(-n // 16), k // 64, 32, 4)
+    assert (f.in_features, f.out_features) == (k, n)
+    assert torch.equal(fragments_to_rows(f).qweight, w.qweight)
+    dense = int4_dequant_reference(w)
+    assert torch.equal(int4_dequant_reference(f), dense)
+    assert torch.equal(int4_dequant_triton(f, torch.float32).t(), dense)
+    x = torch.randn(3, k)  # off the GPU, or in fp32, the GEMM dequantizes the fragments
+    torch.testing.assert_close(w4a16_gemm(x, f), w4a16_gemm_reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_fragment_layout_reads_the_mma_fragments_k_order():
+    """One weight, one row: where a nibble of word (block, quad, lane, v) lands, spelled out from the MMA's
+    A fragment (register r = r0 + 2 r1, half h: row 8 r0 + lane // 4, k 8 r1 + 2 (lane % 4) + h of its 16-row
+    k-block) and the chunk's x order (lane t's x rows t * C/4 + kb * 4 + 2 r1 + h)."""
+    from kernels.int4_dequant import to_fragments
+
+    k, n, group = 256, 16, 128
+    for col, row, want in ((0, 0, (0, 0, 0, 0, 0)), (9, 37, None), (15, 255, None)):
+        q = torch.zeros(k // 8, n, dtype=torch.int32)
+        q[row // 8, col] = 5 << (4 * (row % 8))
+        w = Int4Weight(
+            q, torch.ones(k // group, n).half(), torch.zeros(k // group, n, dtype=torch.uint8), group
+        )
+        f = to_fragments(w).qweight
+        hits = f.nonzero().tolist()
+        assert len(hits) == 1
+        c, qd, lane, v = hits[0]
+        word = int(f[c, qd, lane, v]) & 0xFFFFFFFF
+        nib = (word.bit_length() - 1) // 4
+        assert word == 5 << (4 * nib)
+        r, h = nib % 4, nib // 4
+        r0, r1, g, t = r % 2, r // 2, lane // 4, lane % 4
+        chunk, quads = 128, 2
+        ch, quad = qd // quads, qd % quads
+        assert 16 * c + 8 * r0 + g == col
+        assert ch * chunk + t * (chunk // 4) + (quad * 4 + v) * 4 + 2 * r1 + h == row
+        if want is not None:
+            assert (c, qd, lane, v, nib) == want
+
+
+def test_fragment_layout_refuses_what_it_cannot_hold():
+    from kernels.int4_dequant import fragment_chunk, to_fragments
+
+    w = random_int4(256, 40, 32)
+    assert fragment_chunk(w) == 0
+    with pytest.raises(ValueError, match="multiple of 64"):
+        to_fragments(w)
+    f = to_fragments(random_int4(256, 40, 64))
+    with pytest.raises(ValueError, match="fragment-laid qweight"):
+        Int4Weight(f.qweight[:, :2], f.scales, f.zeros, 64, layout="fragments", chunk=64)
+    with pytest.raises(ValueError, match="fragment-laid qweight"):
+        Int4Weight(f.qweight, f.scales, f.zeros, 64, layout="fragments", chunk=128)
+    with pytest.raises(ValueError, match="unknown int4 layout"):
+        Int4Weight(f.qweight, f.scales, f.zeros, 64, layout="tiles", chunk=64)
 
 
 def test_split_k_counters_are_reset_for_the_next_call():

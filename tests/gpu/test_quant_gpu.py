@@ -11,7 +11,7 @@ import torch
 import kernels._backend as backend
 from engine import LLM, SamplingParams
 from engine.quantize import QuantizeConfig, quantize
-from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton
+from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton, to_fragments
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
@@ -48,10 +48,17 @@ CASES = [(*shape, dtype) for shape in SHAPES for dtype in (torch.bfloat16, torch
 CASES.append((*SHAPES[2], torch.float32))  # fp32: ieee dots; one shape is enough
 
 
-@pytest.mark.parametrize("k,n,group,dtype", CASES)
-def test_w4a16_gemm_matches_reference(k, n, group, dtype):
+LAYOUT_CASES = [(*case, "rows") for case in CASES] + [
+    (*case, "fragments") for case in CASES if case[2] % 64 == 0
+]  # the tensor-core kernel's layout holds groups of a multiple of 64 rows
+
+
+@pytest.mark.parametrize("k,n,group,dtype,layout", LAYOUT_CASES)
+def test_w4a16_gemm_matches_reference(k, n, group, dtype, layout):
     for i, m in enumerate(ROWS + ([4096] if k * n <= 1536 * 200 else [])):
         w = random_int4(k, n, group, offsets=i % 3 == 1, perm=i % 4 == 2, seed=i)
+        if layout == "fragments":
+            w = to_fragments(w)
         x = torch.randn(m, k, device="cuda").to(dtype)
         bias = torch.randn(n, device="cuda").to(dtype) if i % 2 else None
         out = w4a16_gemm(x, w, bias)
@@ -87,15 +94,21 @@ def test_dequantize_kernels_are_exact():
     for offsets, perm, seed in ((False, False, 0), (True, True, 1)):
         w = random_int4(4096, 1001, 64, offsets, perm, seed)
         assert torch.equal(int4_dequant_triton(w, torch.float32).t(), int4_dequant_reference(w))
+        f = to_fragments(w)
+        assert torch.equal(int4_dequant_triton(f, torch.float32).t(), int4_dequant_reference(w))
+        assert torch.equal(int4_dequant_triton(f, torch.bfloat16), int4_dequant_triton(w, torch.bfloat16))
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randint(-128, 128, (1001, 4096), dtype=torch.int8, device="cuda", generator=g)
     w8 = Int8Weight(q, torch.rand(1001, 128, device="cuda", generator=g).half(), 32)
     assert torch.equal(int8_dequant_triton(w8, torch.float32), int8_dequant_reference(w8))
 
 
+@pytest.mark.parametrize("layout", ["rows", "fragments"])
 @pytest.mark.parametrize("m", [1, 4, 16])
-def test_split_k_replays_from_a_cuda_graph(m):
+def test_small_m_kernels_replay_from_a_cuda_graph(m, layout):
     w = random_int4(14336, 4096, 128, seed=m)
+    if layout == "fragments":
+        w = to_fragments(w)
     x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
     w4a16_gemm(x, w)  # warm-up: compiles, makes the counters
     graph = torch.cuda.CUDAGraph()
@@ -135,15 +148,23 @@ def served(path, **kwargs) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "method,extra",
-    [("awq", {}), ("gptq", {"desc_act": True}), ("rtn", {"sym": True}), ("gptq", {"lm_head": True})],
-    ids=["awq", "gptq_act", "rtn_sym", "gptq_lm_head"],
+    [
+        ("awq", {}),
+        ("gptq", {"desc_act": True}),
+        ("rtn", {"sym": True}),
+        ("gptq", {"lm_head": True}),
+        ("awq", {"group_size": 64}),
+        ("gptq", {"desc_act": True, "group_size": 64}),
+    ],
+    ids=["awq", "gptq_act", "rtn_sym", "gptq_lm_head", "awq_fragments", "gptq_act_fragments"],
 )
 def test_engine_serves_quantized_checkpoints_as_transformers_on_their_dequantized_weights(
     tiny, tiny_v304, tmp_path, method, extra
 ):
     model = tiny_v304 if extra.get("lm_head") else tiny
-    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / method), method=method, group_size=32,
-                                   max_tokens=512, **extra))  # fmt: skip
+    extra = {"group_size": 32, **extra}  # 64: the layers take the fragment layout (fp32: its dequantizer)
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / method), method=method, max_tokens=512,
+                                   **extra))  # fmt: skip
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:  # an int4 LM head: the GEMM serves it too
@@ -180,6 +201,9 @@ def test_dummy_int4_llama3_8b_fits_and_decodes():
     llm = LLM("Llama-3-8B", load_format="dummy", dtype="bfloat16", quantization="awq", max_num_seqs=4,
               max_model_len=1024, gpu_memory_utilization=0.3)  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    layouts = {m.quant_method.weight.layout for m in llm.engine.runner.model.modules()
+               if getattr(getattr(m, "quant_method", None), "weight", None) is not None}  # fmt: skip
+    assert layouts == {"fragments"}  # group 128 on a GPU: the tensor-core kernel serves every int4 linear
     assert (
         weights <= 5.8e9
     )  # int4 linears (3.65 GB with scales and zeros) + bf16 embedding and LM head (2.1 GB)

@@ -10,7 +10,7 @@ from torch import nn
 from engine.layers.linear import LinearBase
 from engine.layers.quant.base import LinearMethod
 from kernels import _backend
-from kernels.int4_dequant import Int4Weight, int4_dequant_reference
+from kernels.int4_dequant import Int4Weight, fragment_chunk, int4_dequant_reference, to_fragments
 from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
 
@@ -20,22 +20,27 @@ class Int4Method(LinearMethod):
     weight: Int4Weight | None = None
 
     def install(self, layer: LinearBase, w: Int4Weight) -> None:
-        """Replace the checkpoint-format parameters with the layout's (qweight, scales, zeros, perm)."""
+        """Replace the checkpoint-format parameters with the layout's (qweight, scales, zeros, perm). On a GPU,
+        groups of a multiple of 64 rows take the MMA's fragment order (kernels/w4a16_mma.py)."""
         for name, _ in list(layer.named_parameters(recurse=False)):
             if name != "bias":
                 delattr(layer, name)
+        if w.qweight.is_cuda and fragment_chunk(w):
+            w = to_fragments(w)
         tensors = {"qweight": w.qweight, "scales": w.scales, "zeros": w.zeros}
         if w.perm is not None:
             tensors["perm"] = w.perm
         for name, tensor in tensors.items():
-            # qweight K-contiguous: each output column's words in one run (kernels/w4a16_gemm.py)
-            laid = tensor.t().contiguous().t() if name == "qweight" else tensor.contiguous()
+            # rows: qweight K-contiguous, each output column's words in one run (kernels/w4a16_gemm.py)
+            rows = name == "qweight" and w.layout == "rows"
+            laid = tensor.t().contiguous().t() if rows else tensor.contiguous()
             layer.register_parameter(name, nn.Parameter(laid, requires_grad=False))
         params = dict(layer.named_parameters(recurse=False))
         perm = params["perm"].data if "perm" in params else None
         self.weight = Int4Weight(
-            params["qweight"].data, params["scales"].data, params["zeros"].data, w.group_size, perm
-        )
+            params["qweight"].data, params["scales"].data, params["zeros"].data, w.group_size, perm, w.layout,
+            w.chunk,
+        )  # fmt: skip
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.weight

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.int4_dequant import pack_rows as kernel_pack_rows
 from kernels.int4_dequant import unpack_rows
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -48,12 +49,9 @@ def _slots(words: torch.Tensor) -> torch.Tensor:  # (...) int32 -> (..., 8) uint
 def pack_rows(q: torch.Tensor, check: bool = True) -> torch.Tensor:  # (K, N) -> (K/8, N) int32
     if check:
         _check_nibbles(q)
-    k, n = q.shape
-    if k % 8:
-        raise ValueError(f"{k} rows do not pack into int32 words of 8")
-    pairs = q.to(torch.uint8).reshape(k // 8, 4, 2, n)  # rows 8r + 2b + h
-    words = pairs[:, :, 0] | (pairs[:, :, 1] << 4)  # (K/8, 4, N): byte b of word (r, n)
-    return words.permute(0, 2, 1).contiguous().view(torch.int32).squeeze(-1)
+    if q.shape[0] % 8:
+        raise ValueError(f"{q.shape[0]} rows do not pack into int32 words of 8")
+    return kernel_pack_rows(q)
 
 
 def pack_cols(q: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:  # (R, N) -> (R, N/8) int32

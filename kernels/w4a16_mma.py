@@ -1,0 +1,309 @@
+"""W4A16 GEMM for 1 to 16 rows on the tensor cores: mma.sync m16n8k16 over int4 weights laid in the MMA's own
+fragment order (`layout="fragments"`, kernels/int4_dequant.py), written in Gluon, Triton's explicit-layout
+dialect, so that no value crosses lanes or shared memory between its load and its MMA.
+
+- Weights: output columns in blocks of 16, K in chunks of Q * 64 rows (Q = 2 for groups a multiple of 128, else
+  1). For each (column block, 64-row quad, lane) one 16-byte load holds four words, one per 16-row k-block; the
+  word's nibble r + 4h is the A fragment's register r, half h. Three shifts and four LOP3 (inline PTX: nibbles
+  r and r + 4 under the 16-bit type's magic exponent, 128 + q in bf16, 1024 + q in fp16) give one MMA's four A
+  registers. Inside a chunk K is permuted so that lane t's x values, its B fragments, are one contiguous run
+  (x row t * Q * 16 + kb * 4 + r1 * 2 + h): one 16-byte load per eight.
+- x's rows are the MMA's 8 (or 16) columns, and the scale goes on once per chunk (one group at most). Integer
+  zeros are folded into the A registers by one bf16x2 / f16x2 FMA each, (magic + q) - (magic + z) = q - z
+  exactly: s * sum (q - z) x. Otherwise (offsets, or 9-16 rows, where the fold's registers cost more) a second
+  MMA against ones sums x: s * sum (magic + q) x - s (magic + z) sum x, or - (magic s - m) sum x for offsets.
+- A program owns 16 output columns; its W warps split K as the MMA layout's leading dimension, load U chunks a
+  step one step ahead, and meet in one reduction at the end (config()). About 2.9 SASS instructions a weight
+  per lane at one row, against ~5 for the CUDA-core kernel of the rows layout (kernels/w4a16_gemm.py).
+- GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
+There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
+interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.experimental.gluon as gluon
+import triton.experimental.gluon.language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from kernels._backend import num_sms
+from kernels.int4_dequant import Int4Weight
+
+MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
+BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
+MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
+
+
+@gluon.jit
+def _index(n: gl.constexpr, d: gl.constexpr, r: gl.constexpr, layout: gl.constexpr):
+    """arange(n) along dimension d of a rank-r tensor, in the slice of its layout `layout` names."""
+    a = gl.arange(0, n, layout=layout)
+    for e in gl.static_range(r):
+        if e != d:
+            a = gl.expand_dims(a, e)
+    return a
+
+
+@gluon.jit
+def _load_chunk(
+    qw_ptr, x_ptr, c, ch, n_chunks, M, K, stride_xw,
+    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
+    B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """Warp w's words of chunk ch + w, (W, Q, 4 words, 8 groups, 4 threads) int32, and its x, (W, Q * 8, 4, BN)
+    int32 pairs of 16-bit values."""
+    iw = _index(W, 0, 5, P0)
+    iq = _index(Q, 1, 5, P1)
+    iv = _index(4, 2, 5, P2)
+    ig = _index(8, 3, 5, P3)
+    it = _index(4, 4, 5, P4)
+    chw = ch + iw
+    offs = ((c * (K // 64) + chw * Q + iq) * 32 + ig * 4 + it) * 4 + iv
+    P = gl.load(qw_ptr + offs, mask=chw < n_chunks, other=0)
+    bw = _index(W, 0, 4, B0)
+    bkr = _index(Q * 8, 1, 4, B1)  # (kb, r1)
+    bt = _index(4, 2, 4, B2)
+    bn = _index(BN, 3, 4, B3)
+    chb = ch + bw
+    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    xoffs = bn * stride_xw + chb * (Q * 32) + bt * (Q * 8) + bkr
+    B = gl.load(x32 + xoffs, mask=(bn < M) & (chb < n_chunks), other=0)
+    return P, B
+
+
+@gluon.jit
+def _chunk(
+    P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
+    GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr, MMA: gl.constexpr, P0: gl.constexpr, P3: gl.constexpr,
+):  # fmt: skip
+    """One chunk's contribution to the (W, 16, BN) partial sums."""
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    BK: gl.constexpr = Q * 64
+    MAGIC: gl.constexpr = 1024.0 if FP16 else 128.0
+    # (..., r1, r0): nibble r at bits 0..3 and r + 4 at 16..19
+    J = gl.join(gl.join(P, P >> 8), gl.join(P >> 4, P >> 12))
+    J = gl.join(J, J)  # (..., h): the word once per 16-bit half
+    if FOLD:  # integer zeros: (magic + q) - (magic + z) = q - z, exact, one FMA per register
+        zw = _index(W, 0, 5, P0)
+        zc = c * 16 + _index(8, 3, 5, P3)  # columns g; g + 8 is the other half of the block
+        zoff = (((ch + zw) * BK) // GROUP) * N + zc
+        zmask = (ch + zw) < n_chunks
+        z0 = gl.load(z_ptr + zoff, mask=zmask & (zc < N), other=0).to(gl.int32)
+        z1 = gl.load(z_ptr + zoff + 8, mask=zmask & (zc + 8 < N), other=0).to(gl.int32)
+        NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
+        z0 = (z0 + NEG) | ((z0 + NEG) << 16)
+        z1 = (z1 + NEG) | ((z1 + NEG) << 16)
+        z0, _ = gl.broadcast(z0, P)
+        z1, _ = gl.broadcast(z1, P)
+        Z = gl.join(gl.join(z0, z0), gl.join(z1, z1))
+        Z = gl.join(Z, Z)
+        if FP16:
+            A = gl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+                "fma.rn.f16x2 $0, t, one, $3; }",
+                "=r,r,r,r,r", [J, Z], dtype=gl.float16, is_pure=True, pack=2,
+            )  # fmt: skip
+        else:
+            A = gl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+                "fma.rn.bf16x2 $0, t, one, $3; }",
+                "=r,r,r,r,r", [J, Z], dtype=gl.bfloat16, is_pure=True, pack=2,
+            )  # fmt: skip
+    elif FP16:  # magic + q: 1024 + q in fp16, 128 + q in bf16
+        A = gl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
+            "=r,r,r",
+            [J],
+            dtype=gl.float16,
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        A = gl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
+            "=r,r,r",
+            [J],
+            dtype=gl.bfloat16,
+            is_pure=True,
+            pack=2,
+        )
+    A = gl.reshape(gl.permute(A, (0, 6, 3, 1, 2, 5, 4, 7)), (W, 16, BK))  # (w, r0 g, q v r1 t h)
+    A = gl.convert_layout(A, A_L, assert_trivial=True)
+    Bj = gl.reshape(gl.join(B, B), (W, Q * 4, 2, 4, BN, 2))
+    if FP16:  # the int32 pairs read as two 16-bit values each
+        Bx = gl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r,r", [Bj], dtype=gl.float16, is_pure=True, pack=2
+        )
+    else:
+        Bx = gl.inline_asm_elementwise(
+            "mov.b32 $0, $1;", "=r,r,r", [Bj], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+    Bx = gl.reshape(gl.permute(Bx, (0, 1, 2, 3, 5, 4)), (W, BK, BN))
+    Bx = gl.convert_layout(Bx, B_L, assert_trivial=True)
+    zero = gl.zeros([W, 16, BN], gl.float32, MMA)
+    acc = mma_v2(A, Bx, zero)
+    grp = ((ch + sw) * BK) // GROUP
+    smask = ((ch + sw) < n_chunks) & (cols < N)
+    s = gl.load(s_ptr + grp * N + cols, mask=smask, other=0.0).to(gl.float32)
+    if FOLD:
+        out = acc * gl.expand_dims(s, 2)
+    else:  # a second MMA against ones sums x, for the magic and the zero
+        xs = mma_v2(ones, Bx, zero)
+        z = gl.load(z_ptr + grp * N + cols, mask=smask, other=0).to(gl.float32)
+        if ZERO_IS_OFFSET:
+            corr = MAGIC * s - z
+        else:
+            corr = (MAGIC + z) * s
+        out = acc * gl.expand_dims(s, 2) - gl.expand_dims(corr, 2) * xs
+    return out
+
+
+@gluon.jit
+def _w4a16_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xw, stride_om,
+    GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
+    HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr, MMA: gl.constexpr,
+    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
+    B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
+    S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr,
+):  # fmt: skip
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
+    BK: gl.constexpr = Q * 64
+    c = gl.program_id(0)
+    n_chunks = K // BK
+    ones = gl.full([W, 16, BK], 1.0, DT, A_L)
+    total = gl.zeros([W, 16, BN], gl.float32, MMA)
+    sw = _index(W, 0, 2, S0)
+    cols = c * 16 + _index(16, 1, 2, S1)
+    Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, 0, n_chunks, M, K, stride_xw,
+                         P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+    if U == 1:
+        for ch in range(0, n_chunks, W):
+            P = Pa
+            B = Ba
+            Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, ch + W, n_chunks, M, K, stride_xw,
+                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+            total += _chunk(P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
+                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
+    else:  # two chunks a step, the next two loaded before these are used
+        Pb, Bb = _load_chunk(qw_ptr, x_ptr, c, W, n_chunks, M, K, stride_xw,
+                             P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+        for ch in range(0, n_chunks, 2 * W):
+            P = Pa
+            B = Ba
+            P2_ = Pb
+            B2_ = Bb
+            Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, ch + 2 * W, n_chunks, M, K, stride_xw,
+                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+            Pb, Bb = _load_chunk(qw_ptr, x_ptr, c, ch + 3 * W, n_chunks, M, K, stride_xw,
+                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+            total += _chunk(P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
+                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
+            total += _chunk(P2_, B2_, c, ch + W, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
+                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
+    out = gl.sum(total, axis=0)  # (16, BN): the warps' K ranges summed
+    ocol = c * 16 + _index(16, 0, 2, O0)
+    on = _index(BN, 1, 2, O1)
+    if HAS_BIAS:
+        out += gl.load(bias_ptr + ocol, mask=ocol < N, other=0.0).to(gl.float32)
+    gl.store(out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N))
+
+
+def _slices(parent: Any, rank: int) -> list[Any]:
+    """For each dimension d of a rank-`rank` layout, the 1-D layout that _index expands back to `parent`."""
+    out = []
+    for d in range(rank):
+        lay = parent
+        for e in reversed(range(rank)):
+            if e != d:
+                lay = gl.SliceLayout(e, lay)
+        out.append(lay)
+    return out
+
+
+@functools.cache
+def _layouts(w: int, q: int, bn: int) -> dict[str, Any]:
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1], instr_shape=[1, 16, 8])
+    words = gl.BlockedLayout(
+        size_per_thread=[1, q, 4, 1, 1], threads_per_warp=[1, 1, 1, 8, 4], warps_per_cta=[w, 1, 1, 1, 1],
+        order=[2, 1, 4, 3, 0],
+    )  # fmt: skip
+    x = gl.BlockedLayout(
+        size_per_thread=[1, q * 8, 1, 1], threads_per_warp=[1, 1, 4, 8], warps_per_cta=[w, 1, 1, 1],
+        order=[1, 2, 3, 0],
+    )  # fmt: skip
+    out: dict[str, Any] = {"MMA": mma}
+    for name, lay, rank in (
+        ("P", words, 5),
+        ("B", x, 4),
+        ("S", gl.SliceLayout(2, mma), 2),
+        ("O", gl.SliceLayout(0, mma), 2),
+    ):
+        for i, sl in enumerate(_slices(lay, rank)):
+            out[f"{name}{i}"] = sl
+    return out
+
+
+def applies(x: torch.Tensor, w: Int4Weight) -> bool:
+    """Whether this kernel takes x against w: fragment-laid weights, 16-bit x of at most MAX_ROWS rows on a GPU."""
+    return (
+        w.layout == "fragments" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        and 1 <= x.shape[0] <= MAX_ROWS
+    )  # fmt: skip
+
+
+def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool]:
+    """(warps, chunks a step, zeros folded) for an (m, k) x (k, n) GEMM, from a sweep of a Llama-3-8B layer on the
+    H200 (BENCHMARKS.md). Folding the zeros halves the MMAs at up to 8 rows; at 9-16 rows its registers cost more
+    than the second MMA. Programs of 8 warps taking two chunks a step need ~114 registers a thread, two programs an
+    SM: past two programs per SM, one chunk a step keeps the grid in one wave."""
+    blocks = -(-n // BLOCK_COLS)
+    if m > 8:
+        return (4, 1, False) if blocks >= MANY_BLOCKS else (8, 1, False) if k >= 8192 else (4, 2, False)
+    if blocks >= MANY_BLOCKS:
+        return 4, 2, True
+    return (8, 1, True) if blocks > 2 * num_sms(device) else (8, 2, True)
+
+
+def w4a16_mma(
+    x: torch.Tensor,
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,
+    warps: int | None = None,  # these three: config() by default
+    unroll: int | None = None,
+    fold: bool
+    | None = None,  # integer zeros folded into the A registers; False: a second MMA's x sums take them
+) -> torch.Tensor:
+    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype."""
+    m, k = x.shape
+    n = w.out_features
+    if not applies(x, w):
+        raise ValueError(f"w4a16_mma takes fragment-laid weights and 1..{MAX_ROWS} rows of 16-bit x on a GPU")
+    if w.perm is not None:
+        x = x.index_select(1, w.perm)
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(n, BLOCK_COLS)
+    default = config(m, n, k, x.device)
+    warps = default[0] if warps is None else warps
+    unroll = default[1] if unroll is None else unroll
+    fold = default[2] if fold is None else fold
+    bn = 8 if m <= 8 else 16
+    _w4a16_mma_kernel[(blocks,)](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, m, n, k, x.stride(0) // 2,
+        out.stride(0), GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
+        FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
+        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, num_warps=warps,
+        **_layouts(warps, w.chunk // 64, bn),
+    )  # fmt: skip
+    return out
