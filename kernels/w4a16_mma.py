@@ -31,6 +31,7 @@ import triton.experimental.gluon as gluon
 import triton.experimental.gluon.language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from kernels import _backend
 from kernels._backend import num_sms
 from kernels.int4_dequant import Int4Weight
 
@@ -254,10 +255,11 @@ def _layouts(w: int, q: int, bn: int) -> dict[str, Any]:
 
 
 def applies(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether this kernel takes x against w: fragment-laid weights, 16-bit x of at most MAX_ROWS rows on a GPU."""
+    """Whether this kernel takes x against w: fragment-laid weights, 16-bit x of at most MAX_ROWS rows on a GPU,
+    the Triton path not forced off (PDSERVE_ATTENTION_BACKEND=torch: the reference dequantizes instead)."""
     return (
-        w.layout == "fragments" and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-        and 1 <= x.shape[0] <= MAX_ROWS
+        w.layout == "fragments" and x.is_cuda and _backend.use_triton(x)
+        and x.dtype in (torch.bfloat16, torch.float16) and 1 <= x.shape[0] <= MAX_ROWS
     )  # fmt: skip
 
 
