@@ -166,9 +166,8 @@ def int4_dequant_triton(w: Int4Weight, dtype: torch.dtype, out: torch.Tensor | N
     return out
 
 
-def pack_rows(
-    q: torch.Tensor,
-) -> torch.Tensor:  # (K, N) values 0..15 -> (K/8, N) int32, as unpack_rows reads it
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """(K, N) values 0..15 -> (K/8, N) int32, packed as unpack_rows reads them."""
     k, n = q.shape
     pairs = q.to(torch.uint8).reshape(k // 8, 4, 2, n)  # rows 8r + 2b + h
     words = pairs[:, :, 0] | (pairs[:, :, 1] << 4)  # (K/8, 4, N): byte b of word (r, n)
