@@ -26,6 +26,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   bytes (half read, half written: the same launch, ramp-up and tail), a kernel that only loads the weights
   in the GEMM's own tiles and pipeline, and the GEMM on one weight set over and over (served from L2):
   quant_w4a16_m1_limits_llama3-8b.
+- --sweep-mma: the fragment layout's kernel (kernels/w4a16_mma.py) GEMM by GEMM at 1-16 rows over warps, chunks a
+  step and the zero fold, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
 - --kernels: the GPU time of one batch-1 decode step of the int4 (AWQ) and the bf16 engine, kernel by kernel
   (torch.profiler over a 65-token generation less a 1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
@@ -237,6 +239,45 @@ def sweep_m1(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-m1",
         extra={"what": "one-row W4A16 GEMMs of a Llama-3-8B layer, group 128, six weight sets, graph replay: "
                        "[us, GB/s of int4 bytes] per config", "configs": found},
+    )  # fmt: skip
+
+
+def sweep_mma(out_dir: Path | None) -> None:
+    """The fragment layout's kernel, GEMM by GEMM at 1, 4, 8 and 16 rows: warps, chunks a step and the zero fold
+    (F folded, X a second MMA's x sums), [us] each, against what config() picks: quant_w4a16_mma_sweep_llama3-8b."""
+    import torch
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_mma import config, w4a16_mma
+
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    found: dict[str, dict[str, float]] = {}
+    picked, best = 0.0, 0.0
+    for m in (1, 4, 8, 16):
+        for name, (k, n) in LAYER.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {
+                f"{'F' if fold else 'X'}W{w}U{u}": round(
+                    time_us([partial(w4a16_mma, x, ws[name], None, w, u, fold) for ws in sets]), 2
+                )
+                for fold in (True, False)
+                for w in (4, 8)
+                for u in (1, 2)
+            }
+            w, u, fold = config(m, n, k, x.device)
+            row["config"] = row[f"{'F' if fold else 'X'}W{w}U{u}"]
+            found[f"M={m} {name}"] = row
+            picked += row["config"] if m == 1 else 0.0
+            best += min(v for key, v in row.items() if key != "config") if m == 1 else 0.0
+            print(f"sweep mma M={m} {name}: {row}", flush=True)
+    record(
+        "quant_w4a16_mma_sweep_llama3-8b", picked, "us", baseline=best,
+        baseline_name="the best config per GEMM at one row, summed over the layer (us)", ratio=best / picked,
+        out_dir=out_dir, command=COMMAND + " --sweep-mma",
+        extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
+                       "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
+                       "warps; U chunks a step; config: what kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 
@@ -464,6 +505,9 @@ def main() -> None:
     p.add_argument(
         "--kernels", action="store_true", help="only a decode step's GPU time by kernel, int4 and bf16"
     )
+    p.add_argument(
+        "--sweep-mma", action="store_true", help="only the fragment layout kernel's configs, GEMM by GEMM"
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -472,6 +516,9 @@ def main() -> None:
         return
     if args.kernels:
         decode_kernels(args.out_dir)
+        return
+    if args.sweep_mma:
+        sweep_mma(args.out_dir)
         return
 
     import torch
