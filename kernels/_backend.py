@@ -1,6 +1,6 @@
 """Which implementation an op runs: Triton on CUDA tensors, the torch reference elsewhere.
 
-`PDSERVE_ATTENTION_BACKEND=torch|triton` (read once, here) forces one path for every op; tests
+`PDSERVE_ATTENTION_BACKEND=torch|triton` (read once, here, as is every kernel knob) forces one path for every op; tests
 set `FORCED_BACKEND` directly. Triton on CPU tensors needs Triton's interpreter, which
 `TRITON_INTERPRET=1` selects when triton is first imported (triton.language's own helpers are
 compiled then), so it must be in the environment before anything imports triton.
@@ -24,6 +24,9 @@ def _read_env() -> str | None:
 
 
 FORCED_BACKEND: str | None = _read_env()
+# PDSERVE_W4A16_PDL=0 launches the int4 tensor-core GEMM plainly, not as a programmatic dependent
+# (kernels/w4a16_mma.py): the A-B of `python3 -m bench.quant_int4`
+W4A16_PDL: bool = os.environ.get("PDSERVE_W4A16_PDL", "1").strip() != "0"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

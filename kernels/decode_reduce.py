@@ -65,6 +65,7 @@ def _decode_reduce_kernel(
 ):
     if WAIT_FOR_PRIMARY:  # a programmatic dependent launch: the split kernel's writes are visible after this
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # and the kernel after may start (a W4A16 GEMM asks for weights)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)

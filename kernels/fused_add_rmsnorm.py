@@ -39,7 +39,10 @@ def _rmsnorm_kernel(
     # meta
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # a kernel launched as a programmatic dependent may start and wait for this one
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -78,7 +81,7 @@ def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
         x, r, weight, out, ro,
         x.shape[1], eps,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        HAS_RESIDUAL=has_residual, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_residual, BLOCK=block, LAUNCH_DEPENDENTS=x.is_cuda, num_warps=_num_warps(block),
     )  # fmt: skip
 
 

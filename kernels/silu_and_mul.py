@@ -37,7 +37,10 @@ def _silu_and_mul_kernel(
     stride_o,
     # meta
     BLOCK_D: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # a kernel launched as a programmatic dependent may start and wait for this one
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < d
@@ -60,8 +63,9 @@ def silu_and_mul_triton(
         return out
     block = min(BLOCK, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK_D=block, num_warps=4 if block >= 512 else 1
-    )
+        x, out, d, x.stride(0), out.stride(0), BLOCK_D=block, LAUNCH_DEPENDENTS=x.is_cuda,
+        num_warps=4 if block >= 512 else 1,
+    )  # fmt: skip
     return out
 
 

@@ -16,6 +16,10 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   step one step ahead, and meet in one reduction at the end (config()). About 2.9 SASS instructions a weight
   per lane at one row, against ~5 for the CUDA-core kernel of the rows layout (kernels/w4a16_gemm.py).
 - GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
+- A programmatic dependent launch (PDL, USE_PDL): a program asks for its first step's weights, then waits
+  (griddepcontrol.wait) for the kernel before, whose output x is. The kernels that precede a decoder layer's GEMMs
+  (RMSNorm, SiLU-and-mul, the split-decode merge) call gdc_launch_dependents first, so the GEMM's programs are
+  resident and its weights in flight while those run: 5% more int4 batch-1 decode on the H200.
 There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
 interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
 """
@@ -37,6 +41,9 @@ from kernels.int4_dequant import Int4Weight
 
 MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
+# launched as a programmatic dependent: a program asks for its first weights, then waits for the kernel before
+# (whose x it reads); RMSNorm, SiLU-and-mul and the decode merge let it start at once (gdc_launch_dependents)
+USE_PDL = _backend.W4A16_PDL
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
 
 
@@ -51,14 +58,12 @@ def _index(n: gl.constexpr, d: gl.constexpr, r: gl.constexpr, layout: gl.constex
 
 
 @gluon.jit
-def _load_chunk(
-    qw_ptr, x_ptr, c, ch, n_chunks, M, K, stride_xw,
+def _words(
+    qw_ptr, c, ch, n_chunks, K,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
-    B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
-    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr,
 ):  # fmt: skip
-    """Warp w's words of chunk ch + w, (W, Q, 4 words, 8 groups, 4 threads) int32, and its x, (W, Q * 8, 4, BN)
-    int32 pairs of 16-bit values."""
+    """Pointers to warp w's words of chunk ch + w, (W, Q, 4 words, 8 groups, 4 threads), and their mask."""
     iw = _index(W, 0, 5, P0)
     iq = _index(Q, 1, 5, P1)
     iv = _index(4, 2, 5, P2)
@@ -66,7 +71,16 @@ def _load_chunk(
     it = _index(4, 4, 5, P4)
     chw = ch + iw
     offs = ((c * (K // 64) + chw * Q + iq) * 32 + ig * 4 + it) * 4 + iv
-    P = gl.load(qw_ptr + offs, mask=chw < n_chunks, other=0)
+    return qw_ptr + offs, chw < n_chunks
+
+
+@gluon.jit
+def _x(
+    x_ptr, ch, n_chunks, M, stride_xw,
+    B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """Warp w's x for chunk ch + w, (W, Q * 8, 4, BN) int32 pairs of 16-bit values."""
     bw = _index(W, 0, 4, B0)
     bkr = _index(Q * 8, 1, 4, B1)  # (kb, r1)
     bt = _index(4, 2, 4, B2)
@@ -74,7 +88,20 @@ def _load_chunk(
     chb = ch + bw
     x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     xoffs = bn * stride_xw + chb * (Q * 32) + bt * (Q * 8) + bkr
-    B = gl.load(x32 + xoffs, mask=(bn < M) & (chb < n_chunks), other=0)
+    return gl.load(x32 + xoffs, mask=(bn < M) & (chb < n_chunks), other=0)
+
+
+@gluon.jit
+def _load_chunk(
+    qw_ptr, x_ptr, c, ch, n_chunks, M, K, stride_xw,
+    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
+    B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """Warp w's words of chunk ch + w (int32, _words) and its x (_x), loaded into registers."""
+    ptrs, mask = _words(qw_ptr, c, ch, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+    P = gl.load(ptrs, mask=mask, other=0)
+    B = _x(x_ptr, ch, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
     return P, B
 
 
@@ -171,7 +198,8 @@ def _chunk(
 def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xw, stride_om,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
-    HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr, MMA: gl.constexpr,
+    HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
+    PDL: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr,
@@ -185,9 +213,14 @@ def _w4a16_mma_kernel(
     total = gl.zeros([W, 16, BN], gl.float32, MMA)
     sw = _index(W, 0, 2, S0)
     cols = c * 16 + _index(16, 1, 2, S1)
-    Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, 0, n_chunks, M, K, stride_xw,
-                         P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
-    if U == 1:
+    if U == 1:  # one chunk a step, the next loaded into registers before this one is used
+        ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        Pa = gl.load(ptrs, mask=mask, other=0)
+        if PDL:  # the weights are asked for; x is the kernel before's output
+            gl.inline_asm_elementwise(
+                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+        Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         for ch in range(0, n_chunks, W):
             P = Pa
             B = Ba
@@ -196,8 +229,16 @@ def _w4a16_mma_kernel(
             total += _chunk(P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
                             GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
     else:  # two chunks a step, the next two loaded before these are used
-        Pb, Bb = _load_chunk(qw_ptr, x_ptr, c, W, n_chunks, M, K, stride_xw,
-                             P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
+        ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        Pa = gl.load(ptrs, mask=mask, other=0)
+        ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        Pb = gl.load(ptrs, mask=mask, other=0)
+        if PDL:
+            gl.inline_asm_elementwise(
+                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+            )
+        Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
+        Bb = _x(x_ptr, W, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         for ch in range(0, n_chunks, 2 * W):
             P = Pa
             B = Ba
@@ -284,6 +325,7 @@ def w4a16_mma(
     unroll: int | None = None,
     fold: bool
     | None = None,  # integer zeros folded into the A registers; False: a second MMA's x sums take them
+    pdl: bool | None = None,  # a programmatic dependent launch (USE_PDL by default)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype."""
     m, k = x.shape
@@ -300,12 +342,14 @@ def w4a16_mma(
     warps = default[0] if warps is None else warps
     unroll = default[1] if unroll is None else unroll
     fold = default[2] if fold is None else fold
+    pdl = USE_PDL if pdl is None else pdl
     bn = 8 if m <= 8 else 16
     _w4a16_mma_kernel[(blocks,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, m, n, k, x.stride(0) // 2,
         out.stride(0), GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
-        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, num_warps=warps,
+        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, PDL=pdl, launch_pdl=pdl,
+        num_warps=warps,
         **_layouts(warps, w.chunk // 64, bn),
     )  # fmt: skip
     return out

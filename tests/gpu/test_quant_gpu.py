@@ -15,6 +15,7 @@ from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequan
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
+from kernels.w4a16_mma import w4a16_mma
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -64,6 +65,21 @@ def test_w4a16_gemm_matches_reference(k, n, group, dtype, layout):
         out = w4a16_gemm(x, w, bias)
         ref = w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
         assert out.dtype == dtype and rel_err(out, ref) < ERR[dtype], (m, k, n, group)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("warps,unroll", [(4, 1), (8, 2)])
+def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
+    """config() picks per shape; every setting it may pick is exact, including K ranges that leave a program's
+    warps partly idle (17 and 112 chunks)."""
+    for i, (k, n, group) in enumerate([(4096, 1001, 128), (1088, 200, 64), (14336, 4096, 128)]):
+        w = to_fragments(random_int4(k, n, group, offsets=i == 1, seed=i))
+        for m in (1, 5, 16):
+            for fold in (True, False):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                out = w4a16_mma(x, w, None, warps, unroll, fold, pdl)
+                ref = w4a16_gemm_reference(x.float(), w)
+                assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
 
 
 @pytest.mark.parametrize("k,n,group", [(4096, 28672, 128), (576, 3072, 32), (1024, 200, 64)])
