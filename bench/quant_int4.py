@@ -16,8 +16,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - Engine: `LLM("Llama-3-8B", load_format="dummy")` in bf16 and with quantization="awq" (dummy int4
   weights), each in a child process, max_num_seqs 16: batch-1 decode tok/s as bench/latency.py measures it
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
-  from the KV-sizing log line; and GPTQ with the LM head quantized too (lm_head=true, the config of a
-  dummy-weight directory), whose weights are the memory record.
+  from the KV-sizing log line; GPTQ with the LM head quantized too (lm_head=true, the config of a
+  dummy-weight directory), whose weights are the memory record; and AWQ with its int4 GEMM launched plainly,
+  not as a programmatic dependent (PDSERVE_W4A16_PDL=0), for what PDL gains.
 - --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core
   kernel's (M = 1, 4) and the 16-row dots' (best per M printed).
 - --sweep-m1: the one-row kernel's configs GEMM by GEMM (columns a program, K tile, split-K, warps; gate_up
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -251,6 +253,9 @@ def sweep_mma(out_dir: Path | None) -> None:
     from bench.record import record
     from kernels.w4a16_mma import config, w4a16_mma
 
+    def key(fold: bool, w: int, u: int) -> str:
+        return f"{'F' if fold else 'X'}W{w}U{u}"
+
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     found: dict[str, dict[str, float]] = {}
     picked, best = 0.0, 0.0
@@ -258,7 +263,7 @@ def sweep_mma(out_dir: Path | None) -> None:
         for name, (k, n) in LAYER.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {
-                f"{'F' if fold else 'X'}W{w}U{u}": round(
+                key(fold, w, u): round(
                     time_us([partial(w4a16_mma, x, ws[name], None, w, u, fold) for ws in sets]), 2
                 )
                 for fold in (True, False)
@@ -266,7 +271,7 @@ def sweep_mma(out_dir: Path | None) -> None:
                 for u in (1, 2)
             }
             w, u, fold = config(m, n, k, x.device)
-            row["config"] = row[f"{'F' if fold else 'X'}W{w}U{u}"]
+            row["config"] = row[key(fold, w, u)]
             found[f"M={m} {name}"] = row
             picked += row["config"] if m == 1 else 0.0
             best += min(v for key, v in row.items() if key != "config") if m == 1 else 0.0
@@ -277,7 +282,7 @@ def sweep_mma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-mma",
         extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
                        "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
-                       "warps; U chunks a step; config: what kernels/w4a16_mma.config picks", "configs": found},
+                       "warps; U chunks a step, loaded a step ahead; config: what kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 
@@ -431,11 +436,13 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     }
 
 
-def child(quantization: str, timeout: float, kernels: bool = False) -> dict[str, Any]:
+def child(quantization: str, timeout: float, kernels: bool = False, pdl: bool = True) -> dict[str, Any]:
+    """pdl=False: the int4 GEMM launched plainly (PDSERVE_W4A16_PDL=0, kernels/_backend.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
-        proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
+        env = {**os.environ, **({} if pdl else {"PDSERVE_W4A16_PDL": "0"})}
+        proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
             return {"error": f"engine ({quantization}): exit {proc.returncode}"}
         return json.loads(Path(f.name).read_text())
@@ -445,13 +452,19 @@ def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
-    print(json.dumps({"bf16": bf16, "int4": int4, "int4_lm_head": head}, indent=1), flush=True)
-    if "error" in bf16 or "error" in int4 or "error" in head:
+    plain = child("awq", 400, pdl=False)
+    print(
+        json.dumps({"bf16": bf16, "int4": int4, "int4_lm_head": head, "int4_no_pdl": plain}, indent=1),
+        flush=True,
+    )
+    if "error" in bf16 or "error" in int4 or "error" in head or "error" in plain:
         return [("engine", None, None, None, None)]
     record(
         "quant_int4_decode_b1_llama3-8b", int4["tok_s"], "tok/s", baseline=bf16["tok_s"],
         baseline_name="bf16 engine, same run (tok/s)", goal=f">= {GOALS['decode']}x the bf16 engine",
-        out_dir=out_dir, command=COMMAND, extra={"int4": int4, "bf16": bf16},
+        out_dir=out_dir, command=COMMAND,
+        extra={"int4": int4, "bf16": bf16, "int4_gemm_without_pdl": plain,
+               "pdl_speedup": int4["tok_s"] / plain["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -465,6 +478,7 @@ def engines(out_dir: Path | None) -> list[tuple]:
     )  # fmt: skip
     return [("engine b1 decode (tok/s)", int4["tok_s"], bf16["tok_s"], None, int4["tok_s"] / bf16["tok_s"]),
             ("  LM head int4 too", head["tok_s"], bf16["tok_s"], None, head["tok_s"] / bf16["tok_s"]),
+            ("  GEMM launched plainly", plain["tok_s"], bf16["tok_s"], None, plain["tok_s"] / bf16["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
