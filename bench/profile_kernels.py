@@ -9,8 +9,10 @@ records; bench/quant_int4.py and bench/kv_memory.py time the same calls.
 (`bash bench/run_on_device.sh` with STEPS=profile does this for every case.)
 
 Cases:
-- w4a16_m1 / w4a16_m16: a Llama-3-8B layer's four W4A16 GEMMs (group 128), one row (the CUDA-core kernel)
-  or 16 rows (the swapped kernel), default configs; plus gate_up ending in SwiGLU at one row.
+- w4a16_m1 / w4a16_m16: a Llama-3-8B layer's four W4A16 GEMMs (group 128), one row or 16 rows, in the
+  fragment layout loaded layers take on a GPU (kernels/w4a16_mma.py), default configs; plus gate_up with
+  SwiGLU at one row. w4a16_rows_m1 / _m16: the same in the rows layout (the CUDA-core kernel at one row, the
+  swapped kernel at 16).
 - gemv_bf16: the same layer's four one-row bf16 GEMVs (kernels/gemv.py).
 - fp8_decode / bf16_decode: paged decode attention, Llama-3-8B heads, 64 sequences of 4096 tokens.
 Each call is launched LAUNCHES + 1 times (the first compiles), each launch on its own weights or cache, so
@@ -30,13 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 LAUNCHES = 2
 
 
-def w4a16(m: int) -> list[Callable[[], object]]:
+def w4a16(m: int, fragments: bool = True) -> list[Callable[[], object]]:
     import torch
 
     from bench.quant_int4 import LAYER, int4_layer
     from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
-    layers = [int4_layer("cuda", seed) for seed in range(LAUNCHES + 1)]
+    layers = [int4_layer("cuda", seed, fragments) for seed in range(LAUNCHES + 1)]
     calls: list[Callable[[], object]] = []
     for name, (k, _) in LAYER.items():
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -82,6 +84,8 @@ def decode(fp8: bool) -> list[Callable[[], object]]:
 CASES: dict[str, Callable[[], list[Callable[[], object]]]] = {
     "w4a16_m1": lambda: w4a16(1),
     "w4a16_m16": lambda: w4a16(16),
+    "w4a16_rows_m1": lambda: w4a16(1, fragments=False),
+    "w4a16_rows_m16": lambda: w4a16(16, fragments=False),
     "gemv_bf16": gemv_bf16,
     "fp8_decode": lambda: decode(True),
     "bf16_decode": lambda: decode(False),
