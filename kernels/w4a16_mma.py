@@ -19,7 +19,7 @@ dialect, so that no value crosses lanes or shared memory between its load and it
 - A programmatic dependent launch (PDL, USE_PDL): a program asks for its first step's weights, then waits
   (griddepcontrol.wait) for the kernel before, whose output x is. The kernels that precede a decoder layer's GEMMs
   (RMSNorm, SiLU-and-mul, the split-decode merge) call gdc_launch_dependents first, so the GEMM's programs are
-  resident and its weights in flight while those run: 5% more int4 batch-1 decode on the H200.
+  resident and its weights in flight while those run: 1-5% more int4 batch-1 decode on the H200 (BENCHMARKS.md).
 There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
 interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
 """
