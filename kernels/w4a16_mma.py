@@ -58,6 +58,13 @@ def _index(n: gl.constexpr, d: gl.constexpr, r: gl.constexpr, layout: gl.constex
 
 
 @gluon.jit
+def _wait_for_primary():
+    """griddepcontrol.wait: the kernel before this one (a programmatic dependent launch) has finished, and its
+    writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _words(
     qw_ptr, c, ch, n_chunks, K,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
@@ -217,9 +224,7 @@ def _w4a16_mma_kernel(
         ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pa = gl.load(ptrs, mask=mask, other=0)
         if PDL:  # the weights are asked for; x is the kernel before's output
-            gl.inline_asm_elementwise(
-                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
+            _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         for ch in range(0, n_chunks, W):
             P = Pa
@@ -234,9 +239,7 @@ def _w4a16_mma_kernel(
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
         if PDL:
-            gl.inline_asm_elementwise(
-                "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-            )
+            _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         Bb = _x(x_ptr, W, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         for ch in range(0, n_chunks, 2 * W):
