@@ -47,7 +47,7 @@ if wanted bench_disagg; then
 fi
 # int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
 mkdir -p "$OUT/q"
-step tests_quant 300 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no:cacheprovider
+step tests_quant 420 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no:cacheprovider
 step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # batch-1 decode against the roofline and transformers compiled, GPU busy, start-up (BENCHMARKS.md, Engine)
 step bench_latency 560 python3 -m bench.latency --out-dir "$OUT/lat"

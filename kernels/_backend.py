@@ -24,9 +24,9 @@ def _read_env() -> str | None:
 
 
 FORCED_BACKEND: str | None = _read_env()
-# PDSERVE_W4A16_PDL=0 launches the int4 tensor-core GEMM plainly, not as a programmatic dependent
-# (kernels/w4a16_mma.py): the A-B of `python3 -m bench.quant_int4`
-W4A16_PDL: bool = os.environ.get("PDSERVE_W4A16_PDL", "1").strip() != "0"
+# PDSERVE_PDL=0 launches every kernel plainly, none as a programmatic dependent of the kernel before it
+# (kernels/pdl.py): the A-B of `python3 -m bench.quant_int4`
+PDL: bool = os.environ.get("PDSERVE_PDL", "1").strip() != "0"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

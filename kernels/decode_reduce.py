@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_entry, pdl_launch
+
 
 def carve_workspace(
     workspace: torch.Tensor, num_seqs: int, num_heads: int, num_splits: int, head_dim: int
@@ -61,11 +63,9 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    WAIT_FOR_PRIMARY: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
-    if WAIT_FOR_PRIMARY:  # a programmatic dependent launch: the split kernel's writes are visible after this
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # and the kernel after may start (a W4A16 GEMM asks for weights)
+    pdl_entry(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -102,7 +102,7 @@ def decode_reduce_triton(
     ml: torch.Tensor,  # (2, num_seqs, num_heads, num_splits) fp32: running max, sum of exp2
     seq_lens: torch.Tensor,  # (num_seqs,) int32
     partition_size: int,
-    pdl: bool = False,  # launched right after the split kernel, which called gdc_launch_dependents
+    pdl: bool = False,  # launched as a programmatic dependent (kernels/pdl.py)
     num_warps: int = 4,
     block_d: int | None = None,  # head_dim elements per program (a power of 2); None: all of them
 ) -> torch.Tensor:
@@ -123,9 +123,9 @@ def decode_reduce_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=16 if num_splits <= 16 else 64,  # two variants whatever the split count; one round trip
-        WAIT_FOR_PRIMARY=pdl,
+        PDL=pdl,
         num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 MAX_HIDDEN = 65536  # one row lives in one program's registers
 
@@ -39,10 +40,9 @@ def _rmsnorm_kernel(
     # meta
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
-    if LAUNCH_DEPENDENTS:  # a kernel launched as a programmatic dependent may start and wait for this one
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -76,12 +76,13 @@ def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
         return
     block = triton.next_power_of_2(x.shape[1])
     has_residual = residual is not None
+    on = pdl(x)
     r, ro = (residual, residual_out) if has_residual else (x, out)  # unused pointers without a residual
     _rmsnorm_kernel[(x.shape[0],)](
         x, r, weight, out, ro,
         x.shape[1], eps,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        HAS_RESIDUAL=has_residual, BLOCK=block, LAUNCH_DEPENDENTS=x.is_cuda, num_warps=_num_warps(block),
+        HAS_RESIDUAL=has_residual, BLOCK=block, PDL=on, num_warps=_num_warps(block), **pdl_launch(on),
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.pdl import pdl, pdl_entry, pdl_launch
 from kernels.silu_and_mul import silu_and_mul, silu_mul
 
 
@@ -50,7 +51,9 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWIGLU: tl.constexpr,  # W is (gate | up), N rows each: y = silu(gate) * up
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
+    pdl_entry(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < N
     rows = tl.where(live, rows, 0)  # a tail program re-reads row 0 rather than masking every load
@@ -136,12 +139,13 @@ def gemv_triton(
     if config is None:
         config = swiglu_config(n, k) if swiglu else gemv_config(n, k) or (4, 512, 4)
     block_n, block_k, num_warps = config
+    on = pdl(x)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y,
         n, k,
         weight.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=swiglu,
-        num_warps=num_warps,
+        PDL=on, num_warps=num_warps, **pdl_launch(on),
     )  # fmt: skip
     return y
 

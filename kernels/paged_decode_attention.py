@@ -27,6 +27,7 @@ from kernels.decode_reduce import (
 from kernels.kv_quant import FP8_DTYPE, as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile, online_softmax_tile_fp8
 from kernels.paged_prefill_attention import gather_kv
+from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 MIN_PARTITION = 256  # keys per split at least: below that the reduce costs more than it saves
 FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: half the rows fit
@@ -94,14 +95,13 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
     FP8: tl.constexpr,
     FP16_DOTS: tl.constexpr,
     PAIRS: tl.constexpr,  # an fp8 cache read as 16-bit words (fp8_pairs)
     CUDA: tl.constexpr,
 ):
-    if LAUNCH_DEPENDENTS:  # programmatic dependent launch: the merge kernel may start up now (it waits)
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_entry(PDL)
     kv_head = tl.program_id(0)  # grid (kv head, sequence, split): a sequence's kv heads start side by side
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -276,7 +276,7 @@ def paged_decode_attention_triton(
     one_warp = fp8 and fp8_one_warp(num_seqs * num_kv_heads * num_splits, query.device)
     cfg = {**default_config(head_dim, query.dtype, one_warp), **(config or {})}
     split = num_splits > 1
-    pdl = split and query.is_cuda  # the interpreter has no programmatic dependent launch
+    on = pdl(query)
     if split:
         size = decode_workspace_size(num_seqs, num_heads, num_splits, head_dim)
         if workspace is None:
@@ -300,13 +300,14 @@ def paged_decode_attention_triton(
         BLOCK_N=cfg["block_n"],
         SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        LAUNCH_DEPENDENTS=pdl,
+        PDL=on,
         FP8=fp8,
         FP16_DOTS=fp16_dots(fp8, query.dtype),
         PAIRS=fp8_pairs(kv_cache),
         CUDA=query.is_cuda,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_launch(on),
     )  # fmt: skip
     if split:
         decode_reduce_triton(
@@ -315,7 +316,7 @@ def paged_decode_attention_triton(
             ml,
             seq_lens,
             partition,
-            pdl=pdl,
+            pdl=on,
             num_warps=cfg.get("merge_warps", MERGE_WARPS),
             block_d=cfg.get("merge_block_d", MERGE_BLOCK_D),
         )

@@ -24,6 +24,7 @@ import triton.language as tl
 from kernels import _backend
 from kernels.kv_cache_write import kv_cache_write_reference
 from kernels.kv_quant import load_scales, scale_args, store_quantized
+from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 
 @triton.jit
@@ -74,8 +75,10 @@ def _rotary_kv_write_kernel(
     BLOCK_KV: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     FP8: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
     """Program (token, j): kv heads j * KV_HEADS .. + KV_HEADS of one token and their query heads."""
+    pdl_entry(PDL)
     token = tl.program_id(0).to(tl.int64)
     kv0 = tl.program_id(1) * KV_HEADS
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -160,6 +163,7 @@ def rotary_kv_write_triton(
     block_q, block_kv = triton.next_power_of_2(per_prog * group), triton.next_power_of_2(per_prog)
     block_half = triton.next_power_of_2(head_dim // 2)
     grid = (num_tokens, triton.cdiv(num_kv_heads, per_prog))
+    on = pdl(q)
     _rotary_kv_write_kernel[grid](
         q, k, v, q_out, positions, cos_sin_cache, kv_cache, slot_mapping, scale_ptr,
         num_heads, num_kv_heads, group, cos_sin_cache.shape[0],
@@ -167,8 +171,8 @@ def rotary_kv_write_triton(
         q_out.stride(0), q_out.stride(1), cos_sin_cache.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         HALF=head_dim // 2, BLOCK_HALF=block_half, BLOCK_SIZE=kv_cache.shape[2],
-        KV_HEADS=per_prog, BLOCK_KV=block_kv, BLOCK_Q=block_q, FP8=fp8,
-        num_warps=_num_warps((block_q + 2 * block_kv) * 2 * block_half),
+        KV_HEADS=per_prog, BLOCK_KV=block_kv, BLOCK_Q=block_q, FP8=fp8, PDL=on,
+        num_warps=_num_warps((block_q + 2 * block_kv) * 2 * block_half), **pdl_launch(on),
     )  # fmt: skip
     return q_out
 

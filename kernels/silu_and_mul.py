@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 BLOCK = 1024  # output columns per program
 
@@ -37,10 +38,9 @@ def _silu_and_mul_kernel(
     stride_o,
     # meta
     BLOCK_D: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
-    if LAUNCH_DEPENDENTS:  # a kernel launched as a programmatic dependent may start and wait for this one
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_entry(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < d
@@ -62,9 +62,10 @@ def silu_and_mul_triton(
     if num_tokens == 0:
         return out
     block = min(BLOCK, triton.next_power_of_2(d))
+    on = pdl(x)
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK_D=block, LAUNCH_DEPENDENTS=x.is_cuda,
-        num_warps=4 if block >= 512 else 1,
+        x, out, d, x.stride(0), out.stride(0), BLOCK_D=block, PDL=on,
+        num_warps=4 if block >= 512 else 1, **pdl_launch(on),
     )  # fmt: skip
     return out
 

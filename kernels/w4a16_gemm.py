@@ -634,8 +634,11 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
 
 
 def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel for one row on the Triton
-    path over the rows layout (the GEMM's epilogue), else the GEMM and then the activation."""
+    """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel (the GEMM's epilogue) for up
+    to 8 rows in the fragment layout on a GPU and for one row in the rows layout on the Triton path, else the GEMM
+    and then the activation."""
+    if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w):
+        return w4a16_mma.w4a16_mma(x, w, bias, swiglu=True)
     if _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
         cfg = replace(
             default_config(1, w.out_features, w.in_features, x.device),

@@ -12,14 +12,18 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   zeros are folded into the A registers by one bf16x2 / f16x2 FMA each, (magic + q) - (magic + z) = q - z
   exactly: s * sum (q - z) x. Otherwise (offsets, or 9-16 rows, where the fold's registers cost more) a second
   MMA against ones sums x: s * sum (magic + q) x - s (magic + z) sum x, or - (magic s - m) sum x for offsets.
-- A program owns 16 output columns; its W warps split K as the MMA layout's leading dimension, load U chunks a
-  step one step ahead, and meet in one reduction at the end (config()). About 2.9 SASS instructions a weight
-  per lane at one row, against ~5 for the CUDA-core kernel of the rows layout (kernels/w4a16_gemm.py).
+- A program owns 16 output columns; its W warps split K as the MMA layout's leading dimension, ask for all a
+  chunk reads (words, scales, zeros, x) one step ahead, U chunks a step, and meet in one reduction at the end
+  (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
+  the rows layout (kernels/w4a16_gemm.py).
+- SwiGLU (swiglu=True, up to 8 rows): for gate_up's (gate | up) columns a program owns gate block c and up
+  block c + N / 32, one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round.
 - GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
-- A programmatic dependent launch (PDL, USE_PDL): a program asks for its first step's weights, then waits
-  (griddepcontrol.wait) for the kernel before, whose output x is. The kernels that precede a decoder layer's GEMMs
-  (RMSNorm, SiLU-and-mul, the split-decode merge) call gdc_launch_dependents first, so the GEMM's programs are
-  resident and its weights in flight while those run: 1-5% more int4 batch-1 decode on the H200 (BENCHMARKS.md).
+- A programmatic dependent launch (PDL, kernels/pdl.py): a program lets the next kernel start (up to 8 rows;
+  at 16 the early dependents' registers slow it), asks for its first step's weights, scales and zeros, then
+  waits (griddepcontrol.wait) for the kernel before, whose output x is. The kernels before a decoder layer's
+  GEMMs let it start on their entry, so the GEMM's programs are resident and its weights in flight while those
+  run.
 There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
 interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
 """
@@ -38,13 +42,13 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from kernels import _backend
 from kernels._backend import num_sms
 from kernels.int4_dequant import Int4Weight
+from kernels.pdl import pdl as pdl_on
 
 MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
-# launched as a programmatic dependent: a program asks for its first weights, then waits for the kernel before
-# (whose x it reads); RMSNorm, SiLU-and-mul and the decode merge let it start at once (gdc_launch_dependents)
-USE_PDL = _backend.W4A16_PDL
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
+SWIGLU_MAX_ROWS = 8  # gate_up ending in SwiGLU: its two accumulators fit up to 8 rows
+SWIGLU_CONFIG = (4, 1, True)  # warps, one chunk of each block a step, zeros folded
 
 
 @gluon.jit
@@ -55,6 +59,14 @@ def _index(n: gl.constexpr, d: gl.constexpr, r: gl.constexpr, layout: gl.constex
         if e != d:
             a = gl.expand_dims(a, e)
     return a
+
+
+@gluon.jit
+def _launch_dependents():
+    """griddepcontrol.launch_dependents: the kernel after this one (a programmatic dependent launch) may start."""
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
 
 
 @gluon.jit
@@ -99,26 +111,53 @@ def _x(
 
 
 @gluon.jit
+def _side(
+    s_ptr, z_ptr, c, ch, cols, sw, n_chunks, N,
+    GROUP: gl.constexpr, FOLD: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, P0: gl.constexpr, P3: gl.constexpr,
+):  # fmt: skip
+    """Warp w's scales of chunk ch + w, (W, 16), and its zeros: (W, 1, 1, 8, 1) for columns g and g + 8 in the
+    words' layout when they are folded in (FOLD), else (W, 16) twice. As stored: one group a chunk at most."""
+    BK: gl.constexpr = Q * 64
+    grp = ((ch + sw) * BK) // GROUP
+    smask = ((ch + sw) < n_chunks) & (cols < N)
+    s = gl.load(s_ptr + grp * N + cols, mask=smask, other=0.0)
+    if FOLD:
+        zw = _index(W, 0, 5, P0)
+        zc = c * 16 + _index(8, 3, 5, P3)  # columns g; g + 8 is the other half of the block
+        zoff = (((ch + zw) * BK) // GROUP) * N + zc
+        zmask = (ch + zw) < n_chunks
+        z0 = gl.load(z_ptr + zoff, mask=zmask & (zc < N), other=0)
+        z1 = gl.load(z_ptr + zoff + 8, mask=zmask & (zc + 8 < N), other=0)
+    else:
+        z0 = gl.load(z_ptr + grp * N + cols, mask=smask, other=0)
+        z1 = z0
+    return s, z0, z1
+
+
+@gluon.jit
 def _load_chunk(
-    qw_ptr, x_ptr, c, ch, n_chunks, M, K, stride_xw,
+    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch, cols, sw, n_chunks, M, N, K, stride_xw,
+    GROUP: gl.constexpr, FOLD: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr,
 ):  # fmt: skip
-    """Warp w's words of chunk ch + w (int32, _words) and its x (_x), loaded into registers."""
+    """Warp w's words of chunk ch + w (int32, _words), their scales and zeros (_side) and its x (_x), loaded into
+    registers: everything a chunk reads from memory, asked for a step before it is used."""
     ptrs, mask = _words(qw_ptr, c, ch, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
     P = gl.load(ptrs, mask=mask, other=0)
+    s, z0, z1 = _side(s_ptr, z_ptr, c, ch, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
     B = _x(x_ptr, ch, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
-    return P, B
+    return P, B, s, z0, z1
 
 
 @gluon.jit
 def _chunk(
-    P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
-    GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
-    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr, MMA: gl.constexpr, P0: gl.constexpr, P3: gl.constexpr,
+    P, B, s, z0, z1, ones,
+    ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr, BN: gl.constexpr, MMA: gl.constexpr,
 ):  # fmt: skip
-    """One chunk's contribution to the (W, 16, BN) partial sums."""
+    """One chunk's contribution to the (W, 16, BN) partial sums, from its loaded words, x, scales and zeros."""
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     BK: gl.constexpr = Q * 64
@@ -127,18 +166,14 @@ def _chunk(
     J = gl.join(gl.join(P, P >> 8), gl.join(P >> 4, P >> 12))
     J = gl.join(J, J)  # (..., h): the word once per 16-bit half
     if FOLD:  # integer zeros: (magic + q) - (magic + z) = q - z, exact, one FMA per register
-        zw = _index(W, 0, 5, P0)
-        zc = c * 16 + _index(8, 3, 5, P3)  # columns g; g + 8 is the other half of the block
-        zoff = (((ch + zw) * BK) // GROUP) * N + zc
-        zmask = (ch + zw) < n_chunks
-        z0 = gl.load(z_ptr + zoff, mask=zmask & (zc < N), other=0).to(gl.int32)
-        z1 = gl.load(z_ptr + zoff + 8, mask=zmask & (zc + 8 < N), other=0).to(gl.int32)
         NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
-        z0 = (z0 + NEG) | ((z0 + NEG) << 16)
-        z1 = (z1 + NEG) | ((z1 + NEG) << 16)
-        z0, _ = gl.broadcast(z0, P)
-        z1, _ = gl.broadcast(z1, P)
-        Z = gl.join(gl.join(z0, z0), gl.join(z1, z1))
+        za = z0.to(gl.int32) + NEG
+        zb = z1.to(gl.int32) + NEG
+        za = za | (za << 16)
+        zb = zb | (zb << 16)
+        za, _ = gl.broadcast(za, P)
+        zb, _ = gl.broadcast(zb, P)
+        Z = gl.join(gl.join(za, za), gl.join(zb, zb))
         Z = gl.join(Z, Z)
         if FP16:
             A = gl.inline_asm_elementwise(
@@ -185,19 +220,17 @@ def _chunk(
     Bx = gl.convert_layout(Bx, B_L, assert_trivial=True)
     zero = gl.zeros([W, 16, BN], gl.float32, MMA)
     acc = mma_v2(A, Bx, zero)
-    grp = ((ch + sw) * BK) // GROUP
-    smask = ((ch + sw) < n_chunks) & (cols < N)
-    s = gl.load(s_ptr + grp * N + cols, mask=smask, other=0.0).to(gl.float32)
+    sf = s.to(gl.float32)
     if FOLD:
-        out = acc * gl.expand_dims(s, 2)
+        out = acc * gl.expand_dims(sf, 2)
     else:  # a second MMA against ones sums x, for the magic and the zero
         xs = mma_v2(ones, Bx, zero)
-        z = gl.load(z_ptr + grp * N + cols, mask=smask, other=0).to(gl.float32)
+        z = z0.to(gl.float32)
         if ZERO_IS_OFFSET:
-            corr = MAGIC * s - z
+            corr = MAGIC * sf - z
         else:
-            corr = (MAGIC + z) * s
-        out = acc * gl.expand_dims(s, 2) - gl.expand_dims(corr, 2) * xs
+            corr = (MAGIC + z) * sf
+        out = acc * gl.expand_dims(sf, 2) - gl.expand_dims(corr, 2) * xs
     return out
 
 
@@ -206,7 +239,7 @@ def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xw, stride_om,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
-    PDL: gl.constexpr, MMA: gl.constexpr,
+    SWIGLU: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr,
@@ -214,30 +247,67 @@ def _w4a16_mma_kernel(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
     BK: gl.constexpr = Q * 64
+    if PDL and EARLY:  # the next kernel may start now (else when this one's programs end)
+        _launch_dependents()
     c = gl.program_id(0)
     n_chunks = K // BK
     ones = gl.full([W, 16, BK], 1.0, DT, A_L)
     total = gl.zeros([W, 16, BN], gl.float32, MMA)
     sw = _index(W, 0, 2, S0)
     cols = c * 16 + _index(16, 1, 2, S1)
-    if U == 1:  # one chunk a step, the next loaded into registers before this one is used
-        ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-        Pa = gl.load(ptrs, mask=mask, other=0)
-        if PDL:  # the weights are asked for; x is the kernel before's output
+    # the first step's weights, scales and zeros are asked for before the wait: x is the kernel before's output
+    ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+    Pa = gl.load(ptrs, mask=mask, other=0)
+    sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
+    if SWIGLU:  # N columns of (gate | up): gate block c and up block c + N / 32 a step, one x for both
+        cu = c + N // 32
+        ptrs, mask = _words(qw_ptr, cu, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        Ua = gl.load(ptrs, mask=mask, other=0)
+        ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
+        if PDL:
+            _wait_for_primary()
+        Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
+        total_up = gl.zeros([W, 16, BN], gl.float32, MMA)
+        for ch in range(0, n_chunks, W):
+            P = Pa
+            B = Ba
+            s = sa
+            z0 = za0
+            z1 = za1
+            Pu = Ua
+            su = ta
+            y0 = ya0
+            y1 = ya1
+            Pa, Ba, sa, za0, za1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+            Ua = gl.load(ptrs, mask=mask, other=0)
+            ta, ya0, ya1 = _side(
+                s_ptr, z_ptr, cu, ch + W, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
+            )  # fmt: skip
+            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            total_up += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+    elif U == 1:  # one chunk a step, the next loaded into registers before this one is used
+        if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         for ch in range(0, n_chunks, W):
             P = Pa
             B = Ba
-            Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, ch + W, n_chunks, M, K, stride_xw,
-                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
-            total += _chunk(P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
-                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
+            s = sa
+            z0 = za0
+            z1 = za1
+            Pa, Ba, sa, za0, za1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     else:  # two chunks a step, the next two loaded before these are used
-        ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-        Pa = gl.load(ptrs, mask=mask, other=0)
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
+        sb, zb0, zb1 = _side(s_ptr, z_ptr, c, W, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
@@ -245,22 +315,40 @@ def _w4a16_mma_kernel(
         for ch in range(0, n_chunks, 2 * W):
             P = Pa
             B = Ba
+            s = sa
+            z0 = za0
+            z1 = za1
             P2_ = Pb
             B2_ = Bb
-            Pa, Ba = _load_chunk(qw_ptr, x_ptr, c, ch + 2 * W, n_chunks, M, K, stride_xw,
-                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
-            Pb, Bb = _load_chunk(qw_ptr, x_ptr, c, ch + 3 * W, n_chunks, M, K, stride_xw,
-                                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN)  # fmt: skip
-            total += _chunk(P, B, c, ch, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
-                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
-            total += _chunk(P2_, B2_, c, ch + W, s_ptr, z_ptr, cols, sw, n_chunks, N, ones,
-                            GROUP, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA, P0, P3)  # fmt: skip
+            s2 = sb
+            z20 = zb0
+            z21 = zb1
+            Pa, Ba, sa, za0, za1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 2 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            Pb, Bb, sb, zb0, zb1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 3 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            total += _chunk(P2_, B2_, s2, z20, z21, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     out = gl.sum(total, axis=0)  # (16, BN): the warps' K ranges summed
     ocol = c * 16 + _index(16, 0, 2, O0)
     on = _index(BN, 1, 2, O1)
+    N_OUT = N // 2 if SWIGLU else N
     if HAS_BIAS:
-        out += gl.load(bias_ptr + ocol, mask=ocol < N, other=0.0).to(gl.float32)
-    gl.store(out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N))
+        out += gl.load(bias_ptr + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
+    if SWIGLU:  # gate and up rounded as the GEMM writes them, silu(gate) as SiLU-and-mul rounds it
+        up = gl.sum(total_up, axis=0)
+        if HAS_BIAS:
+            up += gl.load(bias_ptr + N_OUT + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
+        g = out.to(DT).to(gl.float32)
+        act = (g / (1.0 + gl.exp(-g))).to(DT).to(gl.float32)
+        out = act * up.to(DT).to(gl.float32)
+    gl.store(
+        out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N_OUT)
+    )  # fmt: skip
 
 
 def _slices(parent: Any, rank: int) -> list[Any]:
@@ -307,14 +395,20 @@ def applies(x: torch.Tensor, w: Int4Weight) -> bool:
     )  # fmt: skip
 
 
+def swiglu_applies(x: torch.Tensor, w: Int4Weight) -> bool:
+    """Whether gate_up's GEMM can end in SwiGLU here: at most SWIGLU_MAX_ROWS rows, and gate and up each in whole
+    column blocks (a program takes gate block c and up block c + N / 32 together)."""
+    return applies(x, w) and x.shape[0] <= SWIGLU_MAX_ROWS and w.out_features % (2 * BLOCK_COLS) == 0
+
+
 def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool]:
     """(warps, chunks a step, zeros folded) for an (m, k) x (k, n) GEMM, from a sweep of a Llama-3-8B layer on the
-    H200 (BENCHMARKS.md). Folding the zeros halves the MMAs at up to 8 rows; at 9-16 rows its registers cost more
-    than the second MMA. Programs of 8 warps taking two chunks a step need ~114 registers a thread, two programs an
-    SM: past two programs per SM, one chunk a step keeps the grid in one wave."""
+    H200 (BENCHMARKS.md). Folding the zeros halves the MMAs; at 9-16 rows on gate_up's and down's grids its
+    registers cost more than the second MMA. Programs of 8 warps taking two chunks a step need ~114 registers a
+    thread, two programs an SM: past two programs per SM, one chunk a step keeps the grid in one wave."""
     blocks = -(-n // BLOCK_COLS)
     if m > 8:
-        return (4, 1, False) if blocks >= MANY_BLOCKS else (8, 1, False) if k >= 8192 else (4, 2, False)
+        return (4, 1, False) if blocks >= MANY_BLOCKS else (8, 1, False) if k >= 8192 else (4, 1, True)
     if blocks >= MANY_BLOCKS:
         return 4, 2, True
     return (8, 1, True) if blocks > 2 * num_sms(device) else (8, 2, True)
@@ -328,30 +422,36 @@ def w4a16_mma(
     unroll: int | None = None,
     fold: bool
     | None = None,  # integer zeros folded into the A registers; False: a second MMA's x sums take them
-    pdl: bool | None = None,  # a programmatic dependent launch (USE_PDL by default)
+    pdl: bool | None = None,  # a programmatic dependent launch (kernels/pdl.py; by default on a GPU)
+    swiglu: bool = False,  # w is (gate | up): silu(gate) * up, (M, N / 2); swiglu_applies(x, w)
 ) -> torch.Tensor:
-    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype."""
+    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu."""
     m, k = x.shape
     n = w.out_features
     if not applies(x, w):
         raise ValueError(f"w4a16_mma takes fragment-laid weights and 1..{MAX_ROWS} rows of 16-bit x on a GPU")
+    if swiglu and not swiglu_applies(x, w):
+        raise ValueError(
+            f"swiglu takes 1..{SWIGLU_MAX_ROWS} rows and (gate | up) halves of whole column blocks"
+        )
     if w.perm is not None:
         x = x.index_select(1, w.perm)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(n, BLOCK_COLS)
-    default = config(m, n, k, x.device)
+    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    blocks = n // (2 * BLOCK_COLS) if swiglu else triton.cdiv(n, BLOCK_COLS)
+    default = SWIGLU_CONFIG if swiglu else config(m, n, k, x.device)
     warps = default[0] if warps is None else warps
-    unroll = default[1] if unroll is None else unroll
+    unroll = 1 if swiglu else default[1] if unroll is None else unroll  # swiglu: two column blocks a step
     fold = default[2] if fold is None else fold
-    pdl = USE_PDL if pdl is None else pdl
+    pdl = pdl_on(x) if pdl is None else pdl
     bn = 8 if m <= 8 else 16
     _w4a16_mma_kernel[(blocks,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, m, n, k, x.stride(0) // 2,
         out.stride(0), GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
-        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, PDL=pdl, launch_pdl=pdl,
+        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PDL=pdl,
+        EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
         **_layouts(warps, w.chunk // 64, bn),
     )  # fmt: skip

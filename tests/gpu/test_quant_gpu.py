@@ -82,21 +82,32 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
                 assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
 
 
-@pytest.mark.parametrize("k,n,group", [(4096, 28672, 128), (576, 3072, 32), (1024, 200, 64)])
+SWIGLU_SHAPES = [(4096, 28672, 128), (576, 3072, 32), (1024, 224, 64), (1024, 200, 64)]  # (K, N, group)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(k, n, group, dtype):
-    """gate_up's one-row GEMM ending in SwiGLU (Llama-3-8B's, SmolLM2's, an odd one): the two unfused kernels'
-    output, and the dequantized reference."""
+@pytest.mark.parametrize(
+    "layout,m,k,n,group",
+    [("rows", 1, *s) for s in SWIGLU_SHAPES]
+    + [
+        ("fragments", m, *s) for m in (1, 8) for s in SWIGLU_SHAPES if s[2] % 64 == 0
+    ],  # groups of 64 rows or more
+)
+def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(layout, m, k, n, group, dtype):
+    """gate_up's GEMM ending in SwiGLU (Llama-3-8B's, SmolLM2's, odd ones; in the fragment layout 200 columns fall
+    back to the two kernels): the two unfused kernels' output, and the dequantized reference."""
     for seed in (1, 2):
         w = random_int4(k, n, group, offsets=seed == 2, seed=seed)
-        x = torch.randn(1, k, device="cuda").to(dtype)
+        if layout == "fragments":
+            w = to_fragments(w)
+        x = torch.randn(m, k, device="cuda").to(dtype)
         bias = torch.randn(n, device="cuda").to(dtype) if seed == 2 else None
         out = w4a16_swiglu(x, w, bias)
         # the unfused kernels agree to a rounding of gate or up in x's dtype (silu's slope can scale it up to ~4x):
         # two compiled variants of one kernel may contract multiply-adds apart, so not bit for bit
         eps = torch.finfo(dtype).eps
         unfused = silu_and_mul(w4a16_gemm(x, w, bias))
-        assert out.shape == (1, n // 2)
+        assert out.shape == (m, n // 2)
         torch.testing.assert_close(
             out, unfused, rtol=8 * eps, atol=8 * eps * 1e-2 * unfused.abs().max().item()
         )
