@@ -17,8 +17,10 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   weights), each in a child process, max_num_seqs 16: batch-1 decode tok/s as bench/latency.py measures it
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
   from the KV-sizing log line; GPTQ with the LM head quantized too (lm_head=true, the config of a
-  dummy-weight directory), whose weights are the memory record; and AWQ with its int4 GEMM launched plainly,
-  not as a programmatic dependent (PDSERVE_W4A16_PDL=0), for what PDL gains.
+  dummy-weight directory), whose weights are the memory record; and AWQ and bf16 again with every kernel
+  launched plainly, none as a programmatic dependent (PDSERVE_PDL=0, kernels/pdl.py), for what PDL gains.
+  The GEMMs are timed as the engine launches them (PDL: each lets the next start, which asks for its first
+  weights, then waits) and, beside that, launched plainly.
 - --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core
   kernel's (M = 1, 4) and the 16-row dots' (best per M printed).
 - --sweep-m1: the one-row kernel's configs GEMM by GEMM (columns a program, K tile, split-K, warps; gate_up
@@ -29,8 +31,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   quant_w4a16_m1_limits_llama3-8b.
 - --sweep-mma: the fragment layout's kernel (kernels/w4a16_mma.py) GEMM by GEMM at 1-16 rows over warps, chunks a
   step and the zero fold, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
-- --kernels: the GPU time of one batch-1 decode step of the int4 (AWQ) and the bf16 engine, kernel by kernel
-  (torch.profiler over a 65-token generation less a 1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
+- --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
+  kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
+  1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
 """
@@ -90,7 +93,8 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
 
     from bench.kernels import time_us
     from bench.record import record
-    from kernels.w4a16_gemm import w4a16_gemm
+    from kernels import _backend
+    from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]  # as loaded layers hold them
     by_rows = [int4_layer("cuda", s) for s in range(SETS)]  # the rows layout's CUDA-core and swapped kernels
@@ -101,11 +105,15 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
     for m in SMALL_M:
         xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
         int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
+        _backend.PDL = False
+        plain_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
+        _backend.PDL = True
         rows_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows for n in LAYER]) * len(LAYER)
         bf16_us = time_us([partial(F.linear, xs[n], d[n]) for d in dense for n in LAYER]) * len(LAYER)
         gbs = packed / int4_us / 1e3
         per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets]) for n in LAYER}
         rows_per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows]) for n in LAYER}
+        swiglu_us = time_us([partial(w4a16_swiglu, xs["gate_up"], w["gate_up"]) for w in sets])
         record(
             f"quant_w4a16_gemm_m{m}_llama3-8b", gbs, "GB/s", ceiling=copy_gbs, ceiling_name="d2d copy (GB/s)",
             goal=f">= {GOALS['gemm_bw']} of copy bandwidth in int4 bytes", out_dir=out_dir, command=COMMAND,
@@ -113,7 +121,9 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
                    "gbs_with_scales_zeros": total / int4_us / 1e3, "bf16_layer_us": bf16_us,
                    "speedup_over_bf16": bf16_us / int4_us, "per_gemm_us": per_shape,
                    "rows_layout_layer_us": rows_us, "rows_layout_per_gemm_us": rows_per_shape,
-                   "speedup_over_rows_layout": rows_us / int4_us},
+                   "speedup_over_rows_layout": rows_us / int4_us, "layer_us_launched_plainly": plain_us,
+                   "gbs_launched_plainly": packed / plain_us / 1e3,
+                   "gate_up_with_swiglu_us": swiglu_us},
         )  # fmt: skip
         rows.append((f"M={m}", int4_us, gbs, gbs / copy_gbs, bf16_us / int4_us))
     del sets, by_rows, dense
@@ -437,11 +447,11 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
 
 
 def child(quantization: str, timeout: float, kernels: bool = False, pdl: bool = True) -> dict[str, Any]:
-    """pdl=False: the int4 GEMM launched plainly (PDSERVE_W4A16_PDL=0, kernels/_backend.py)."""
+    """pdl=False: every kernel launched plainly (PDSERVE_PDL=0, kernels/pdl.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
-        env = {**os.environ, **({} if pdl else {"PDSERVE_W4A16_PDL": "0"})}
+        env = {**os.environ, **({} if pdl else {"PDSERVE_PDL": "0"})}
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
             return {"error": f"engine ({quantization}): exit {proc.returncode}"}
@@ -452,19 +462,25 @@ def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
-    plain = child("awq", 400, pdl=False)
-    print(
-        json.dumps({"bf16": bf16, "int4": int4, "int4_lm_head": head, "int4_no_pdl": plain}, indent=1),
-        flush=True,
-    )
-    if "error" in bf16 or "error" in int4 or "error" in head or "error" in plain:
+    plain, bf16_plain = child("awq", 400, pdl=False), child("none", 400, pdl=False)
+    found = {
+        "bf16": bf16,
+        "int4": int4,
+        "int4_lm_head": head,
+        "int4_no_pdl": plain,
+        "bf16_no_pdl": bf16_plain,
+    }
+    print(json.dumps(found, indent=1), flush=True)
+    if any("error" in part for part in found.values()):
         return [("engine", None, None, None, None)]
     record(
         "quant_int4_decode_b1_llama3-8b", int4["tok_s"], "tok/s", baseline=bf16["tok_s"],
         baseline_name="bf16 engine, same run (tok/s)", goal=f">= {GOALS['decode']}x the bf16 engine",
         out_dir=out_dir, command=COMMAND,
-        extra={"int4": int4, "bf16": bf16, "int4_gemm_without_pdl": plain,
-               "pdl_speedup": int4["tok_s"] / plain["tok_s"]},
+        extra={"int4": int4, "bf16": bf16, "int4_without_pdl": plain, "bf16_without_pdl": bf16_plain,
+               "pdl_speedup_int4": int4["tok_s"] / plain["tok_s"],
+               "pdl_speedup_bf16": bf16["tok_s"] / bf16_plain["tok_s"],
+               "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -478,33 +494,38 @@ def engines(out_dir: Path | None) -> list[tuple]:
     )  # fmt: skip
     return [("engine b1 decode (tok/s)", int4["tok_s"], bf16["tok_s"], None, int4["tok_s"] / bf16["tok_s"]),
             ("  LM head int4 too", head["tok_s"], bf16["tok_s"], None, head["tok_s"] / bf16["tok_s"]),
-            ("  GEMM launched plainly", plain["tok_s"], bf16["tok_s"], None, plain["tok_s"] / bf16["tok_s"]),
+            ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
 
 def decode_kernels(out_dir: Path | None) -> None:
-    """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record."""
+    """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record: the step as served (PDL
+    on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would count its
+    wait for the one before)."""
     from bench.record import record
 
-    int4, bf16 = child("awq", 400, kernels=True), child("none", 400, kernels=True)
-    if "error" in int4 or "error" in bf16:
-        print(int4.get("error"), bf16.get("error"), flush=True)
+    found = {(q, pdl): child(q, 400, kernels=True, pdl=pdl) for q in ("awq", "none") for pdl in (True, False)}
+    if any("error" in part for part in found.values()):
+        print([part.get("error") for part in found.values()], flush=True)
         return
-    engines = (("int4", int4), ("bf16", bf16))
-    total = {name: sum(us for _, us, _ in eng["kernels_per_step"]) for name, eng in engines}
-    for name, eng in engines:
-        print(f"{name}: {eng['tok_s']:.1f} tok/s, kernels {total[name]:.1f} us a step", flush=True)
-        for kernel, us, n in eng["kernels_per_step"][:10]:
+    step = {q: 1e6 / found[q, True]["tok_s"] for q in ("awq", "none")}
+    total = {q: sum(us for _, us, _ in found[q, False]["kernels_per_step"]) for q in ("awq", "none")}
+    for q in ("awq", "none"):
+        print(f"{q}: {found[q, True]['tok_s']:.1f} tok/s ({step[q]:.1f} us a step); launched plainly "
+              f"{found[q, False]['tok_s']:.1f} tok/s, kernels {total[q]:.1f} us a step", flush=True)  # fmt: skip
+        for kernel, us, n in found[q, False]["kernels_per_step"][:10]:
             print(f"  {us:8.1f} us {n:6.1f}x  {kernel[:100]}", flush=True)
     record(
-        "quant_int4_decode_b1_kernels_llama3-8b", total["int4"], "us", baseline=total["bf16"],
-        baseline_name="bf16 engine's kernel time a decode step, same run (us)", ratio=total["bf16"] / total["int4"],
+        "quant_int4_decode_b1_kernels_llama3-8b", step["awq"], "us", baseline=step["none"],
+        baseline_name="bf16 engine's decode step, same run (us)", ratio=step["none"] / step["awq"],
         out_dir=out_dir, command=COMMAND + " --kernels",
-        extra={"what": "CUDA time of one batch-1 decode step (128-token prompt, graphs on), kernel by kernel: "
-                       "[name, us a step, launches a step]",
-               "int4_tok_s": int4["tok_s"], "bf16_tok_s": bf16["tok_s"],
-               "int4": int4["kernels_per_step"][:12], "bf16": bf16["kernels_per_step"][:12]},
+        extra={"what": "one batch-1 decode step (128-token prompt, graphs on): us a step as served, and CUDA time "
+                       "kernel by kernel with every kernel launched plainly: [name, us a step, launches a step]",
+               "int4_tok_s": found["awq", True]["tok_s"], "bf16_tok_s": found["none", True]["tok_s"],
+               "int4_kernels_us_launched_plainly": total["awq"], "bf16_kernels_us_launched_plainly": total["none"],
+               "int4": found["awq", False]["kernels_per_step"][:12],
+               "bf16": found["none", False]["kernels_per_step"][:12]},
     )  # fmt: skip
 
 
