@@ -260,36 +260,13 @@ def _w4a16_mma_kernel(
     Pa = gl.load(ptrs, mask=mask, other=0)
     sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
     if SWIGLU:  # N columns of (gate | up): gate block c and up block c + N / 32 a step, one x for both
+        gl.static_assert(U == 1, "SwiGLU takes one chunk of each block a step")
         cu = c + N // 32
         ptrs, mask = _words(qw_ptr, cu, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Ua = gl.load(ptrs, mask=mask, other=0)
         ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
-        if PDL:
-            _wait_for_primary()
-        Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         total_up = gl.zeros([W, 16, BN], gl.float32, MMA)
-        for ch in range(0, n_chunks, W):
-            P = Pa
-            B = Ba
-            s = sa
-            z0 = za0
-            z1 = za1
-            Pu = Ua
-            su = ta
-            y0 = ya0
-            y1 = ya1
-            Pa, Ba, sa, za0, za1 = _load_chunk(
-                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
-                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-            )  # fmt: skip
-            ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-            Ua = gl.load(ptrs, mask=mask, other=0)
-            ta, ya0, ya1 = _side(
-                s_ptr, z_ptr, cu, ch + W, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
-            )  # fmt: skip
-            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-            total_up += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-    elif U == 1:  # one chunk a step, the next loaded into registers before this one is used
+    if U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
@@ -299,11 +276,24 @@ def _w4a16_mma_kernel(
             s = sa
             z0 = za0
             z1 = za1
+            if SWIGLU:
+                Pu = Ua
+                su = ta
+                y0 = ya0
+                y1 = ya1
             Pa, Ba, sa, za0, za1 = _load_chunk(
                 qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
             )  # fmt: skip
+            if SWIGLU:
+                ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+                Ua = gl.load(ptrs, mask=mask, other=0)
+                ta, ya0, ya1 = _side(
+                    s_ptr, z_ptr, cu, ch + W, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
+                )  # fmt: skip
             total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            if SWIGLU:
+                total_up += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     else:  # two chunks a step, the next two loaded before these are used
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
