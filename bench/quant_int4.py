@@ -255,16 +255,17 @@ def sweep_m1(out_dir: Path | None) -> None:
 
 
 def sweep_mma(out_dir: Path | None) -> None:
-    """The fragment layout's kernel, GEMM by GEMM at 1, 4, 8 and 16 rows: warps, chunks a step and the zero fold
-    (F folded, X a second MMA's x sums), [us] each, against what config() picks: quant_w4a16_mma_sweep_llama3-8b."""
+    """The fragment layout's kernel, GEMM by GEMM at 1, 4, 8 and 16 rows: warps, chunks a step, the zero fold (F
+    folded, X a second MMA's x sums) and two column blocks a program (P), [us] each, against what config() picks:
+    quant_w4a16_mma_sweep_llama3-8b."""
     import torch
 
     from bench.kernels import time_us
     from bench.record import record
     from kernels.w4a16_mma import config, w4a16_mma
 
-    def key(fold: bool, w: int, u: int) -> str:
-        return f"{'F' if fold else 'X'}W{w}U{u}"
+    def key(fold: bool, w: int, u: int, pair: bool = False) -> str:
+        return f"{'F' if fold else 'X'}W{w}U{u}" + ("P" if pair else "")
 
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     found: dict[str, dict[str, float]] = {}
@@ -273,12 +274,15 @@ def sweep_mma(out_dir: Path | None) -> None:
         for name, (k, n) in LAYER.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {
-                key(fold, w, u): round(
-                    time_us([partial(w4a16_mma, x, ws[name], None, w, u, fold) for ws in sets]), 2
+                key(fold, w, u, pair): round(
+                    time_us(
+                        [partial(w4a16_mma, x, ws[name], None, w, u, fold, None, pair=pair) for ws in sets]
+                    ),
+                    2,
                 )
                 for fold in (True, False)
                 for w in (4, 8)
-                for u in (1, 2)
+                for u, pair in ((1, False), (2, False), (1, True))
             }
             w, u, fold = config(m, n, k, x.device)
             row["config"] = row[key(fold, w, u)]
@@ -292,7 +296,7 @@ def sweep_mma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-mma",
         extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
                        "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
-                       "warps; U chunks a step, loaded a step ahead; config: what kernels/w4a16_mma.config picks", "configs": found},
+                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; config: what kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   the rows layout (kernels/w4a16_gemm.py).
 - SwiGLU (swiglu=True, up to 8 rows): for gate_up's (gate | up) columns a program owns gate block c and up
   block c + N / 32, one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round.
+  The same two-block step serves pair=True: blocks 2c and 2c + 1 against one x (not picked by config()).
 - GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
 - A programmatic dependent launch (PDL, kernels/pdl.py): a program lets the next kernel start (up to 8 rows;
   at 16 the early dependents' registers slow it), asks for its first step's weights, scales and zeros, then
@@ -239,7 +240,7 @@ def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xw, stride_om,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
-    SWIGLU: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
+    SWIGLU: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr,
@@ -250,6 +251,8 @@ def _w4a16_mma_kernel(
     if PDL and EARLY:  # the next kernel may start now (else when this one's programs end)
         _launch_dependents()
     c = gl.program_id(0)
+    if PAIR:  # column blocks 2c and 2c + 1
+        c = c * 2
     n_chunks = K // BK
     ones = gl.full([W, 16, BK], 1.0, DT, A_L)
     total = gl.zeros([W, 16, BN], gl.float32, MMA)
@@ -259,13 +262,19 @@ def _w4a16_mma_kernel(
     ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
     Pa = gl.load(ptrs, mask=mask, other=0)
     sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
-    if SWIGLU:  # N columns of (gate | up): gate block c and up block c + N / 32 a step, one x for both
-        gl.static_assert(U == 1, "SwiGLU takes one chunk of each block a step")
-        cu = c + N // 32
+    TWO: gl.constexpr = SWIGLU or PAIR  # a second column block cu a step, against the same x
+    if TWO:
+        gl.static_assert(U == 1, "two column blocks take one chunk of each a step")
+        if SWIGLU:  # N columns of (gate | up): gate block c, up block c + N / 32
+            cu = c + N // 32
+            cols_u = cols + N // 2
+        else:
+            cu = c + 1
+            cols_u = cols + 16
         ptrs, mask = _words(qw_ptr, cu, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Ua = gl.load(ptrs, mask=mask, other=0)
-        ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
-        total_up = gl.zeros([W, 16, BN], gl.float32, MMA)
+        ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
+        total_u = gl.zeros([W, 16, BN], gl.float32, MMA)  # block cu's partial sums
     if U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
         if PDL:
             _wait_for_primary()
@@ -276,7 +285,7 @@ def _w4a16_mma_kernel(
             s = sa
             z0 = za0
             z1 = za1
-            if SWIGLU:
+            if TWO:
                 Pu = Ua
                 su = ta
                 y0 = ya0
@@ -285,15 +294,15 @@ def _w4a16_mma_kernel(
                 qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
             )  # fmt: skip
-            if SWIGLU:
+            if TWO:
                 ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
                 Ua = gl.load(ptrs, mask=mask, other=0)
                 ta, ya0, ya1 = _side(
-                    s_ptr, z_ptr, cu, ch + W, cols + N // 2, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
+                    s_ptr, z_ptr, cu, ch + W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
                 )  # fmt: skip
             total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-            if SWIGLU:
-                total_up += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            if TWO:
+                total_u += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     else:  # two chunks a step, the next two loaded before these are used
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
@@ -330,7 +339,7 @@ def _w4a16_mma_kernel(
     if HAS_BIAS:
         out += gl.load(bias_ptr + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
     if SWIGLU:  # gate and up rounded as the GEMM writes them, silu(gate) as SiLU-and-mul rounds it
-        up = gl.sum(total_up, axis=0)
+        up = gl.sum(total_u, axis=0)
         if HAS_BIAS:
             up += gl.load(bias_ptr + N_OUT + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
         g = out.to(DT).to(gl.float32)
@@ -339,6 +348,14 @@ def _w4a16_mma_kernel(
     gl.store(
         out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N_OUT)
     )  # fmt: skip
+    if PAIR:  # block c + 1's columns
+        out_u = gl.sum(total_u, axis=0)
+        ocol_u = ocol + 16
+        if HAS_BIAS:
+            out_u += gl.load(bias_ptr + ocol_u, mask=ocol_u < N, other=0.0).to(gl.float32)
+        gl.store(
+            out_ptr + on * stride_om + ocol_u, out_u.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol_u < N)
+        )  # fmt: skip
 
 
 def _slices(parent: Any, rank: int) -> list[Any]:
@@ -414,6 +431,7 @@ def w4a16_mma(
     | None = None,  # integer zeros folded into the A registers; False: a second MMA's x sums take them
     pdl: bool | None = None,  # a programmatic dependent launch (kernels/pdl.py; by default on a GPU)
     swiglu: bool = False,  # w is (gate | up): silu(gate) * up, (M, N / 2); swiglu_applies(x, w)
+    pair: bool = False,  # a program takes two adjacent column blocks, one chunk of each a step (an even count)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu."""
     m, k = x.shape
@@ -424,15 +442,17 @@ def w4a16_mma(
         raise ValueError(
             f"swiglu takes 1..{SWIGLU_MAX_ROWS} rows and (gate | up) halves of whole column blocks"
         )
+    if pair and (swiglu or triton.cdiv(n, BLOCK_COLS) % 2):
+        raise ValueError(f"pair takes an even count of column blocks and no swiglu, not {n} columns")
     if w.perm is not None:
         x = x.index_select(1, w.perm)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    blocks = n // (2 * BLOCK_COLS) if swiglu else triton.cdiv(n, BLOCK_COLS)
+    blocks = n // (2 * BLOCK_COLS) if swiglu else triton.cdiv(n, BLOCK_COLS) // (2 if pair else 1)
     default = SWIGLU_CONFIG if swiglu else config(m, n, k, x.device)
     warps = default[0] if warps is None else warps
-    unroll = 1 if swiglu else default[1] if unroll is None else unroll  # swiglu: two column blocks a step
+    unroll = 1 if swiglu or pair else default[1] if unroll is None else unroll  # two column blocks a step
     fold = default[2] if fold is None else fold
     pdl = pdl_on(x) if pdl is None else pdl
     bn = 8 if m <= 8 else 16
@@ -440,7 +460,7 @@ def w4a16_mma(
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, m, n, k, x.stride(0) // 2,
         out.stride(0), GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
-        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PDL=pdl,
+        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PAIR=pair, PDL=pdl,
         EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
         **_layouts(warps, w.chunk // 64, bn),

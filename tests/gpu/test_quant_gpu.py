@@ -82,6 +82,22 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
                 assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
 
 
+@pytest.mark.parametrize("warps", [4, 8])
+def test_paired_column_blocks_match_reference(warps):
+    """A program taking two adjacent column blocks (pair) is exact at 1-16 rows, folded or not, with offsets,
+    and refuses an odd count of blocks."""
+    for i, (k, n, group) in enumerate([(4096, 1024, 128), (1088, 224, 64), (14336, 4096, 128)]):
+        w = to_fragments(random_int4(k, n, group, offsets=i == 1, seed=i))
+        for m in (1, 5, 16):
+            for fold in (True, False):
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                out = w4a16_mma(x, w, None, warps, 1, fold, True, pair=True)
+                assert rel_err(out, w4a16_gemm_reference(x.float(), w)) < ERR[torch.bfloat16], (m, k, n, fold)
+    odd = to_fragments(random_int4(1024, 208, 64, offsets=False, seed=3))
+    with pytest.raises(ValueError, match="even count"):
+        w4a16_mma(torch.randn(1, 1024, device="cuda").to(torch.bfloat16), odd, pair=True)
+
+
 SWIGLU_SHAPES = [(4096, 28672, 128), (576, 3072, 32), (1024, 224, 64), (1024, 200, 64)]  # (K, N, group)
 
 
