@@ -30,7 +30,7 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   in the GEMM's own tiles and pipeline, and the GEMM on one weight set over and over (served from L2):
   quant_w4a16_m1_limits_llama3-8b.
 - --sweep-mma: the fragment layout's kernel (kernels/w4a16_mma.py) GEMM by GEMM at 1-16 rows over warps, chunks a
-  step and the zero fold, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
+  step, the zero fold and paired column blocks, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -105,9 +105,9 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
     for m in SMALL_M:
         xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
         int4_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
-        _backend.PDL = False
+        served, _backend.PDL = _backend.PDL, False  # the same GEMMs launched plainly
         plain_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets for n in LAYER]) * len(LAYER)
-        _backend.PDL = True
+        _backend.PDL = served
         rows_us = time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows for n in LAYER]) * len(LAYER)
         bf16_us = time_us([partial(F.linear, xs[n], d[n]) for d in dense for n in LAYER]) * len(LAYER)
         gbs = packed / int4_us / 1e3
