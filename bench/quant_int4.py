@@ -87,6 +87,27 @@ def layer_bytes(w: dict[str, Any]) -> tuple[int, int]:
     return packed, packed + sum(t.scales.numel() * 2 + t.zeros.numel() for t in w.values())
 
 
+def fused_gemms_us(m: int, sets: list[dict[str, Any]]) -> dict[str, float]:
+    """us per GEMM at m rows in the form a decode step runs it (engine/model.py: forward_fused): qkv and gate_up
+    (ending in SwiGLU) taking their norm, o and down adding into the stream."""
+    import torch
+
+    from bench.kernels import time_us
+    from kernels.w4a16_mma import NextNorm, NormedInput, w4a16_mma
+
+    hidden = LAYER["qkv"][0]
+    stream = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    norm = NormedInput(torch.rand(m, hidden // 16, device="cuda") + 1.0, 1e-5)
+    nxt = NextNorm(torch.ones(hidden, device="cuda", dtype=torch.bfloat16), torch.empty_like(stream),
+                   torch.empty_like(norm.sumsq))  # fmt: skip
+    xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+    forms: dict[str, dict[str, Any]] = {
+        "qkv": {"norm": norm}, "o": {"add_to": stream, "next_norm": nxt},
+        "gate_up": {"swiglu": True, "norm": norm}, "down": {"add_to": stream, "next_norm": nxt},
+    }  # fmt: skip
+    return {n: time_us([partial(w4a16_mma, xs[n], w[n], **forms[n]) for w in sets]) for n in LAYER}
+
+
 def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
     import torch
     import torch.nn.functional as F
@@ -114,6 +135,7 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
         per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in sets]) for n in LAYER}
         rows_per_shape = {n: time_us([partial(w4a16_gemm, xs[n], w[n]) for w in by_rows]) for n in LAYER}
         swiglu_us = time_us([partial(w4a16_swiglu, xs["gate_up"], w["gate_up"]) for w in sets])
+        fused = fused_gemms_us(m, sets)
         record(
             f"quant_w4a16_gemm_m{m}_llama3-8b", gbs, "GB/s", ceiling=copy_gbs, ceiling_name="d2d copy (GB/s)",
             goal=f">= {GOALS['gemm_bw']} of copy bandwidth in int4 bytes", out_dir=out_dir, command=COMMAND,
@@ -123,7 +145,8 @@ def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
                    "rows_layout_layer_us": rows_us, "rows_layout_per_gemm_us": rows_per_shape,
                    "speedup_over_rows_layout": rows_us / int4_us, "layer_us_launched_plainly": plain_us,
                    "gbs_launched_plainly": packed / plain_us / 1e3,
-                   "gate_up_with_swiglu_us": swiglu_us},
+                   "gate_up_with_swiglu_us": swiglu_us, "per_gemm_us_norms_fused": fused,
+                   "layer_us_norms_fused": sum(fused.values())},
         )  # fmt: skip
         rows.append((f"M={m}", int4_us, gbs, gbs / copy_gbs, bf16_us / int4_us))
     del sets, by_rows, dense
@@ -284,8 +307,8 @@ def sweep_mma(out_dir: Path | None) -> None:
                 for w in (4, 8)
                 for u, pair in ((1, False), (2, False), (1, True))
             }
-            w, u, fold = config(m, n, k, x.device)
-            row["config"] = row[key(fold, w, u)]
+            w, u, fold, pair = config(m, n, k, x.device)
+            row["config"] = row[key(fold, w, 1 if pair else u, pair)]
             found[f"M={m} {name}"] = row
             picked += row["config"] if m == 1 else 0.0
             best += min(v for key, v in row.items() if key != "config") if m == 1 else 0.0
@@ -450,12 +473,16 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     }
 
 
-def child(quantization: str, timeout: float, kernels: bool = False, pdl: bool = True) -> dict[str, Any]:
-    """pdl=False: every kernel launched plainly (PDSERVE_PDL=0, kernels/pdl.py)."""
+def child(
+    quantization: str, timeout: float, kernels: bool = False, pdl: bool = True, fused_norms: bool = True
+) -> dict[str, Any]:
+    """pdl=False: every kernel launched plainly (PDSERVE_PDL=0, kernels/pdl.py); fused_norms=False: the norms in
+    kernels of their own (PDSERVE_FUSED_NORMS=0, engine/model.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
         env = {**os.environ, **({} if pdl else {"PDSERVE_PDL": "0"})}
+        env.update({} if fused_norms else {"PDSERVE_FUSED_NORMS": "0"})
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
             return {"error": f"engine ({quantization}): exit {proc.returncode}"}
@@ -467,12 +494,14 @@ def engines(out_dir: Path | None) -> list[tuple]:
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
     plain, bf16_plain = child("awq", 400, pdl=False), child("none", 400, pdl=False)
+    own_norms = child("awq", 400, fused_norms=False)
     found = {
         "bf16": bf16,
         "int4": int4,
         "int4_lm_head": head,
         "int4_no_pdl": plain,
         "bf16_no_pdl": bf16_plain,
+        "int4_norm_kernels": own_norms,
     }
     print(json.dumps(found, indent=1), flush=True)
     if any("error" in part for part in found.values()):
@@ -484,7 +513,9 @@ def engines(out_dir: Path | None) -> list[tuple]:
         extra={"int4": int4, "bf16": bf16, "int4_without_pdl": plain, "bf16_without_pdl": bf16_plain,
                "pdl_speedup_int4": int4["tok_s"] / plain["tok_s"],
                "pdl_speedup_bf16": bf16["tok_s"] / bf16_plain["tok_s"],
-               "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"]},
+               "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"],
+               "int4_norms_in_kernels_of_their_own": own_norms,
+               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -499,6 +530,8 @@ def engines(out_dir: Path | None) -> list[tuple]:
     return [("engine b1 decode (tok/s)", int4["tok_s"], bf16["tok_s"], None, int4["tok_s"] / bf16["tok_s"]),
             ("  LM head int4 too", head["tok_s"], bf16["tok_s"], None, head["tok_s"] / bf16["tok_s"]),
             ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
+            ("  int4 norms in own kernels", own_norms["tok_s"], bf16["tok_s"], None,
+             own_norms["tok_s"] / bf16["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 

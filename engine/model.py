@@ -7,6 +7,7 @@ their positions, one AttentionMetadata and the paged KV cache of every layer.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,7 +25,9 @@ from engine.layers import (
     VocabParallelEmbedding,
 )
 from engine.model_config import ModelConfig
+from kernels.fused_add_rmsnorm import norm_input
 from kernels.rotary_kv_write import rotary_kv_write
+from kernels.w4a16_mma import NextNorm, NormedInput
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -61,6 +64,16 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (num_tokens, hidden)
         qkv = self.qkv_proj(hidden)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        return self.o_proj(self.attend(qkv, positions, cos_sin_cache, kv_cache, meta))
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim): o_proj's input
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
@@ -68,8 +81,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
         rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale)
-        out = self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)
+        return self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -111,6 +123,37 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (1-16 rows of int4)."""
+        attn, mlp = self.self_attn, self.mlp
+        return all(p.fuses_norms(x) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+
+    def forward_fused(
+        self,
+        stream: torch.Tensor,  # (num_tokens, hidden): the residual stream, added into in place
+        x: torch.Tensor,  # (num_tokens, hidden): input_layernorm's weight times the stream
+        sumsq: torch.Tensor,  # (num_tokens, hidden / 16) fp32: the stream's sums of squares, 16 columns each
+        next_weight: torch.Tensor,  # the norm after this layer's (the next layer's input norm, or the final one)
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer with no norm kernel: its norms ride in its int4 GEMMs (kernels/w4a16_mma.py). qkv_proj and
+        gate_up_proj take 1 / rms from sumsq; o_proj and down_proj add into the stream and leave the next norm's
+        (x, sumsq), which this returns for next_weight."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj.fused(x, norm=NormedInput(sumsq, self.input_layernorm.eps))
+        out = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta)
+        mid = NextNorm(self.post_attention_layernorm.weight, torch.empty_like(x), torch.empty_like(sumsq))
+        attn.o_proj.fused(out, add_to=stream, next_norm=mid)
+        act = mlp.gate_up_proj.fused(
+            mid.normed, swiglu=True, norm=NormedInput(mid.sumsq, self.post_attention_layernorm.eps)
+        )
+        after = NextNorm(next_weight, torch.empty_like(x), torch.empty_like(sumsq))
+        mlp.down_proj.fused(act, add_to=stream, next_norm=after)
+        return after.normed, after.sumsq
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -134,11 +177,34 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # (num_tokens, hidden)
         hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin_cache = self.rotary_emb.cos_sin_cache(hidden.dtype, hidden.device)
+        layers = cast(list[LlamaDecoderLayer], list(self.layers[:num_layers]))
+        if all(layer.fuses_norms(hidden) for layer in layers):
+            return self.forward_fused(hidden, positions, cos_sin_cache, meta, kv_cache, layers)
         residual = None
-        for i, layer in enumerate(self.layers[:num_layers]):
+        for i, layer in enumerate(layers):
             hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache[i], meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def forward_fused(
+        self,
+        stream: torch.Tensor,  # the embedding's output, which the layers add into
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        layers: list[LlamaDecoderLayer],
+    ) -> torch.Tensor:
+        """The layers with their norms in their int4 GEMMs (LlamaDecoderLayer.forward_fused), then the final norm
+        as forward rounds it. The first layer's input, its norm's weight times the stream, is rounded as the
+        GEMMs round theirs (norm_input)."""
+        x, sumsq = norm_input(stream, layers[0].input_layernorm.weight)
+        for i, layer in enumerate(layers):
+            after = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else self.norm.weight
+            x, sumsq = layer.forward_fused(
+                stream, x, sumsq, after, positions, cos_sin_cache, kv_cache[i], meta
+            )
+        return self.norm(stream)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,6 +27,9 @@ FORCED_BACKEND: str | None = _read_env()
 # PDSERVE_PDL=0 launches every kernel plainly, none as a programmatic dependent of the kernel before it
 # (kernels/pdl.py): the A-B of `python3 -m bench.quant_int4`
 PDL: bool = os.environ.get("PDSERVE_PDL", "1").strip() != "0"
+# PDSERVE_FUSED_NORMS=0 keeps a decoder layer's norms in kernels of their own where its int4 GEMMs could carry
+# them (engine/model.py, kernels/w4a16_mma.py)
+FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
     fused_add_rmsnorm(x, residual, w):   residual <- x + residual      (rounded to the stream's dtype)
                                          x        <- rms_norm(residual) * w
     rms_norm(x, w):                      out      <- x * rsqrt(mean(x^2) + eps) * w
+    norm_input(h, w):                    w * h, and sums of squares of each 16 columns (the int4 GEMMs' norm)
 
 Statistics in fp32; the normalised row is rounded to the input dtype before the weight scales it,
 the rounding of transformers' LlamaRMSNorm. fused_add_rmsnorm works in place (vLLM's
@@ -58,6 +59,56 @@ def _rmsnorm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # (BLOCK,) rounded before the scale
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_input_kernel(
+    h_ptr, weight_ptr, x_ptr, sumsq_ptr, hidden, stride_h, stride_x,
+    NB: tl.constexpr,  # blocks of 16 columns, a power of two
+    PDL: tl.constexpr,
+):  # fmt: skip
+    pdl_entry(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.arange(0, NB)[:, None]
+    cols = blk * 16 + tl.arange(0, 16)[None, :]  # (NB, 16)
+    mask = cols < hidden
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(x_ptr + row * stride_x + cols, (w * h).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        sumsq_ptr + row * (hidden // 16) + tl.arange(0, NB),
+        tl.sum(h * h, axis=1),
+        mask=tl.arange(0, NB) < hidden // 16,
+    )
+
+
+def norm_input_triton(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h, weight, "h")
+    assert h.shape[1] % 16 == 0, f"hidden {h.shape[1]} is not a multiple of 16"
+    x = torch.empty_like(h, memory_format=torch.contiguous_format)
+    sumsq = torch.empty(h.shape[0], h.shape[1] // 16, device=h.device, dtype=torch.float32)
+    if h.shape[0]:
+        nb = triton.next_power_of_2(h.shape[1] // 16)
+        on = pdl(h)
+        _norm_input_kernel[(h.shape[0],)](
+            h, weight, x, sumsq, h.shape[1], h.stride(0), x.stride(0),
+            NB=nb, PDL=on, num_warps=_num_warps(nb * 16), **pdl_launch(on),
+        )  # fmt: skip
+    return x, sumsq
+
+
+def norm_input_reference(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = (weight.float() * h.float()).to(h.dtype)
+    return x, h.float().square().view(h.shape[0], -1, 16).sum(-1)
+
+
+def norm_input(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RMSNorm's input as the int4 GEMMs take it (kernels/w4a16_mma.py: NormedInput): weight * h, each product
+    rounded once to h's dtype, and (num_tokens, hidden / 16) fp32 sums of squares of each 16 of h's columns. The
+    rest of the norm, 1 / sqrt(mean + eps), goes on the GEMM's sums."""
+    if _backend.use_triton(h):
+        return norm_input_triton(h, weight)
+    return norm_input_reference(h, weight)
 
 
 def _num_warps(block: int) -> int:

@@ -16,9 +16,15 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   chunk reads (words, scales, zeros, x) one step ahead, U chunks a step, and meet in one reduction at the end
   (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
   the rows layout (kernels/w4a16_gemm.py).
-- SwiGLU (swiglu=True, up to 8 rows): for gate_up's (gate | up) columns a program owns gate block c and up
-  block c + N / 32, one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round.
-  The same two-block step serves pair=True: blocks 2c and 2c + 1 against one x (not picked by config()).
+- SwiGLU (swiglu=True): for gate_up's (gate | up) columns a program owns gate block c and up block c + N / 32,
+  one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round. The same two-block
+  step serves pair=True: blocks 2c and 2c + 1 against one x (config() picks it at 9-16 rows).
+- A decoder layer's norms ride in its GEMMs (engine/model.py), so no norm kernel runs between them. A GEMM
+  that ends a sublayer (o_proj, down_proj) adds its product into the residual stream in place (add_to),
+  rounded as the separate add rounds, and leaves the next norm's weight times the result (rounded once) and
+  each 16 columns' sums of squares of it (NextNorm). The GEMM after (qkv, gate_up) takes the first as its x
+  and multiplies its fp32 sums by 1 / sqrt(mean + eps), summed from the second (NormedInput). Where RMSNorm
+  rounds x * rstd and then weight times that, this rounds weight * x only.
 - GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
 - A programmatic dependent launch (PDL, kernels/pdl.py): a program lets the next kernel start (up to 8 rows;
   at 16 the early dependents' registers slow it), asks for its first step's weights, scales and zeros, then
@@ -32,6 +38,7 @@ interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul re
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,14 +49,14 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from kernels import _backend
 from kernels._backend import num_sms
+from kernels.fused_add_rmsnorm import norm_input_reference
 from kernels.int4_dequant import Int4Weight
 from kernels.pdl import pdl as pdl_on
 
 MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
-SWIGLU_MAX_ROWS = 8  # gate_up ending in SwiGLU: its two accumulators fit up to 8 rows
-SWIGLU_CONFIG = (4, 1, True)  # warps, one chunk of each block a step, zeros folded
+SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
 
 
 @gluon.jit
@@ -236,14 +243,96 @@ def _chunk(
 
 
 @gluon.jit
+def _sumsq(
+    sumsq_ptr, M, NB: gl.constexpr, NBP: gl.constexpr, BN: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr
+):
+    """x's rows' (NBP, BN) partial sums of squares (NB = K / 16 of them a row, as the GEMM which wrote x left
+    them: _store with ADD), spread over the program's threads, one load each per row."""
+    j = _index(NBP, 0, 2, Q0)
+    on = _index(BN, 1, 2, Q1)
+    return gl.load(sumsq_ptr + on * NB + j, mask=(on < M) & (j < NB), other=0.0)
+
+
+@gluon.jit
+def _rstd(sq, K, eps, O1: gl.constexpr):
+    """(1, BN): 1 / sqrt(mean(x^2) + eps) of x's rows, from their partial sums (_sumsq), in the output's layout."""
+    total = gl.convert_layout(gl.sum(sq, axis=0), O1)
+    return gl.expand_dims(gl.rsqrt(total / K + eps), 0)
+
+
+@gluon.jit
+def _store(
+    out, c, M, N, out_ptr, stride_om, bias_ptr, gn, y_ptr, part_ptr, R, rstd,
+    HAS_BIAS: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, DT: gl.constexpr,
+    O0: gl.constexpr, O1: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """Column block c's (16, BN) fp32 sums, written in x's dtype: times x's rstd (NORM), plus the bias. With ADD
+    they are added into the stream there instead (R, as loaded before the K loop), rounded as a separate add
+    rounds; the next norm's weight (gn, loaded before the wait) times the result, rounded once, goes to y_ptr (M, N), the next GEMM's x, and
+    the block's sums of squares of the result to part_ptr (M, N / 16)."""
+    ocol = c * 16 + _index(16, 0, 2, O0)
+    on = _index(BN, 1, 2, O1)
+    mask = (on < M) & (ocol < N)
+    if NORM:
+        out = out * rstd
+    if HAS_BIAS:
+        out += gl.load(bias_ptr + ocol, mask=ocol < N, other=0.0).to(gl.float32)
+    if ADD:
+        h = (out.to(DT).to(gl.float32) + R.to(gl.float32)).to(DT)
+        gl.store(out_ptr + on * stride_om + ocol, h, mask=mask)
+        hf = gl.where(mask, h.to(gl.float32), 0.0)
+        gl.store(
+            y_ptr + on * N + ocol, (gn * hf).to(DT), mask=mask
+        )  # a product of two 16-bit values is exact
+        sq = gl.expand_dims(gl.sum(hf * hf, axis=0), 0)  # (1, BN)
+        gl.store(part_ptr + on * (N // 16) + c, sq, mask=on < M)
+    else:
+        gl.store(out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _stream(out_ptr, c, M, N, stride_om, O0: gl.constexpr, O1: gl.constexpr, BN: gl.constexpr):
+    """Column block c of the stream an ADD GEMM adds into, (16, BN) as the output is laid."""
+    ocol = c * 16 + _index(16, 0, 2, O0)
+    on = _index(BN, 1, 2, O1)
+    return gl.load(out_ptr + on * stride_om + ocol, mask=(on < M) & (ocol < N), other=0.0)
+
+
+@gluon.jit
+def _next_weight(g_ptr, c, N, O0: gl.constexpr):
+    """Column block c's (16, 1) of the next norm's weight, which an ADD GEMM's epilogue multiplies the stream by:
+    a constant, asked for before the wait."""
+    ocol = c * 16 + _index(16, 0, 2, O0)
+    return gl.load(g_ptr + ocol, mask=ocol < N, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _after_wait(
+    sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps,
+    NORM: gl.constexpr, ADD: gl.constexpr, PAIR: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+    O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """What the epilogue reads of the kernels before, asked for with the first x: x's rstd (NORM; its partial
+    sums summed before the K loop, so that only the result is held through it), and the stream's columns that the
+    sums are added into (ADD; block c, and c + 1 with PAIR)."""
+    rstd = _rstd(_sumsq(sumsq_ptr, M, NB, NBP, BN, Q0, Q1), K, eps, O1) if NORM else 1.0
+    R = _stream(out_ptr, c, M, N, stride_om, O0, O1, BN) if ADD else 0.0
+    R_u = _stream(out_ptr, c + 1, M, N, stride_om, O0, O1, BN) if ADD and PAIR else 0.0
+    return rstd, R, R_u
+
+
+@gluon.jit
 def _w4a16_mma_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_xw, stride_om,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, g_ptr, y_ptr, sumsq_ptr, part_ptr, M, N, K, stride_xw,
+    stride_om, eps,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
-    SWIGLU: gl.constexpr, PAIR: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
+    SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
+    NBP: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
-    S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr,
+    S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr,
 ):  # fmt: skip
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
@@ -262,6 +351,8 @@ def _w4a16_mma_kernel(
     ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
     Pa = gl.load(ptrs, mask=mask, other=0)
     sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
+    gn = _next_weight(g_ptr, c, N, O0) if ADD else 0.0
+    gn_u = _next_weight(g_ptr, c + 1, N, O0) if ADD and PAIR else 0.0
     TWO: gl.constexpr = SWIGLU or PAIR  # a second column block cu a step, against the same x
     if TWO:
         gl.static_assert(U == 1, "two column blocks take one chunk of each a step")
@@ -279,6 +370,9 @@ def _w4a16_mma_kernel(
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
+        rstd, R, R_u = _after_wait(
+            sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
+        )
         for ch in range(0, n_chunks, W):
             P = Pa
             B = Ba
@@ -311,6 +405,9 @@ def _w4a16_mma_kernel(
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         Bb = _x(x_ptr, W, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
+        rstd, R, R_u = _after_wait(
+            sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
+        )
         for ch in range(0, n_chunks, 2 * W):
             P = Pa
             B = Ba
@@ -333,28 +430,32 @@ def _w4a16_mma_kernel(
             total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
             total += _chunk(P2_, B2_, s2, z20, z21, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     out = gl.sum(total, axis=0)  # (16, BN): the warps' K ranges summed
-    ocol = c * 16 + _index(16, 0, 2, O0)
-    on = _index(BN, 1, 2, O1)
-    N_OUT = N // 2 if SWIGLU else N
-    if HAS_BIAS:
-        out += gl.load(bias_ptr + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
     if SWIGLU:  # gate and up rounded as the GEMM writes them, silu(gate) as SiLU-and-mul rounds it
+        N_OUT = N // 2
+        ocol = c * 16 + _index(16, 0, 2, O0)
+        on = _index(BN, 1, 2, O1)
         up = gl.sum(total_u, axis=0)
+        if NORM:
+            out = out * rstd
+            up = up * rstd
         if HAS_BIAS:
+            out += gl.load(bias_ptr + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
             up += gl.load(bias_ptr + N_OUT + ocol, mask=ocol < N_OUT, other=0.0).to(gl.float32)
         g = out.to(DT).to(gl.float32)
         act = (g / (1.0 + gl.exp(-g))).to(DT).to(gl.float32)
         out = act * up.to(DT).to(gl.float32)
-    gl.store(
-        out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N_OUT)
-    )  # fmt: skip
-    if PAIR:  # block c + 1's columns
-        out_u = gl.sum(total_u, axis=0)
-        ocol_u = ocol + 16
-        if HAS_BIAS:
-            out_u += gl.load(bias_ptr + ocol_u, mask=ocol_u < N, other=0.0).to(gl.float32)
         gl.store(
-            out_ptr + on * stride_om + ocol_u, out_u.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol_u < N)
+            out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N_OUT)
+        )  # fmt: skip
+    else:
+        _store(
+            out, c, M, N, out_ptr, stride_om, bias_ptr, gn, y_ptr, part_ptr, R, rstd, HAS_BIAS, NORM, ADD, DT,
+            O0, O1, BN,
+        )  # fmt: skip
+    if PAIR:  # block c + 1's columns
+        _store(
+            gl.sum(total_u, axis=0), c + 1, M, N, out_ptr, stride_om, bias_ptr, gn_u, y_ptr, part_ptr, R_u, rstd,
+            HAS_BIAS, NORM, ADD, DT, O0, O1, BN,
         )  # fmt: skip
 
 
@@ -387,6 +488,8 @@ def _layouts(w: int, q: int, bn: int) -> dict[str, Any]:
         ("B", x, 4),
         ("S", gl.SliceLayout(2, mma), 2),
         ("O", gl.SliceLayout(0, mma), 2),
+        # a norm's partial sums, (K / 16, rows): along K over every thread, once each
+        ("Q", gl.BlockedLayout([1, 1], [32, 1], [w, 1], [0, 1]), 2),
     ):
         for i, sl in enumerate(_slices(lay, rank)):
             out[f"{name}{i}"] = sl
@@ -408,17 +511,49 @@ def swiglu_applies(x: torch.Tensor, w: Int4Weight) -> bool:
     return applies(x, w) and x.shape[0] <= SWIGLU_MAX_ROWS and w.out_features % (2 * BLOCK_COLS) == 0
 
 
-def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool]:
-    """(warps, chunks a step, zeros folded) for an (m, k) x (k, n) GEMM, from a sweep of a Llama-3-8B layer on the
-    H200 (BENCHMARKS.md). Folding the zeros halves the MMAs; at 9-16 rows on gate_up's and down's grids its
-    registers cost more than the second MMA. Programs of 8 warps taking two chunks a step need ~114 registers a
-    thread, two programs an SM: past two programs per SM, one chunk a step keeps the grid in one wave."""
+def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool, bool]:
+    """(warps, chunks a step, zeros folded, two column blocks a program) for an (m, k) x (k, n) GEMM, from a sweep
+    of a Llama-3-8B layer on the H200 (BENCHMARKS.md). Folding the zeros halves the MMAs; at 9-16 rows on gate_up's
+    grid its registers cost more than the second MMA. Programs of 8 warps taking two chunks a step need ~114
+    registers a thread, two programs an SM: past two programs per SM, one chunk a step keeps the grid in one wave.
+    At 9-16 rows two column blocks a program (pair) read x once for both: gate_up 33.4 against 46.6 us, down 19.2
+    against 23.5; at 1-8 rows they are slower, but gate_up's SwiGLU step (swiglu_config) is the same one."""
     blocks = -(-n // BLOCK_COLS)
+    many = blocks > 2 * num_sms(device)
     if m > 8:
-        return (4, 1, False) if blocks >= MANY_BLOCKS else (8, 1, False) if k >= 8192 else (4, 1, True)
+        if blocks >= MANY_BLOCKS:
+            return 4, 1, False, True
+        return (8, 1, True, True) if k >= 8192 else (4, 1, True, many)
     if blocks >= MANY_BLOCKS:
-        return 4, 2, True
-    return (8, 1, True) if blocks > 2 * num_sms(device) else (8, 2, True)
+        return 4, 2, True, False
+    return (8, 1, True, False) if many else (8, 2, True, False)
+
+
+def swiglu_config(m: int) -> tuple[int, int, bool, bool]:
+    """gate_up ending in SwiGLU: 4 warps, one chunk of gate's block and one of up's a step, zeros folded up to 8
+    rows and summed by a second MMA past them (as the pair config at 9-16 rows)."""
+    return 4, 1, m <= 8, False
+
+
+@dataclass(frozen=True)
+class NormedInput:
+    """A GEMM's x given as RMSNorm's weight times the residual stream h, before the norm's 1 / rms: the GEMM
+    multiplies its sums by 1 / sqrt(mean(h^2) + eps), which it adds up from `sumsq` (M, K / 16) fp32, the sums
+    of squares of each 16 of h's columns. An add_to GEMM leaves both (NextNorm)."""
+
+    sumsq: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
+class NextNorm:
+    """What an add_to GEMM leaves for the norm after it: `normed` (M, N) = `weight` times the stream, each
+    product rounded once to the stream's dtype, and `sumsq` (M, N / 16) fp32, the stream's sums of squares of each
+    16 columns (NormedInput)."""
+
+    weight: torch.Tensor  # (N,) the next RMSNorm's
+    normed: torch.Tensor  # (M, N), contiguous
+    sumsq: torch.Tensor  # (M, N / 16) fp32, contiguous
 
 
 def w4a16_mma(
@@ -431,9 +566,13 @@ def w4a16_mma(
     | None = None,  # integer zeros folded into the A registers; False: a second MMA's x sums take them
     pdl: bool | None = None,  # a programmatic dependent launch (kernels/pdl.py; by default on a GPU)
     swiglu: bool = False,  # w is (gate | up): silu(gate) * up, (M, N / 2); swiglu_applies(x, w)
-    pair: bool = False,  # a program takes two adjacent column blocks, one chunk of each a step (an even count)
+    pair: bool | None = None,  # two adjacent column blocks a program (an even count); config() by default
+    norm: NormedInput | None = None,  # x is weight * the stream: the sums take 1 / rms
+    add_to: torch.Tensor | None = None,  # (M, N): the stream, which the product is added into in place
+    next_norm: NextNorm | None = None,  # with add_to: where the next norm's input goes
 ) -> torch.Tensor:
-    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu."""
+    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
+    add_to itself with add_to."""
     m, k = x.shape
     n = w.out_features
     if not applies(x, w):
@@ -442,27 +581,100 @@ def w4a16_mma(
         raise ValueError(
             f"swiglu takes 1..{SWIGLU_MAX_ROWS} rows and (gate | up) halves of whole column blocks"
         )
-    if pair and (swiglu or triton.cdiv(n, BLOCK_COLS) % 2):
+    blocks = triton.cdiv(n, BLOCK_COLS)
+    default = swiglu_config(m) if swiglu else config(m, n, k, x.device)
+    named = warps is not None or unroll is not None or fold is not None
+    if pair is None:  # config()'s pick, unless the caller names a config
+        pair = default[3] and blocks % 2 == 0 and not swiglu and not named
+    if pair and (swiglu or blocks % 2):
         raise ValueError(f"pair takes an even count of column blocks and no swiglu, not {n} columns")
+    check_fused(x, w, norm, add_to, next_norm, swiglu)
     if w.perm is not None:
         x = x.index_select(1, w.perm)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    blocks = n // (2 * BLOCK_COLS) if swiglu else triton.cdiv(n, BLOCK_COLS) // (2 if pair else 1)
-    default = SWIGLU_CONFIG if swiglu else config(m, n, k, x.device)
+    if add_to is not None:
+        out = add_to
+    else:
+        out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    grid = n // (2 * BLOCK_COLS) if swiglu else blocks // (2 if pair else 1)
     warps = default[0] if warps is None else warps
     unroll = 1 if swiglu or pair else default[1] if unroll is None else unroll  # two column blocks a step
     fold = default[2] if fold is None else fold
     pdl = pdl_on(x) if pdl is None else pdl
     bn = 8 if m <= 8 else 16
-    _w4a16_mma_kernel[(blocks,)](
-        x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, m, n, k, x.stride(0) // 2,
-        out.stride(0), GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
+    # an epilogue adding into the stream would take 8 warps of two chunks a step past 128 registers a thread and two
+    # programs an SM; held to 128 they spill 16 bytes, outside the K loop
+    regs = {"maxnreg": 128} if add_to is not None and warps == 8 and unroll == 2 and bn == 8 else {}
+    nxt = (next_norm.weight, next_norm.normed, next_norm.sumsq) if next_norm is not None else (out, out, out)
+    _w4a16_mma_kernel[(grid,)](
+        x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, nxt[0], nxt[1],
+        norm.sumsq if norm is not None else out, nxt[2],
+        m, n, k, x.stride(0) // 2, out.stride(0), norm.eps if norm is not None else 0.0,
+        GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
-        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PAIR=pair, PDL=pdl,
+        HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PAIR=pair,
+        NORM=norm is not None, ADD=add_to is not None, NB=k // BLOCK_COLS if norm is not None else 1,
+        NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, PDL=pdl,
         EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
+        **regs,
         **_layouts(warps, w.chunk // 64, bn),
     )  # fmt: skip
     return out
+
+
+def check_fused(
+    x: torch.Tensor,
+    w: Int4Weight,
+    norm: NormedInput | None,
+    add_to: torch.Tensor | None,
+    next_norm: NextNorm | None,
+    swiglu: bool,
+) -> None:
+    """A clear error for a norm or a stream that does not fit the GEMM (shapes, dtypes, layout)."""
+    m, k = x.shape
+    n = w.out_features
+    if norm is not None:
+        _expect(norm.sumsq, (m, k // BLOCK_COLS), torch.float32, "the norm's sumsq")
+    if (add_to is None) != (next_norm is None):
+        raise ValueError("add_to and next_norm go together")
+    if add_to is None or next_norm is None:
+        return
+    if swiglu or n % BLOCK_COLS:
+        raise ValueError(f"add_to takes a product of whole column blocks and no swiglu, not {n} columns")
+    _expect(add_to, (m, n), x.dtype, "add_to")
+    _expect(next_norm.weight, (n,), x.dtype, "the next norm's weight")
+    _expect(next_norm.normed, (m, n), x.dtype, "the next norm's input")
+    _expect(next_norm.sumsq, (m, n // BLOCK_COLS), torch.float32, "the next norm's sumsq")
+
+
+def _expect(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+    if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"{what}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}, contiguous")
+
+
+def w4a16_mma_reference(
+    x: torch.Tensor,
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,
+    norm: NormedInput | None = None,
+    add_to: torch.Tensor | None = None,
+    next_norm: NextNorm | None = None,
+) -> torch.Tensor:
+    """w4a16_mma in fp32 torch, rounded where it rounds: the dequantized weights' product (times 1 / rms with a
+    norm, plus the bias) in fp32, or with add_to that product added into add_to (and next_norm's outputs)."""
+    from kernels.w4a16_gemm import w4a16_gemm_reference
+
+    out = w4a16_gemm_reference(x.float(), w)
+    if norm is not None:
+        out = out * torch.rsqrt(norm.sumsq.sum(-1, keepdim=True) / x.shape[1] + norm.eps)
+    if bias is not None:
+        out = out + bias.float()
+    if add_to is None or next_norm is None:
+        return out
+    h = (out.to(x.dtype).float() + add_to.float()).to(x.dtype)
+    add_to.copy_(h)
+    next_norm.normed.copy_((next_norm.weight.float() * h.float()).to(x.dtype))
+    next_norm.sumsq.copy_(norm_input_reference(h, next_norm.weight)[1])
+    return add_to

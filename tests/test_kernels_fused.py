@@ -27,6 +27,8 @@ from kernels.fused_add_rmsnorm import (
     _rmsnorm_kernel,
     fused_add_rmsnorm_reference,
     fused_add_rmsnorm_triton,
+    norm_input_reference,
+    norm_input_triton,
     rms_norm_reference,
     rms_norm_triton,
 )
@@ -72,6 +74,22 @@ def test_fused_add_rmsnorm_in_place(num_tokens, hidden, dtype):
     assert got_x is x and got_residual is residual, "fused_add_rmsnorm works in place"
     assert torch.equal(got_residual, want_residual), "the add rounds once, as the unfused add does"
     torch.testing.assert_close(got_x, want_x, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (5, 576), (3, 4096), (2, 48)])
+def test_norm_input(num_tokens, hidden, dtype):
+    """An RMSNorm's input as the int4 GEMMs take it: weight * h rounded once (exact), and the sums of squares
+    of each 16 columns, for each row of a wider buffer."""
+    h = torch.randn(num_tokens, hidden + 32, dtype=dtype)[:, :hidden]
+    weight = torch.rand(hidden, dtype=dtype) + 0.5
+    x, sumsq = norm_input_triton(h, weight)
+    want_x, want_sumsq = norm_input_reference(h, weight)
+    assert torch.equal(x, want_x) and sumsq.shape == (num_tokens, hidden // 16)
+    torch.testing.assert_close(sumsq, want_sumsq, rtol=1e-6, atol=1e-6)
+    norm = rms_norm_reference(h, weight, 1e-6).float()
+    rstd = torch.rsqrt(sumsq.sum(-1, keepdim=True) / hidden + 1e-6)
+    torch.testing.assert_close(x.float() * rstd, norm, **TOL[torch.float16])  # the norm, rounded elsewhere
 
 
 def test_rms_norm_strided_rows():

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,18 @@ class LinearBase(nn.Module):
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
         return dense_linear(x, self.weight, bias)
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """Whether this layer's GEMM carries the norm before it or the residual add after it, for x
+        (engine/model.py: LlamaDecoderLayer.forward_fused): an unsharded int4 layer whose method says so."""
+        fuses = getattr(self.quant_method, "fuses_norms", None)
+        return self.tp_size == 1 and fuses is not None and bool(fuses(x))
+
+    def fused(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
+        """x W^T by the GEMM that carries a norm (norm=), the residual add (add_to=, next_norm=) or SwiGLU
+        (swiglu=True): kernels/w4a16_mma.py. Only where fuses_norms(x)."""
+        method: Any = self.quant_method  # an Int4Method (engine/layers/quant/int4.py)
+        return method.apply_fused(self, x, self.bias, **fused)
 
 
 class ReplicatedLinear(LinearBase):

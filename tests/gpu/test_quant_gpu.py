@@ -11,11 +11,12 @@ import torch
 import kernels._backend as backend
 from engine import LLM, SamplingParams
 from engine.quantize import QuantizeConfig, quantize
+from kernels.fused_add_rmsnorm import norm_input, rms_norm
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton, to_fragments
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
-from kernels.w4a16_mma import w4a16_mma
+from kernels.w4a16_mma import NextNorm, NormedInput, w4a16_mma, w4a16_mma_reference
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -77,7 +78,7 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
         for m in (1, 5, 16):
             for fold in (True, False):
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-                out = w4a16_mma(x, w, None, warps, unroll, fold, pdl)
+                out = w4a16_mma(x, w, None, warps, unroll, fold, pdl, pair=False)
                 ref = w4a16_gemm_reference(x.float(), w)
                 assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
 
@@ -106,7 +107,7 @@ SWIGLU_SHAPES = [(4096, 28672, 128), (576, 3072, 32), (1024, 224, 64), (1024, 20
     "layout,m,k,n,group",
     [("rows", 1, *s) for s in SWIGLU_SHAPES]
     + [
-        ("fragments", m, *s) for m in (1, 8) for s in SWIGLU_SHAPES if s[2] % 64 == 0
+        ("fragments", m, *s) for m in (1, 8, 16) for s in SWIGLU_SHAPES if s[2] % 64 == 0
     ],  # groups of 64 rows or more
 )
 def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(layout, m, k, n, group, dtype):
@@ -131,6 +132,67 @@ def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(layout, m, k, n, group, 
             w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
         )
         assert rel_err(out, ref) < ERR[dtype], (k, n, seed)
+
+
+FUSED_SHAPES = [(4096, 6144, 128), (4096, 4096, 128), (14336, 4096, 128), (576, 192, 64), (1088, 224, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,group", FUSED_SHAPES)
+def test_norm_and_residual_add_ride_in_the_gemm(k, n, group, dtype):
+    """A GEMM taking its x as norm weight * stream (NormedInput) matches its reference, and RMSNorm's kernel then
+    the GEMM to x's extra rounding; a GEMM adding into the stream (add_to) leaves the stream the separate add
+    would, the next norm's weight times it, rounded once, and its sums of squares. At 1-16 rows, with offsets
+    and a bias, in the configs config() picks (two blocks a program at 16 rows)."""
+    eps = torch.finfo(dtype).eps
+    for i, m in enumerate((1, 5, 8, 16)):
+        w = to_fragments(random_int4(k, n, group, offsets=i == 1, seed=i))
+        bias = torch.randn(n, device="cuda").to(dtype) if i == 2 else None
+        h = torch.randn(m, k, device="cuda").to(dtype)
+        g = (1 + 0.2 * torch.randn(k, device="cuda")).to(dtype)
+        norm = NormedInput(norm_input(h, g)[1], 1e-5)
+        x = (g.float() * h.float()).to(dtype)
+        out = w4a16_mma(x, w, bias, norm=norm)
+        assert rel_err(out, w4a16_mma_reference(x, w, bias, norm=norm)) < ERR[dtype], (m, k, n)
+        assert rel_err(out, w4a16_mma(rms_norm(h, g, 1e-5), w, bias).float()) < ERR[dtype], (m, k, n)
+
+        stream = torch.randn(m, n, device="cuda").to(dtype)
+        xa = torch.randn(m, k, device="cuda").to(dtype)
+        gn = (1 + 0.2 * torch.randn(n, device="cuda")).to(dtype)
+        nxt = NextNorm(
+            gn, torch.empty(m, n, device="cuda", dtype=dtype), torch.empty(m, n // 16, device="cuda")
+        )
+        added = stream.clone()
+        assert w4a16_mma(xa, w, bias, add_to=added, next_norm=nxt) is added
+        separate = (w4a16_mma(xa, w, bias).float() + stream.float()).to(dtype)
+        torch.testing.assert_close(added, separate, rtol=eps, atol=eps * separate.abs().max().item())
+        assert torch.equal(nxt.normed, (gn.float() * added.float()).to(dtype))
+        torch.testing.assert_close(nxt.sumsq, norm_input(added, gn)[1], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("k,n,group", [(4096, 28672, 128), (576, 3072, 64)])
+def test_swiglu_gemm_takes_its_norm(m, k, n, group):
+    w = to_fragments(random_int4(k, n, group, seed=m))
+    h = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+    norm = NormedInput(norm_input(h, g)[1], 1e-6)
+    x = (g.float() * h.float()).to(torch.bfloat16)
+    out = w4a16_mma(x, w, None, swiglu=True, norm=norm)
+    ref = silu_and_mul_reference(w4a16_mma_reference(x, w, None, norm=norm))
+    assert out.shape == (m, n // 2) and rel_err(out, ref) < ERR[torch.bfloat16]
+
+
+def test_fused_gemm_refuses_what_does_not_fit():
+    w = to_fragments(random_int4(1024, 256, 64, seed=1))
+    x = torch.randn(2, 1024, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="sumsq"):
+        w4a16_mma(x, w, norm=NormedInput(torch.zeros(2, 32, device="cuda"), 1e-6))
+    with pytest.raises(ValueError, match="go together"):
+        w4a16_mma(x, w, add_to=torch.zeros(2, 256, device="cuda", dtype=torch.bfloat16))
+    wrong = NextNorm(torch.ones(256, device="cuda"), torch.empty(2, 256, device="cuda"), torch.empty(2, 16))
+    with pytest.raises(ValueError, match="next norm's weight"):
+        w4a16_mma(x, w, add_to=torch.zeros(2, 256, device="cuda", dtype=torch.bfloat16), next_norm=wrong)
 
 
 def test_dequantize_kernels_are_exact():
@@ -179,10 +241,8 @@ def tiny_v304(tmp_path_factory):
 PROMPTS = [[5, 6, 7, 8, 9], [20, 30, 40], [100, 3, 250, 17, 9, 64, 2], list(range(3, 120, 3))]
 
 
-def served(path, **kwargs) -> list[list[int]]:
-    llm = LLM(
-        str(path), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05, **kwargs
-    )
+def served(path, dtype="float32", **kwargs) -> list[list[int]]:
+    llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=256, gpu_memory_utilization=0.05, **kwargs)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
     )
@@ -224,6 +284,29 @@ def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
     write_gguf(tiny, tmp_path / "tiny.gguf")
     want = hf_greedy(gguf_model_dir(tmp_path / "tiny.gguf"), PROMPTS, [12] * len(PROMPTS))
     assert served(tmp_path / "tiny.gguf") == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, arch):
+    """bf16 over int4 in the fragment layout (group 64): at 1-16 rows each decoder layer's norms ride in its GEMMs
+    (engine/model.py: forward_fused, checked to run, in CUDA graphs), and greedy output equals transformers' on the
+    dequantized weights (fp32) and the engine's with the norms in kernels of their own."""
+    from engine.model import LlamaModel
+
+    model = tiny_random_model_dir(tmp_path, arch)
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
+                                   max_tokens=512))  # fmt: skip
+    want = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS))
+    calls: list[int] = []
+    real = LlamaModel.forward_fused
+    monkeypatch.setattr(LlamaModel, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    fused = served(ckpt, dtype="bfloat16")
+    assert calls, "the norms did not ride in the GEMMs"
+    monkeypatch.setattr(backend, "FUSED_NORMS", False)
+    before = len(calls)
+    unfused = served(ckpt, dtype="bfloat16")
+    assert len(calls) == before
+    assert fused == want and unfused == want
 
 
 def test_triton_and_torch_paths_agree_on_a_quantized_model(tiny, tmp_path, monkeypatch):

@@ -3,13 +3,15 @@ and the W4A16 GEMM (kernels/w4a16_gemm.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import LinearBase
 from engine.layers.quant.base import LinearMethod
-from kernels import _backend
+from kernels import _backend, w4a16_mma
 from kernels.int4_dequant import Int4Weight, fragment_chunk, int4_dequant_reference, to_fragments
 from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
@@ -54,6 +56,18 @@ class Int4Method(LinearMethod):
             return super().apply_swiglu(layer, x, bias)
         assert self.weight is not None, "process_weights has not run"
         return w4a16_swiglu(x, self.weight, bias)
+
+    def fuses_norms(self, x: torch.Tensor) -> bool:
+        """Whether the GEMM can carry a norm or a residual add at x (kernels/w4a16_mma.py): fragment-laid weights
+        without an act-order permutation, x on the tensor-core kernel's 1-16 rows, PDSERVE_FUSED_NORMS not 0."""
+        w = self.weight
+        return _backend.FUSED_NORMS and w is not None and w.perm is None and w4a16_mma.applies(x, w)
+
+    def apply_fused(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, **fused: Any
+    ) -> torch.Tensor:
+        assert self.weight is not None, "process_weights has not run"
+        return w4a16_mma.w4a16_mma(x, self.weight, bias, **fused)
 
 
 def sorted_by_group(
