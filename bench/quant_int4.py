@@ -9,7 +9,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   replays rotating over six
   layers' weights (654 MB: no layer is in L2 when its turn comes). GB/s = the layer's int4 bytes (K * N / 2;
   scales and zeros add 1/21, reported beside) / its time; ceiling = the device-to-device copy measured
-  here (bench/kernels.py). The bf16 GEMMs of the same layers are timed beside them.
+  here (bench/kernels.py). The bf16 GEMMs of the same layers are timed beside them, and the four GEMMs in the
+  form a decode step runs them (qkv and gate_up with SwiGLU taking their norm, o and down adding into the
+  stream: per_gemm_us_norms_fused).
 - GEMM, M = 4096: the layer's four GEMMs in int4 (dequantize + cuBLAS) against bf16 (cuBLAS); ratio = bf16
   time / int4 time. And the crossover: the kernel against dequantize + cuBLAS at M = 32 .. 2048, which sets
   kernels/w4a16_gemm.py's DEQUANT_MIN_M.
@@ -18,7 +20,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   (256 tokens after 128, minus a 1-token generate, median of 3 after a warm-up), and the weights' memory
   from the KV-sizing log line; GPTQ with the LM head quantized too (lm_head=true, the config of a
   dummy-weight directory), whose weights are the memory record; and AWQ and bf16 again with every kernel
-  launched plainly, none as a programmatic dependent (PDSERVE_PDL=0, kernels/pdl.py), for what PDL gains.
+  launched plainly, none as a programmatic dependent (PDSERVE_PDL=0, kernels/pdl.py), for what PDL gains;
+  and AWQ with the layers' norms in kernels of their own (PDSERVE_FUSED_NORMS=0), for what the fusion gains.
   The GEMMs are timed as the engine launches them (PDL: each lets the next start, which asks for its first
   weights, then waits) and, beside that, launched plainly.
 - --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core

@@ -635,7 +635,7 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
 
 def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel (the GEMM's epilogue) for up
-    to 8 rows in the fragment layout on a GPU and for one row in the rows layout on the Triton path, else the GEMM
+    to 16 rows in the fragment layout on a GPU and for one row in the rows layout on the Triton path, else the GEMM
     and then the activation."""
     if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w):
         return w4a16_mma.w4a16_mma(x, w, bias, swiglu=True)
