@@ -178,7 +178,7 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         cos_sin_cache = self.rotary_emb.cos_sin_cache(hidden.dtype, hidden.device)
         layers = cast(list[LlamaDecoderLayer], list(self.layers[:num_layers]))
-        if all(layer.fuses_norms(hidden) for layer in layers):
+        if layers and all(layer.fuses_norms(hidden) for layer in layers):
             return self.forward_fused(hidden, positions, cos_sin_cache, meta, kv_cache, layers)
         residual = None
         for i, layer in enumerate(layers):

@@ -658,12 +658,14 @@ def w4a16_mma_reference(
     x: torch.Tensor,
     w: Int4Weight,
     bias: torch.Tensor | None = None,
+    swiglu: bool = False,
     norm: NormedInput | None = None,
     add_to: torch.Tensor | None = None,
     next_norm: NextNorm | None = None,
 ) -> torch.Tensor:
     """w4a16_mma in fp32 torch, rounded where it rounds: the dequantized weights' product (times 1 / rms with a
-    norm, plus the bias) in fp32, or with add_to that product added into add_to (and next_norm's outputs)."""
+    norm, plus the bias; then silu(gate) * up with swiglu) in fp32, or with add_to that product added into add_to
+    (and next_norm's outputs)."""
     from kernels.w4a16_gemm import w4a16_gemm_reference
 
     out = w4a16_gemm_reference(x.float(), w)
@@ -671,6 +673,9 @@ def w4a16_mma_reference(
         out = out * torch.rsqrt(norm.sumsq.sum(-1, keepdim=True) / x.shape[1] + norm.eps)
     if bias is not None:
         out = out + bias.float()
+    if swiglu:
+        gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
+        out = torch.nn.functional.silu(gate).to(x.dtype).float() * up
     if add_to is None or next_norm is None:
         return out
     h = (out.to(x.dtype).float() + add_to.float()).to(x.dtype)

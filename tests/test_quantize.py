@@ -63,6 +63,28 @@ def test_engine_equals_transformers_on_the_dequantized_checkpoint(name, checkpoi
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 
+def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatch):
+    """The model's path with each layer's norms riding in its int4 GEMMs (engine/model.py: forward_fused; on a
+    GPU at 1-16 rows) taken on the CPU through the fused GEMM's torch reference: greedy output equals
+    transformers' on the dequantized weights, and the path ran."""
+    from engine.layers.quant.int4 import Int4Method
+    from engine.model import LlamaModel
+
+    expected = hf_greedy(
+        dequantized_copy(checkpoints["awq"], tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS)
+    )
+    monkeypatch.setattr(Int4Method, "fuses_norms", lambda self, x: x.shape[0] <= 16)
+    calls: list[int] = []
+    real = LlamaModel.forward_fused
+    monkeypatch.setattr(LlamaModel, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    llm = LLM(str(checkpoints["awq"]), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert calls, "the fused path did not run"
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
 def test_checkpoints_have_the_formats_tensors_and_config(checkpoints, tiny):
     for name, path in checkpoints.items():
         tensors = load_file(str(path / "model.safetensors"))

@@ -66,8 +66,12 @@ class Int4Method(LinearMethod):
     def apply_fused(
         self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, **fused: Any
     ) -> torch.Tensor:
+        """The GEMM with its norm, residual add or SwiGLU (kernels/w4a16_mma.py); its torch reference where the
+        kernel does not run (the CPU tests of the model's fused path)."""
         assert self.weight is not None, "process_weights has not run"
-        return w4a16_mma.w4a16_mma(x, self.weight, bias, **fused)
+        if w4a16_mma.applies(x, self.weight):
+            return w4a16_mma.w4a16_mma(x, self.weight, bias, **fused)
+        return w4a16_mma.w4a16_mma_reference(x, self.weight, bias, **fused).to(x.dtype)
 
 
 def sorted_by_group(
