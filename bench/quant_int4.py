@@ -322,7 +322,8 @@ def sweep_mma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-mma",
         extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
                        "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
-                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; config: what kernels/w4a16_mma.config picks", "configs": found},
+                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; "
+                       "config: what kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 

@@ -268,8 +268,8 @@ def _store(
 ):  # fmt: skip
     """Column block c's (16, BN) fp32 sums, written in x's dtype: times x's rstd (NORM), plus the bias. With ADD
     they are added into the stream there instead (R, as loaded before the K loop), rounded as a separate add
-    rounds; the next norm's weight (gn, loaded before the wait) times the result, rounded once, goes to y_ptr (M, N), the next GEMM's x, and
-    the block's sums of squares of the result to part_ptr (M, N / 16)."""
+    rounds; the next norm's weight (gn, loaded before the wait) times the result, rounded once, goes to y_ptr
+    (M, N), the next GEMM's x, and the block's sums of squares of the result to part_ptr (M, N / 16)."""
     ocol = c * 16 + _index(16, 0, 2, O0)
     on = _index(BN, 1, 2, O1)
     mask = (on < M) & (ocol < N)
@@ -281,9 +281,8 @@ def _store(
         h = (out.to(DT).to(gl.float32) + R.to(gl.float32)).to(DT)
         gl.store(out_ptr + on * stride_om + ocol, h, mask=mask)
         hf = gl.where(mask, h.to(gl.float32), 0.0)
-        gl.store(
-            y_ptr + on * N + ocol, (gn * hf).to(DT), mask=mask
-        )  # a product of two 16-bit values is exact
+        # a product of two 16-bit values is exact in fp32: one rounding, to DT
+        gl.store(y_ptr + on * N + ocol, (gn * hf).to(DT), mask=mask)
         sq = gl.expand_dims(gl.sum(hf * hf, axis=0), 0)  # (1, BN)
         gl.store(part_ptr + on * (N // 16) + c, sq, mask=on < M)
     else:
