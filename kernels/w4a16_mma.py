@@ -679,6 +679,7 @@ def w4a16_mma_reference(
         return out
     h = (out.to(x.dtype).float() + add_to.float()).to(x.dtype)
     add_to.copy_(h)
-    next_norm.normed.copy_((next_norm.weight.float() * h.float()).to(x.dtype))
-    next_norm.sumsq.copy_(norm_input_reference(h, next_norm.weight)[1])
+    normed, sumsq = norm_input_reference(h, next_norm.weight)
+    next_norm.normed.copy_(normed)
+    next_norm.sumsq.copy_(sumsq)
     return add_to
