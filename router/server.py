@@ -3,8 +3,9 @@ Configured with no prefill workers, it picks a decode worker alone, which prefil
 
 Workers are found by address (flags); a poller asks each for its load every `poll_s` and keeps what it
 learns in the router's own table (router/workers.py): a worker is routed to from its first answer, and
-dropped when it stops answering (at once when nobody listens there, or after `heartbeat_ttl_s`) or its
-decode stream breaks. The prefix index (in memory or Redis) is heartbeated too and says who holds which
+dropped when it stops answering (at once when nobody listens there, or after `heartbeat_ttl_s` with its
+decode stream silent too) or its decode stream breaks. The calls already on a stream go on while it carries
+frames: a draining worker refuses polls while its last tokens are still on their way. The prefix index (in memory or Redis) is heartbeated too and says who holds which
 blocks; when it fails, routing goes on by load alone (router/fallback_index.py). `n > 1` fans out into n
 decode requests (seeds seed, seed+1, ...); the prefill worker's prefix cache makes the copies cheap.
 """
@@ -15,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from router.metrics import RouterMetrics
 from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
 from router.prompts import PromptEncoder
 from router.supervise import Failures, run_forever
-from router.workers import WorkerTable
+from router.workers import State, WorkerTable
 from serving.grpc_common import params_to_proto
 from serving.kv_events import EventBatch, Snapshot
 from serving.logs import bind_request, new_request_id
@@ -159,8 +161,11 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def poll_once(self) -> None:
         """Ask every worker for its load (and a prefill worker for its KV events) once."""
         await asyncio.gather(*(self._poll(a) for a in self.channels))
+        for address, stream in self._decode_streams.items():
+            self.workers.heard(address, stream.last_read)
         for address in self.workers.expire():
             self._drop_decode_stream(address)
+        self._drop_silent_streams()
         self.index.reap()
         self.metrics.index_entries.set(self.index.num_entries())
 
@@ -178,9 +183,10 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             reply = await stub(self.channels[address]).GetLoad(pb.LoadRequest(), timeout=1.0)
         except grpc.aio.AioRpcError as exc:
+            # routed around at once when nobody listens there; its decode stream's calls go on while it
+            # still carries them (a draining worker's last tokens), see _drop_silent_streams
             unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
-            if self.workers.failed(address, f"GetLoad: {exc.code().name}", at_once=unreachable):
-                self._drop_decode_stream(address)
+            self.workers.failed(address, f"GetLoad: {exc.code().name}", at_once=unreachable)
             return
         self._learn_model(reply)
         if self.workers.seen(address, reply):
@@ -261,6 +267,15 @@ class RouterServicer(pb_grpc.RouterServicer):
                 return None
             pos = (batch.epoch, batch.seq)
         return pos if self.index.up else None
+
+    def _drop_silent_streams(self) -> None:
+        """A down decode worker's stream whose calls have heard nothing (not even a pong) for the heartbeat
+        TTL: the worker is gone without closing its connection, so its calls fail instead of hanging."""
+        now = time.monotonic()
+        for address, stream in list(self._decode_streams.items()):
+            silent = now - stream.last_read > self.config.heartbeat_ttl_s
+            if silent and stream.open_calls and self.workers.state(address) is State.DOWN:
+                self._drop_decode_stream(address)
 
     def _drop_decode_stream(self, address: str) -> None:
         """A decode worker went down: its stream's calls fail now, and its return gets a fresh stream."""

@@ -42,7 +42,7 @@ class WorkerTable:
 
     A worker is UP from its first answer; DRAINING while its answers say so (live, but given nothing new);
     DOWN once a poll fails with UNAVAILABLE (nobody listens there), its decode stream breaks, or it has not
-    answered for `ttl_s`. Each change is logged once and counted.
+    answered a poll, nor sent a frame on its decode stream (`heard`), for `ttl_s`. Each change is logged once and counted.
     """
 
     def __init__(
@@ -87,6 +87,12 @@ class WorkerTable:
             )
         self._set(w, State.DRAINING if reply.draining else State.UP, "answering")
         return restarted
+
+    def heard(self, address: str, at: float) -> None:
+        """The worker sent something at `at` (this table's clock) other than a poll's answer, a frame on its
+        decode stream: it is alive, so the TTL counts from there too."""
+        w = self._workers[address]
+        w.last_seen = max(w.last_seen, at)
 
     def failed(self, address: str, why: str, at_once: bool) -> bool:
         """A poll or a call failed; `at_once` (the worker is unreachable) marks it DOWN without waiting for

@@ -197,6 +197,7 @@ class ManyStream:
         self._busy: asyncio.Event | None = None  # set while calls are open (the pinger waits on it)
         self._last_io = 0.0
         self._last_call_end = 0.0  # when the last open call ended (the linger counts from there)
+        self.last_read = float("-inf")  # time.monotonic(): the last frame from the server, or the opening
         self.pings = 0  # sent; `pings - pongs` are in flight
         self.pongs = 0
 
@@ -237,6 +238,7 @@ class ManyStream:
 
     def _start(self) -> None:
         call = self._call = self._open_call()
+        self.last_read = time.monotonic()
         writes = self._writes = asyncio.Queue()
         self._tasks = [
             asyncio.create_task(self._write_loop(call, writes)),
@@ -275,7 +277,7 @@ class ManyStream:
     async def _read_loop(self, call: Any) -> None:
         try:
             async for reply in call:
-                self._last_io = time.monotonic()
+                self._last_io = self.last_read = time.monotonic()
                 if reply.stream == 0:
                     self.pongs += 1
                     continue

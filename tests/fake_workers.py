@@ -3,7 +3,8 @@
 A `FakePrefill` answers GetLoad and GetKVEvents from a block set the test controls (`store`), numbered
 batches under a random epoch, a snapshot on a gap or another epoch, as a real prefill worker does. A
 `FakeDecode` answers GenerateMany (on serving/mux.py's shared stream) with `tokens` tokens, `delay_s` apart,
-and records which prefill worker each call names.
+and records which prefill worker each call names. Either can refuse or stall its GetLoad answers, and a
+FakeDecode's streams can go mute.
 """
 
 from __future__ import annotations
@@ -33,9 +34,14 @@ class _Load:
         self.epoch = secrets.randbits(63) or 1
         self.draining = False
         self.polls = 0
+        self.load_refusal: grpc.StatusCode | None = None  # GetLoad fails with this (a server shutting down)
+        self.load_delay_s = 0.0  # GetLoad answers this late (a busy or wedged worker)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         self.polls += 1
+        if self.load_refusal is not None:
+            await context.abort(self.load_refusal, "refused")
+        await asyncio.sleep(self.load_delay_s)
         return pb.WorkerLoad(
             role=self.role,
             num_free_blocks=1000,
@@ -86,9 +92,12 @@ class FakeDecode(_Load, pb_grpc.DecodeServicer):
         self.prefill_of: dict[str, str] = {}  # request id -> the prefill worker it named
         self.cancelled: list[str] = []
         self.open = 0
+        self.mute = False  # its streams send nothing more, pongs included (a wedged worker)
 
     async def GenerateMany(self, frames, context: grpc.aio.ServicerContext):
         async for reply in serve_many(frames, self._generate, pb.DecodeReply, "chunk"):
+            if self.mute:
+                await asyncio.Event().wait()  # until the caller cancels the stream
             yield reply
 
     async def _generate(

@@ -473,6 +473,61 @@ def test_a_decode_worker_that_dies_and_returns_on_its_address(caplog: pytest.Log
     assert len(messages(caplog, "is up again")) == 1
 
 
+async def _stream(h: Harness, ids: list[int], n: int) -> list[int]:
+    """The token ids of an n-token greedy call through the router."""
+    req = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+    )
+    return [t async for r in h.stub.Generate(req, timeout=30) for t in r.token_ids]
+
+
+@pytest.mark.slow  # seconds of streaming on real servers
+def test_a_decode_worker_that_refuses_polls_still_finishes_the_calls_on_its_stream() -> None:
+    """A draining worker's server refuses new calls (its polls among them) while its last tokens are on their
+    way: it is routed around at once, and the calls on its stream end whole."""
+
+    async def main() -> None:
+        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=0.5) as h:
+            worker, address = h.decode[0]
+            worker.tokens, worker.delay_s = 40, 0.05  # 2 s, four TTLs
+            call = asyncio.ensure_future(_stream(h, prompt(8), 40))
+            await h.wait_for("the call to be open", lambda: worker.open == 1)
+            worker.load_refusal = grpc.StatusCode.UNAVAILABLE
+            await h.wait_for("the worker down", lambda: h.servicer.workers.state(address) is State.DOWN)
+            assert worker.open == 1
+            assert len(await call) == 40
+            assert not worker.cancelled
+
+    run(main())
+
+
+@pytest.mark.slow  # seconds of streaming on real servers
+def test_a_decode_worker_whose_polls_stall_stays_up_while_its_stream_streams() -> None:
+    """Polls that time out for longer than the TTL do not cut a worker whose stream carries frames (a busy
+    worker's event loop), but once its stream is silent too, its calls fail with a plain UNAVAILABLE."""
+
+    async def main() -> None:
+        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=0.5) as h:
+            worker, address = h.decode[0]
+            worker.tokens, worker.delay_s = 40, 0.05
+            worker.load_delay_s = 3.0  # each poll times out after 1 s
+            assert len(await _stream(h, prompt(8), 40)) == 40
+            assert not worker.cancelled
+            worker.load_delay_s = 0.0
+            await h.wait_for("the worker up", lambda: h.servicer.workers.state(address) is State.UP)
+            call = asyncio.ensure_future(_stream(h, prompt(9), 40))
+            await h.wait_for("the call to be open", lambda: worker.open == 1)
+            worker.load_delay_s, worker.mute = 3.0, True  # wedged: nothing on the stream, no answers
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(call, 10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == f"decode worker {address} became unavailable; retry the request"
+            assert h.servicer.workers.state(address) is State.DOWN
+
+    run(main())
+
+
 async def _not_serving(h: Harness) -> bool:
     return await h.health() != SERVING
 
