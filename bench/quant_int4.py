@@ -288,10 +288,15 @@ def sweep_mma(out_dir: Path | None) -> None:
 
     from bench.kernels import time_us
     from bench.record import record
-    from kernels.w4a16_mma import config, w4a16_mma
+    from kernels.w4a16_mma import RING, config, w4a16_mma
 
-    def key(fold: bool, w: int, u: int, pair: bool = False) -> str:
-        return f"{'F' if fold else 'X'}W{w}U{u}" + ("P" if pair else "")
+    # (chunks a step, two blocks a program, ring stages): the register path's three, and the ring's
+    swept = [(1, False, 0), (2, False, 0), (1, True, 0)] + [
+        (1, p, r) for p in (False, True) for r in (2, 4, 8)
+    ]
+
+    def key(fold: bool, w: int, u: int, pair: bool = False, ring: int = 0) -> str:
+        return f"{'F' if fold else 'X'}W{w}U{u}" + ("P" if pair else "") + (f"R{ring}" if ring else "")
 
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     found: dict[str, dict[str, float]] = {}
@@ -300,18 +305,22 @@ def sweep_mma(out_dir: Path | None) -> None:
         for name, (k, n) in LAYER.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {
-                key(fold, w, u, pair): round(
+                key(fold, w, u, pair, ring): round(
                     time_us(
-                        [partial(w4a16_mma, x, ws[name], None, w, u, fold, None, pair=pair) for ws in sets]
+                        [
+                            partial(w4a16_mma, x, ws[name], None, w, u, fold, None, pair=pair, ring=ring)
+                            for ws in sets
+                        ]
                     ),
                     2,
                 )
                 for fold in (True, False)
                 for w in (4, 8)
-                for u, pair in ((1, False), (2, False), (1, True))
+                for u, pair, ring in swept
             }
             w, u, fold, pair = config(m, n, k, x.device)
-            row["config"] = row[key(fold, w, 1 if pair else u, pair)]
+            ring = RING
+            row["config"] = row[key(fold, w, 1 if pair or ring else u, pair, ring)]
             found[f"M={m} {name}"] = row
             picked += row["config"] if m == 1 else 0.0
             best += min(v for key, v in row.items() if key != "config") if m == 1 else 0.0
@@ -322,8 +331,9 @@ def sweep_mma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-mma",
         extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
                        "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
-                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; "
-                       "config: what kernels/w4a16_mma.config picks", "configs": found},
+                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; R the "
+                       "words through a shared-memory ring of that many stages; config: what "
+                       "kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 
@@ -478,15 +488,22 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
 
 
 def child(
-    quantization: str, timeout: float, kernels: bool = False, pdl: bool = True, fused_norms: bool = True
+    quantization: str,
+    timeout: float,
+    kernels: bool = False,
+    pdl: bool = True,
+    fused_norms: bool = True,
+    ring: int | None = None,
 ) -> dict[str, Any]:
     """pdl=False: every kernel launched plainly (PDSERVE_PDL=0, kernels/pdl.py); fused_norms=False: the norms in
-    kernels of their own (PDSERVE_FUSED_NORMS=0, engine/model.py)."""
+    kernels of their own (PDSERVE_FUSED_NORMS=0, engine/model.py); ring: the W4A16 kernel's words through a
+    shared-memory ring of that many stages (PDSERVE_W4A16_RING, kernels/w4a16_mma.py)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
         env = {**os.environ, **({} if pdl else {"PDSERVE_PDL": "0"})}
         env.update({} if fused_norms else {"PDSERVE_FUSED_NORMS": "0"})
+        env.update({} if ring is None else {"PDSERVE_W4A16_RING": str(ring)})
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
             return {"error": f"engine ({quantization}): exit {proc.returncode}"}
@@ -495,11 +512,14 @@ def child(
 
 def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
+    from kernels.w4a16_mma import RING
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
     plain, bf16_plain = child("awq", 400, pdl=False), child("none", 400, pdl=False)
     own_norms = child("awq", 400, fused_norms=False)
+    other_ring = child("awq", 400, ring=0 if RING else 4)  # the ring against none, whichever is the default
     found = {
+        f"int4_ring{0 if RING else 4}": other_ring,
         "bf16": bf16,
         "int4": int4,
         "int4_lm_head": head,
@@ -519,7 +539,9 @@ def engines(out_dir: Path | None) -> list[tuple]:
                "pdl_speedup_bf16": bf16["tok_s"] / bf16_plain["tok_s"],
                "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"],
                "int4_norms_in_kernels_of_their_own": own_norms,
-               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"]},
+               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"],
+               "w4a16_ring_stages": RING, f"int4_ring{0 if RING else 4}": other_ring,
+               "ring_speedup": (other_ring["tok_s"] / int4["tok_s"]) ** (-1 if RING else 1)},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -536,6 +558,8 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
             ("  int4 norms in own kernels", own_norms["tok_s"], bf16["tok_s"], None,
              own_norms["tok_s"] / bf16["tok_s"]),
+            (f"  int4 ring {0 if RING else 4}", other_ring["tok_s"], bf16["tok_s"], None,
+             other_ring["tok_s"] / bf16["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
