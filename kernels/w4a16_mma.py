@@ -459,19 +459,21 @@ def _w4a16_mma_kernel(
             Ua = gl.load(ptrs, mask=mask, other=0)
         ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
         total_u = gl.zeros([W, 16, BN], gl.float32, MMA)  # block cu's partial sums
-    if RING > 0:  # one chunk (of each block) a step: words through the ring, the rest a step ahead
+    if RING > 0:  # the first RING steps' words into the ring, before the wait
         gl.static_assert(U == 1, "the ring takes one chunk a step")
-        for i in gl.static_range(RING):  # the first RING steps' words, before the wait
+        for i in gl.static_range(RING):
             _ring_put(qw_ptr, c, i * W, n_chunks, K, off0 + i * SLOT, P0, P1, P2, P3, P4, W, Q)
             if TWO:
                 _ring_put(qw_ptr, cu, i * W, n_chunks, K, off0 + i * SLOT + LANES, P0, P1, P2, P3, P4, W, Q)
             _commit()
+    if U == 1:
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         rstd, R, R_u = _after_wait(
             sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
         )
+    if RING > 0:  # one chunk (of each block) a step: words through the ring, the rest a step ahead
         for ch in range(0, n_chunks, W):
             at = off0 + ((ch // W) % RING) * SLOT
             _wait_ring(RING - 1)  # this step's group has landed
@@ -500,12 +502,6 @@ def _w4a16_mma_kernel(
             _commit()
         _wait_ring(0)  # no copy lands after the ring's bytes are given back
     elif U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
-        if PDL:
-            _wait_for_primary()
-        Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
-        rstd, R, R_u = _after_wait(
-            sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
-        )
         for ch in range(0, n_chunks, W):
             P = Pa
             B = Ba
