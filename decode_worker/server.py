@@ -55,7 +55,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
     async def GenerateMany(self, frames, context: grpc.aio.ServicerContext):
         """Generate calls multiplexed on one stream (the router's; serving/mux.py)."""
-        async for reply in serve_many(frames, self._admitted, pb.DecodeReply, "chunk", self.drain.started):
+        replies = serve_many(frames, self._admitted, pb.DecodeReply, "chunk", self.drain.started)
+        async for reply in self.drain.shared(replies):
             yield reply
 
     async def _generate(self, request: pb.DecodeRequest):

@@ -79,9 +79,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     async def PrefillMany(self, frames, context: grpc.aio.ServicerContext):
         """Prefill calls multiplexed on one stream (a decode worker's; serving/mux.py)."""
-        async for reply in serve_many(
-            frames, self._admitted, pb.PrefillReply, "response", self.drain.started
-        ):
+        replies = serve_many(frames, self._admitted, pb.PrefillReply, "response", self.drain.started)
+        async for reply in self.drain.shared(replies):
             yield reply
 
     async def _prefill(self, request: pb.PrefillRequest, later: AsyncIterator[pb.PrefillRequest]):

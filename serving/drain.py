@@ -4,14 +4,16 @@
 handler with `admit`, so a request that arrived before the drain runs to its end (a decode worker's
 stream, a prefill worker's KV for a request already admitted there, its later grant included) and a new
 one is refused with UNAVAILABLE "server shutting down". Shared streams (serving/mux.py: serve_many) end
-once the drain has begun and none of their calls is left, so no stream is cut by the server stopping.
+once the drain has begun and none of their calls is left; the servicers count them (`shared`), and the
+server stops only once they have ended (`wait_streams_ended`), so no stream is cut by the server stopping,
+nor by its grace running out while its last frames are on their way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -32,6 +34,9 @@ class Drain:
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._streams = 0  # shared streams open (`shared`)
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     @property
     def active(self) -> int:
@@ -49,6 +54,28 @@ class Drain:
         except TimeoutError:
             return False
         return True
+
+    async def wait_streams_ended(self, timeout: float) -> bool:
+        """True once no shared stream is open; False if some still are after `timeout` seconds."""
+        if self._no_streams.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def shared(self, replies: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
+        """A shared stream's replies (serving/mux.py: serve_many), counted while it is open."""
+        self._streams += 1
+        self._no_streams.clear()
+        try:
+            async for reply in replies:
+                yield reply
+        finally:
+            self._streams -= 1
+            if not self._streams:
+                self._no_streams.set()
 
     def admit(self, handler: Handler) -> Handler:
         """`handler(request, later)` refused while draining, and counted while it runs."""

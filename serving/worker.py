@@ -107,6 +107,8 @@ async def run_worker(
     watch.cancel()
     mark_serving(health, [service_name], serving=False)
     await _drain(engine, drain, drain_timeout_s)
+    if not await drain.wait_streams_ended(_UNWIND_S):  # each ends once its calls have (serving/mux.py)
+        logger.warning("shared streams still open after the drain: the server's stop ends them")
     await servicer.close()
     await server.stop(grace=_STOP_GRACE_S)
     await engine.shutdown()
