@@ -487,39 +487,34 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     }
 
 
-def child(
-    quantization: str,
-    timeout: float,
-    kernels: bool = False,
-    pdl: bool = True,
-    fused_norms: bool = True,
-    ring: int | None = None,
-) -> dict[str, Any]:
-    """pdl=False: every kernel launched plainly (PDSERVE_PDL=0, kernels/pdl.py); fused_norms=False: the norms in
-    kernels of their own (PDSERVE_FUSED_NORMS=0, engine/model.py); ring: the W4A16 kernel's words through a
-    shared-memory ring of that many stages (PDSERVE_W4A16_RING, kernels/w4a16_mma.py)."""
+def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str) -> dict[str, Any]:
+    """One engine part in a process of its own, with kernel knobs (kernels/_backend.py) set in its environment:
+    PDSERVE_PDL="0" launches every kernel plainly, PDSERVE_FUSED_NORMS="0" keeps the norms in kernels of their
+    own, PDSERVE_W4A16_RING the int4 kernel's ring stages, PDSERVE_FUSED_ROTARY="1" rotary in the decode kernel."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
-        env = {**os.environ, **({} if pdl else {"PDSERVE_PDL": "0"})}
-        env.update({} if fused_norms else {"PDSERVE_FUSED_NORMS": "0"})
-        env.update({} if ring is None else {"PDSERVE_W4A16_RING": str(ring)})
+        env = {**os.environ, **knobs}
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
-            return {"error": f"engine ({quantization}): exit {proc.returncode}"}
+            return {"error": f"engine ({quantization}, {knobs}): exit {proc.returncode}"}
         return json.loads(Path(f.name).read_text())
 
 
 def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
+    from kernels._backend import FUSED_ROTARY
     from kernels.w4a16_mma import RING
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
-    plain, bf16_plain = child("awq", 400, pdl=False), child("none", 400, pdl=False)
-    own_norms = child("awq", 400, fused_norms=False)
-    other_ring = child("awq", 400, ring=0 if RING else 4)  # the ring against none, whichever is the default
+    plain, bf16_plain = child("awq", 400, PDSERVE_PDL="0"), child("none", 400, PDSERVE_PDL="0")
+    own_norms = child("awq", 400, PDSERVE_FUSED_NORMS="0")
+    other_ring = child("awq", 400, PDSERVE_W4A16_RING="0" if RING else "4")  # against the default
+    rotary = {q: child(q, 400, PDSERVE_FUSED_ROTARY="0" if FUSED_ROTARY else "1") for q in ("awq", "none")}
     found = {
         f"int4_ring{0 if RING else 4}": other_ring,
+        f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
+        f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
         "bf16": bf16,
         "int4": int4,
         "int4_lm_head": head,
@@ -541,7 +536,10 @@ def engines(out_dir: Path | None) -> list[tuple]:
                "int4_norms_in_kernels_of_their_own": own_norms,
                "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"],
                "w4a16_ring_stages": RING, f"int4_ring{0 if RING else 4}": other_ring,
-               "ring_speedup": (other_ring["tok_s"] / int4["tok_s"]) ** (-1 if RING else 1)},
+               "ring_speedup": (other_ring["tok_s"] / int4["tok_s"]) ** (-1 if RING else 1),
+               "fused_rotary": FUSED_ROTARY, f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
+               f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
+               "ratio_other_rotary": rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -560,6 +558,8 @@ def engines(out_dir: Path | None) -> list[tuple]:
              own_norms["tok_s"] / bf16["tok_s"]),
             (f"  int4 ring {0 if RING else 4}", other_ring["tok_s"], bf16["tok_s"], None,
              other_ring["tok_s"] / bf16["tok_s"]),
+            (f"  both rotary fused {not FUSED_ROTARY}", rotary["awq"]["tok_s"], rotary["none"]["tok_s"], None,
+             rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
@@ -570,7 +570,11 @@ def decode_kernels(out_dir: Path | None) -> None:
     wait for the one before)."""
     from bench.record import record
 
-    found = {(q, pdl): child(q, 400, kernels=True, pdl=pdl) for q in ("awq", "none") for pdl in (True, False)}
+    found = {
+        (q, pdl): child(q, 400, kernels=True, **({} if pdl else {"PDSERVE_PDL": "0"}))
+        for q in ("awq", "none")
+        for pdl in (True, False)
+    }
     if any("error" in part for part in found.values()):
         print([part.get("error") for part in found.values()], flush=True)
         return

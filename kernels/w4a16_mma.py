@@ -45,7 +45,6 @@ interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul re
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +64,7 @@ MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
 SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
-# stages of the shared-memory ring that carries the words (0: none; 1, 2, 4 or 8): off until an H200 sweep picks it
-RING = int(os.environ.get("PDSERVE_W4A16_RING", "0"))
+RING = _backend.W4A16_RING  # stages of the shared-memory ring that carries the words (0: none; 1, 2, 4 or 8)
 RINGS = (0, 1, 2, 4, 8)
 
 

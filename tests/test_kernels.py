@@ -237,3 +237,115 @@ def test_engine_attention_mixed_step_reads_decode_rows_with_the_decode_kernel(mo
             torch.tensor([s_lens[i]], dtype=torch.int32), torch.tensor([tables[i]], dtype=torch.int32), 0.125,
         )  # fmt: skip
         torch.testing.assert_close(got[rows], want.flatten(1), **TOL)
+
+
+# ---- rotary and the KV write in the decode kernel (RotaryWrite) ---------------------------------------------
+
+
+# (dtype, fp8 cache, num_heads, num_kv_heads, head_dim, num_splits); the interpreter's bf16 dots are not the GPU's
+# (tests/gpu runs bf16)
+ROTARY_CASES = [
+    (torch.float32, False, 6, 2, 64, 1),
+    (torch.float16, False, 8, 2, 128, 3),
+    (torch.float16, True, 4, 4, 64, 1),
+    (torch.float32, True, 8, 1, 128, 2),
+]
+
+
+@pytest.mark.parametrize("dtype,fp8,num_heads,num_kv_heads,head_dim,num_splits", ROTARY_CASES)
+def test_decode_kernel_rotates_and_writes_as_rotary_kv_write_then_decode(
+    dtype, fp8, num_heads, num_kv_heads, head_dim, num_splits
+):
+    """A decode step whose kernel rotates q and k and writes the new K and V itself leaves the cache byte for byte
+    as the rotary-and-write kernel does, and attends to the same output bit for bit: split or not, fp8 or
+    16-bit, with an empty row (slot -1) that writes nothing. The torch path (rotate and write, then attend)
+    agrees."""
+    from kernels.paged_decode_attention import RotaryWrite, paged_decode_attention
+    from kernels.rotary_kv_write import rotary_kv_write_triton
+
+    torch.manual_seed(0)
+    bs = 16
+    seq_lens = torch.tensor([37, 1, 60, 0], dtype=torch.int32)
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 0, 0, 0]], dtype=torch.int32)
+    cache = (torch.randn(2, 12, bs, num_kv_heads, head_dim) * 2).to(torch.float8_e4m3fn if fp8 else dtype)
+    scale = torch.tensor([0.7, 1.3]) if fp8 else None
+    pos = (seq_lens - 1).clamp(min=0).long()
+    slots = torch.tensor(
+        [int(tables[i, p // bs]) * bs + p % bs if seq_lens[i] > 0 else -1 for i, p in enumerate(pos.tolist())]
+    )
+    n, q_size, kv_size = len(seq_lens), num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = torch.randn(n, q_size + 2 * kv_size).to(dtype).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = q.view(n, num_heads, -1), k.view(n, num_kv_heads, -1), v.view(n, num_kv_heads, -1)
+    cos_sin = torch.randn(100, head_dim)
+    rotary = RotaryWrite(k, v, pos, cos_sin, slots)
+    two_kernels, q_rotated = cache.clone(), q.clone()
+    rotary_kv_write_triton(q_rotated, k, v, pos, cos_sin, two_kernels, slots, kv_scale=scale)
+    want = paged_decode_attention_triton(
+        q_rotated, two_kernels, seq_lens, tables, head_dim**-0.5, num_splits=num_splits, kv_scale=scale
+    )
+    fused, q_before = cache.clone(), q.clone()
+    got = paged_decode_attention_triton(
+        q, fused, seq_lens, tables, head_dim**-0.5, num_splits=num_splits, kv_scale=scale, rotary=rotary
+    )
+    assert torch.equal(fused.view(torch.uint8), two_kernels.view(torch.uint8))
+    assert torch.equal(got, want) and torch.equal(q, q_before)  # q is rotated in registers only
+    by_torch = cache.clone()
+    _backend_path = _backend.FORCED_BACKEND
+    try:
+        _backend.FORCED_BACKEND = "torch"
+        ref = paged_decode_attention(
+            q.clone(), by_torch, seq_lens, tables, head_dim**-0.5, kv_scale=scale, rotary=rotary
+        )
+    finally:
+        _backend.FORCED_BACKEND = _backend_path
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(ref.float(), got.float(), **tol)
+
+
+def test_rotary_write_refuses_what_does_not_fit():
+    from kernels.paged_decode_attention import RotaryWrite
+
+    q, cache = torch.randn(2, 4, 64), torch.zeros(2, 4, 16, 2, 64)
+    good = dict(positions=torch.zeros(2, dtype=torch.long), cos_sin_cache=torch.randn(8, 64))
+    bad_kv = RotaryWrite(torch.randn(2, 1, 64), torch.randn(2, 1, 64), slot_mapping=torch.zeros(2), **good)
+    with pytest.raises(ValueError, match="RotaryWrite: k"):
+        paged_decode_attention_triton(q, cache, torch.ones(2, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                                      0.125, rotary=bad_kv)  # fmt: skip
+    assert not RotaryWrite.applies(80) and RotaryWrite.applies(64) and RotaryWrite.applies(128)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_with_rotary_in_the_decode_kernel_equals_transformers(tmp_path, monkeypatch, arch):
+    """PDSERVE_FUSED_ROTARY=1 on the Triton path (interpreted): decode steps hand RotaryWrite to the decode kernel
+    and skip the rotary-and-write kernel, and greedy output is transformers'."""
+    import kernels.paged_decode_attention as pda
+    from engine import LLM, SamplingParams
+    from engine import model as model_module
+    from tests.hf_reference import hf_greedy, tiny_random_model_dir
+
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    prompts = [[5, 9, 23, 7], [11, 3, 8, 2, 19, 4, 6]]
+    want = hf_greedy(model_dir, prompts, [12, 12])
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", "triton")
+    monkeypatch.setattr(_backend, "FUSED_ROTARY", True)
+    fused, unfused = [], []
+    real_decode, real_write = pda.paged_decode_attention_triton, model_module.rotary_kv_write
+
+    def decode(*args, **kwargs):
+        fused.append(kwargs.get("rotary") is not None)
+        return real_decode(*args, **kwargs)
+
+    def write(q, *args, **kwargs):
+        unfused.append(q.shape[0])
+        return real_write(q, *args, **kwargs)
+
+    monkeypatch.setattr(pda, "paged_decode_attention_triton", decode)
+    monkeypatch.setattr(model_module, "rotary_kv_write", write)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=128, enforce_eager=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    )
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert fused and all(fused)  # every decode step's kernel rotated and wrote
+    assert sum(unfused) == sum(len(p) for p in prompts) * 2  # the prompts' tokens only, in both layers

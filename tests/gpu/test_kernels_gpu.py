@@ -213,3 +213,41 @@ def test_engine_attention_triton_vs_torch(monkeypatch):
         ]
     for got, want in zip(outs["triton"], outs["torch"], strict=True):
         check(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_seqs,max_len,num_splits", [(1, 300, 1), (1, 1000, 8), (8, 64, 1), (4, 2048, 4)])
+def test_decode_kernel_rotates_and_writes_as_the_two_kernels(fp8, dtype, num_seqs, max_len, num_splits):
+    """The decode kernel rotating q and k and writing the new K and V (RotaryWrite) leaves the cache and the
+    output the rotary-and-write kernel and the plain decode kernel leave, at Llama-3-8B's heads."""
+    from kernels.paged_decode_attention import RotaryWrite
+    from kernels.rotary_kv_write import rotary_kv_write_triton
+
+    torch.manual_seed(num_seqs * max_len)
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    seq_lens = torch.randint(1, max_len + 1, (num_seqs,), dtype=torch.int32, device="cuda")
+    blocks = -(-max_len // bs)
+    tables = torch.randperm(num_seqs * blocks, device="cuda").int().view(num_seqs, blocks)
+    cache = (torch.randn(2, num_seqs * blocks, bs, kv_heads, d, device="cuda") * 2).to(
+        torch.float8_e4m3fn if fp8 else dtype
+    )
+    scale = torch.tensor([0.7, 1.3], device="cuda") if fp8 else None
+    pos = (seq_lens - 1).long()
+    slots = tables.gather(1, (pos // bs).view(-1, 1).int()).view(-1).long() * bs + pos % bs
+    qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * d, device="cuda").to(dtype)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.view(num_seqs, heads, d), k.view(num_seqs, kv_heads, d), v.view(num_seqs, kv_heads, d)
+    cos_sin = torch.randn(4096, d, device="cuda")
+    two, q_rot = cache.clone(), q.clone()
+    rotary_kv_write_triton(q_rot, k, v, pos, cos_sin, two, slots, kv_scale=scale)
+    want = paged_decode_attention_triton(
+        q_rot, two, seq_lens, tables, d**-0.5, num_splits=num_splits, kv_scale=scale
+    )
+    one = cache.clone()
+    got = paged_decode_attention_triton(
+        q, one, seq_lens, tables, d**-0.5, num_splits=num_splits, kv_scale=scale,
+        rotary=RotaryWrite(k, v, pos, cos_sin, slots),
+    )  # fmt: skip
+    assert torch.equal(one.view(torch.uint8), two.view(torch.uint8))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
