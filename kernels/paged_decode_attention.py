@@ -78,6 +78,7 @@ def _paged_decode_kernel(
     # sizes
     qk_scale,
     partition_size,
+    max_position,  # ROTARY: cos_sin's rows
     # strides
     stride_o_seq,
     stride_o_head,
@@ -130,6 +131,7 @@ def _paged_decode_kernel(
     pairs = tl.arange(0, BLOCK_D // 2)
     if ROTARY:  # neox halves of head_dim (a power of two here), rotated as kernels/rotary_kv_write.py rotates
         pos = tl.load(positions_ptr + seq).to(tl.int64)
+        pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)  # in bounds whatever the caller passes
         half_ok = pairs < HEAD_DIM // 2
         cs = cos_sin_ptr + pos * stride_cs_pos + pairs
         cos = tl.load(cs, mask=half_ok, other=0.0).to(tl.float32)
@@ -371,7 +373,7 @@ def paged_decode_attention_triton(
         rot_args, rot_strides = (query, query, seq_lens, seq_lens, query), (0, 0, 0, 0, 0)
     _paged_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part, ml, query, kv_cache, seq_lens, block_tables, scale_ptr, *rot_args,
-        scale * LOG2E, partition,
+        scale * LOG2E, partition, rotary.cos_sin_cache.shape[0] if rotary is not None else 1,
         out.stride(0), out.stride(1), *ws_strides,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),

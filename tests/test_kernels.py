@@ -277,9 +277,11 @@ def test_decode_kernel_rotates_and_writes_as_rotary_kv_write_then_decode(
     q, k, v = torch.randn(n, q_size + 2 * kv_size).to(dtype).split([q_size, kv_size, kv_size], dim=-1)
     q, k, v = q.view(n, num_heads, -1), k.view(n, num_kv_heads, -1), v.view(n, num_kv_heads, -1)
     cos_sin = torch.randn(100, head_dim)
-    rotary = RotaryWrite(k, v, pos, cos_sin, slots)
+    rope_pos = pos.clone()
+    rope_pos[2] = 10**6  # past the cache's rows: both kernels clamp it
+    rotary = RotaryWrite(k, v, rope_pos, cos_sin, slots)
     two_kernels, q_rotated = cache.clone(), q.clone()
-    rotary_kv_write_triton(q_rotated, k, v, pos, cos_sin, two_kernels, slots, kv_scale=scale)
+    rotary_kv_write_triton(q_rotated, k, v, rope_pos, cos_sin, two_kernels, slots, kv_scale=scale)
     want = paged_decode_attention_triton(
         q_rotated, two_kernels, seq_lens, tables, head_dim**-0.5, num_splits=num_splits, kv_scale=scale
     )
@@ -293,8 +295,9 @@ def test_decode_kernel_rotates_and_writes_as_rotary_kv_write_then_decode(
     _backend_path = _backend.FORCED_BACKEND
     try:
         _backend.FORCED_BACKEND = "torch"
+        clamped = RotaryWrite(k, v, rope_pos.clamp(max=cos_sin.shape[0] - 1), cos_sin, slots)
         ref = paged_decode_attention(
-            q.clone(), by_torch, seq_lens, tables, head_dim**-0.5, kv_scale=scale, rotary=rotary
+            q.clone(), by_torch, seq_lens, tables, head_dim**-0.5, kv_scale=scale, rotary=clamped
         )
     finally:
         _backend.FORCED_BACKEND = _backend_path
