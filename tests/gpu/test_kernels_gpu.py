@@ -234,7 +234,7 @@ def test_decode_kernel_rotates_and_writes_as_the_two_kernels(fp8, dtype, num_seq
     )
     scale = torch.tensor([0.7, 1.3], device="cuda") if fp8 else None
     pos = (seq_lens - 1).long()
-    slots = tables.gather(1, (pos // bs).view(-1, 1).int()).view(-1).long() * bs + pos % bs
+    slots = tables.gather(1, (pos // bs).view(-1, 1)).view(-1).long() * bs + pos % bs
     qkv = torch.randn(num_seqs, (heads + 2 * kv_heads) * d, device="cuda").to(dtype)
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q, k, v = q.view(num_seqs, heads, d), k.view(num_seqs, kv_heads, d), v.view(num_seqs, kv_heads, d)
