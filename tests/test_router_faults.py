@@ -488,15 +488,15 @@ def test_a_decode_worker_that_refuses_polls_still_finishes_the_calls_on_its_stre
     way: it is routed around at once, and the calls on its stream end whole."""
 
     async def main() -> None:
-        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=0.5) as h:
+        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=1.0) as h:
             worker, address = h.decode[0]
-            worker.tokens, worker.delay_s = 40, 0.05  # 2 s, four TTLs
-            call = asyncio.ensure_future(_stream(h, prompt(8), 40))
+            worker.tokens, worker.delay_s = 60, 0.05  # 3 s, three TTLs
+            call = asyncio.ensure_future(_stream(h, prompt(8), 60))
             await h.wait_for("the call to be open", lambda: worker.open == 1)
             worker.load_refusal = grpc.StatusCode.UNAVAILABLE
             await h.wait_for("the worker down", lambda: h.servicer.workers.state(address) is State.DOWN)
             assert worker.open == 1
-            assert len(await call) == 40
+            assert len(await call) == 60
             assert not worker.cancelled
 
     run(main())
@@ -508,15 +508,15 @@ def test_a_decode_worker_whose_polls_stall_stays_up_while_its_stream_streams() -
     worker's event loop), but once its stream is silent too, its calls fail with a plain UNAVAILABLE."""
 
     async def main() -> None:
-        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=0.5) as h:
+        async with running_router(n_prefill=1, poll_s=0.1, heartbeat_ttl_s=1.0) as h:
             worker, address = h.decode[0]
-            worker.tokens, worker.delay_s = 40, 0.05
+            worker.tokens, worker.delay_s = 60, 0.05
             worker.load_delay_s = 3.0  # each poll times out after 1 s
-            assert len(await _stream(h, prompt(8), 40)) == 40
+            assert len(await _stream(h, prompt(8), 60)) == 60
             assert not worker.cancelled
             worker.load_delay_s = 0.0
             await h.wait_for("the worker up", lambda: h.servicer.workers.state(address) is State.UP)
-            call = asyncio.ensure_future(_stream(h, prompt(9), 40))
+            call = asyncio.ensure_future(_stream(h, prompt(9), 60))
             await h.wait_for("the call to be open", lambda: worker.open == 1)
             worker.load_delay_s, worker.mute = 3.0, True  # wedged: nothing on the stream, no answers
             with pytest.raises(grpc.aio.AioRpcError) as err:
