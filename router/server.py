@@ -5,9 +5,10 @@ Workers are found by address (flags); a poller asks each for its load every `pol
 learns in the router's own table (router/workers.py): a worker is routed to from its first answer, and
 dropped when it stops answering (at once when nobody listens there, or after `heartbeat_ttl_s` with its
 decode stream silent too) or its decode stream breaks. The calls already on a stream go on while it carries
-frames: a draining worker refuses polls while its last tokens are still on their way. The prefix index (in memory or Redis) is heartbeated too and says who holds which
-blocks; when it fails, routing goes on by load alone (router/fallback_index.py). `n > 1` fans out into n
-decode requests (seeds seed, seed+1, ...); the prefill worker's prefix cache makes the copies cheap.
+frames: a draining worker refuses polls while its last tokens are still on their way. The prefix index (in
+memory or Redis) is heartbeated too and says who holds which blocks; when it fails, routing goes on by load
+alone (router/fallback_index.py). `n > 1` fans out into n decode requests (seeds seed, seed+1, ...); the
+prefill worker's prefix cache makes the copies cheap.
 """
 
 from __future__ import annotations

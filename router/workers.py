@@ -42,7 +42,8 @@ class WorkerTable:
 
     A worker is UP from its first answer; DRAINING while its answers say so (live, but given nothing new);
     DOWN once a poll fails with UNAVAILABLE (nobody listens there), its decode stream breaks, or it has not
-    answered a poll, nor sent a frame on its decode stream (`heard`), for `ttl_s`. Each change is logged once and counted.
+    answered a poll, nor sent a frame on its decode stream (`heard`), for `ttl_s`. Each change is logged once
+    and counted.
     """
 
     def __init__(

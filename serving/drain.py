@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,23 +25,49 @@ SHUTTING_DOWN = "server shutting down"
 Handler = Callable[[Any, Any], AsyncGenerator[Any, None]]
 
 
+class _Count:
+    """How many of something are open, and an event set while none is."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self.n += 1
+        self._none.clear()
+        try:
+            yield
+        finally:
+            self.n -= 1
+            if not self.n:
+                self._none.set()
+
+    async def wait_none(self, timeout: float) -> bool:
+        """True once none is open; False if some still are after `timeout` seconds."""
+        if self._none.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._none.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
 class Drain:
     """Which thread: all of it runs on the server's event loop."""
 
     def __init__(self) -> None:
         self.draining = False
         self.started = asyncio.Event()  # set when the drain begins
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._streams = 0  # shared streams open (`shared`)
-        self._no_streams = asyncio.Event()
-        self._no_streams.set()
+        self._requests = _Count()  # admitted and not yet ended (`admit`)
+        self._streams = _Count()  # shared streams open (`shared`)
 
     @property
     def active(self) -> int:
         """Requests admitted and not yet ended."""
-        return self._active
+        return self._requests.n
 
     def start(self) -> None:
         self.draining = True
@@ -49,33 +75,17 @@ class Drain:
 
     async def wait_idle(self, timeout: float) -> bool:
         """True once no admitted request is left; False if some still are after `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._requests.wait_none(timeout)
 
     async def wait_streams_ended(self, timeout: float) -> bool:
         """True once no shared stream is open; False if some still are after `timeout` seconds."""
-        if self._no_streams.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._no_streams.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._streams.wait_none(timeout)
 
     async def shared(self, replies: AsyncIterator[Any]) -> AsyncGenerator[Any, None]:
         """A shared stream's replies (serving/mux.py: serve_many), counted while it is open."""
-        self._streams += 1
-        self._no_streams.clear()
-        try:
+        with self._streams.held():
             async for reply in replies:
                 yield reply
-        finally:
-            self._streams -= 1
-            if not self._streams:
-                self._no_streams.set()
 
     def admit(self, handler: Handler) -> Handler:
         """`handler(request, later)` refused while draining, and counted while it runs."""
@@ -83,15 +93,9 @@ class Drain:
         async def admitted(request: Any, later: Any) -> AsyncGenerator[Any, None]:
             if self.draining:
                 raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-            self._active += 1
-            self._idle.clear()
-            try:
+            with self._requests.held():
                 async with contextlib.aclosing(handler(request, later)) as replies:
                     async for reply in replies:
                         yield reply
-            finally:
-                self._active -= 1
-                if not self._active:
-                    self._idle.set()
 
         return admitted
