@@ -29,6 +29,7 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import accepted_length
 from engine.uploads import upload
 from kernels.kv_quant import FP8_DTYPE
+from kernels.sampling_noise import greedy_argmax
 
 logger = logging.getLogger(__name__)
 
@@ -384,7 +385,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(
                     self.model(ids, pos, meta, self.kv_cache, self.draft_layers)
                 )
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_argmax(logits)
             writes = [n for n, s in enumerate(rows) if items[drafting[s]].num_draft > j]
             if writes:  # the extra pass's tokens are dropped
                 index = upload(torch.tensor([rows[n] for n in writes], dtype=torch.long), self.device)

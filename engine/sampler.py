@@ -29,6 +29,7 @@ from engine.sampling_ops import apply_penalties as penalize
 from engine.sampling_ops import filter_mask as _filter_mask
 from engine.sampling_params import SamplingParams
 from engine.uploads import upload
+from kernels.sampling_noise import greedy_argmax
 
 History = tuple[list[int], list[int]]  # (prompt ids, output ids)
 _WORD = (1 << 64) - 1
@@ -106,7 +107,7 @@ class Sampler:
                 logits = apply_penalties_with(logits, t, params, histories)
             tokens = sample_tokens(logits, t, stages)  # (num_seqs,)
         else:  # every row greedy, nothing to adjust: no knobs to upload
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_argmax(logits)
         top = max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1)
         packed = tokens if top < 0 else _pack([tokens, *logprob_tensors(raw, tokens, top)])
         ready = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling_noise import gumbel_argmax
+from kernels.sampling_noise import greedy_argmax, gumbel_argmax
 from kernels.top_p_cutoff import top_k_top_p_cutoff
 
 INT_KNOBS = ("seed", "position")
@@ -117,7 +117,7 @@ def sample_tokens(logits: torch.Tensor, t: SamplingTensors, stages: Stages) -> t
     """(rows,) int64: greedy rows take the argmax of `logits`, the others the Gumbel-max of their filtered
     softmax(logits / temperature) with noise from (seed, position)."""
     if not stages.sample:
-        return logits.argmax(dim=-1)
+        return greedy_argmax(logits)
     if stages.sort or stages.max_k or stages.min_p:
         threshold = filter_threshold(scaled_logits(logits, t), t, stages)
     else:

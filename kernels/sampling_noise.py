@@ -86,6 +86,7 @@ def _gumbel_argmax_kernel(
     stride_logits_row,
     # meta
     BLOCK: tl.constexpr,
+    GREEDY: tl.constexpr,  # every row greedy: the per-row knobs are never read
 ):
     """Each program: the best (score, index) of one row's block of the vocabulary."""
     row = tl.program_id(0)
@@ -94,12 +95,13 @@ def _gumbel_argmax_kernel(
     live = offs < vocab
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_logits_row + offs, mask=live, other=float("-inf"))
     x = x.to(tl.float32)
-    temperature = tl.load(temperature_ptr + row)
-    if temperature > 0:
-        scaled = tl.math.div_rn(x, temperature)  # IEEE division: the bits torch computes the cutoffs from
-        noise = _noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offs).to(tl.float32)
-        keep = live & (scaled >= tl.load(threshold_ptr + row))
-        x = tl.where(keep, scaled + noise, float("-inf"))
+    if not GREEDY:
+        temperature = tl.load(temperature_ptr + row)
+        if temperature > 0:
+            scaled = tl.math.div_rn(x, temperature)  # IEEE division: the bits torch computes the cutoffs from
+            noise = _noise(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), offs).to(tl.float32)
+            keep = live & (scaled >= tl.load(threshold_ptr + row))
+            x = tl.where(keep, scaled + noise, float("-inf"))
     value, index = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(best_value_ptr + row * num_blocks + block, value)
     tl.store(best_index_ptr + row * num_blocks + block, block * BLOCK + index.to(tl.int64))
@@ -175,6 +177,34 @@ def _check_rows(logits: torch.Tensor, *per_row: torch.Tensor) -> None:
         assert t.device == logits.device, "per-row values on the logits' device"
 
 
+def _blocked_argmax(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    threshold: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    greedy: bool,
+) -> torch.Tensor:  # (rows,) int64
+    """Each row's best of its blocks' bests: ties go to the lowest index, within a block by the kernel's
+    tie-break and across blocks by torch's argmax (the first maximal value), as torch.argmax breaks them."""
+    rows, vocab = logits.shape
+    num_blocks = triton.cdiv(vocab, ARGMAX_BLOCK_V)
+    best_value = torch.empty(rows, num_blocks, dtype=torch.float32, device=logits.device)
+    best_index = torch.empty(rows, num_blocks, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return best_index[:, 0]
+    _gumbel_argmax_kernel[(rows, num_blocks)](
+        logits, temperature, threshold, seeds, positions,
+        best_value, best_index,
+        vocab, num_blocks,
+        logits.stride(0),
+        BLOCK=ARGMAX_BLOCK_V,
+        GREEDY=greedy,
+        num_warps=8,
+    )  # fmt: skip
+    return best_index.gather(1, best_value.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
 def gumbel_argmax_triton(
     logits: torch.Tensor,  # (rows, vocab) float32/bf16/fp16
     temperature: torch.Tensor,  # (rows,) or (rows, 1) float32; 0: greedy
@@ -184,21 +214,24 @@ def gumbel_argmax_triton(
 ) -> torch.Tensor:  # (rows,) int64
     _check(seeds, positions)
     _check_rows(logits, temperature, threshold, seeds)
-    rows, vocab = logits.shape
-    num_blocks = triton.cdiv(vocab, ARGMAX_BLOCK_V)
-    best_value = torch.empty(rows, num_blocks, dtype=torch.float32, device=logits.device)
-    best_index = torch.empty(rows, num_blocks, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return best_index[:, 0]
-    _gumbel_argmax_kernel[(rows, num_blocks)](
+    return _blocked_argmax(
         logits, temperature.contiguous(), threshold.contiguous(), seeds.contiguous(), positions.contiguous(),
-        best_value, best_index,
-        vocab, num_blocks,
-        logits.stride(0),
-        BLOCK=ARGMAX_BLOCK_V,
-        num_warps=8,
+        greedy=False,
     )  # fmt: skip
-    return best_index.gather(1, best_value.argmax(dim=1, keepdim=True)).squeeze(1)
+
+
+def greedy_argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # (rows, vocab) -> (rows,) int64
+    assert logits.dim() == 2 and logits.stride(1) == 1, f"logits {tuple(logits.shape)} rows not contiguous"
+    return _blocked_argmax(logits, logits, logits, logits, logits, greedy=True)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(rows,) int64: torch.argmax(logits, dim=-1), ties to the first index. On CUDA one program per row and
+    4,096-entry block, then an argmax over the blocks' bests: torch's own argmax of one long row runs in
+    one block of threads (27 us for Llama-3-8B's 128,256 entries on the H200, 1.3% of an int4 batch-1 step)."""
+    if logits.dim() == 2 and logits.stride(1) == 1 and _backend.use_triton(logits):
+        return greedy_argmax_triton(logits)
+    return logits.argmax(dim=-1)
 
 
 def gumbel_argmax_reference(

@@ -264,6 +264,26 @@ def test_fused_sampling_kernel_matches_its_reference():
     assert want[1] == scaled[1].argmax()  # only the top token is at or above its threshold
 
 
+def test_greedy_argmax_kernel_is_torch_argmax():
+    """Triton's interpreter here: ties inside a block and across blocks go to the first index, as
+    torch.argmax's do; a vocabulary that ends inside a block; an all -inf row; bf16 logits."""
+    from kernels.sampling_noise import ARGMAX_BLOCK_V, greedy_argmax_triton
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 2 * ARGMAX_BLOCK_V + 123
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1, [7, 9]] = 50.0  # a tie inside the first block
+    logits[2, [ARGMAX_BLOCK_V - 1, ARGMAX_BLOCK_V + 3, vocab - 1]] = 50.0  # ties across blocks
+    logits[3] = -math.inf
+    logits[4, vocab - 1] = 50.0  # the best in the last, partial block
+    want = logits.argmax(dim=-1)
+    assert want.tolist()[1:] == [7, ARGMAX_BLOCK_V - 1, 0, vocab - 1]
+    assert torch.equal(greedy_argmax_triton(logits), want)
+    half = logits.bfloat16()
+    assert torch.equal(greedy_argmax_triton(half), half.argmax(dim=-1))
+    assert greedy_argmax_triton(logits[:0]).shape == (0,)
+
+
 def test_top_k_without_top_p_cuts_only_the_rows_that_ask():
     from engine.sampler import sampling_tensors, stages_of
     from engine.sampling_ops import filter_threshold

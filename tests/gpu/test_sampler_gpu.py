@@ -9,7 +9,7 @@ import torch
 from engine.sampler import Sampler, sampling_tensors, stages_of
 from engine.sampling_ops import sample_tokens
 from engine.sampling_params import SamplingParams
-from kernels.sampling_noise import gumbel_noise_reference, gumbel_noise_triton
+from kernels.sampling_noise import greedy_argmax, gumbel_noise_reference, gumbel_noise_triton
 
 ROWS, VOCAB = 64, 32_000
 CASES = [
@@ -43,6 +43,21 @@ def test_noise_kernel_matches_its_reference_on_the_device():
     ref = gumbel_noise_reference(seeds.cpu(), positions.cpu(), VOCAB)
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-6, atol=1e-6)
     assert (got.cpu() == ref).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torch_argmax_on_the_device(rows, dtype):
+    """Llama-3-8B's vocabulary, ties placed within and across the kernel's blocks: the first index wins."""
+    g = torch.Generator().manual_seed(rows)
+    vocab = 128_256
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    for r in range(rows):
+        ties = torch.randint(0, vocab, (1 + r % 3,), generator=g)
+        logits[r, ties] = 30.0
+    got = greedy_argmax(logits.cuda())
+    assert got.device.type == "cuda"
+    assert got.cpu().tolist() == logits.float().argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("params", CASES)
