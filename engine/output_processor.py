@@ -22,11 +22,15 @@ class TextStream:
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""
         self.stop: str | None = None  # the stop string that ended the text
+        # as vLLM: stop strings are looked for in the text of tokens past the first min_tokens only
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
 
     def add(self, token_id: int, last: bool = False) -> bool:
         """Add a token (last: the completion ends here); True if a stop string now ends the text."""
         if self.stop is not None:
             return False
+        self.num_tokens += 1
         return self._extend(self.detok.add(token_id) + (self.detok.flush() if last else ""))
 
     def finish(self) -> bool:
@@ -39,6 +43,8 @@ class TextStream:
     def _extend(self, delta: str) -> bool:
         start = max(0, len(self.text) - self.longest + 1)  # a stop string may straddle the old text
         self.text += delta
+        if self.num_tokens <= self.min_tokens:
+            return False
         hits = [(at, s) for s in self.stops if (at := self.text.find(s, start)) >= 0]
         if not hits:
             return False

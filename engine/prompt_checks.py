@@ -1,5 +1,6 @@
 """The checks a prompt passes before it runs: it holds a token, it is shorter than max_model_len (so at
-least one output token fits), its ids are in the vocabulary, and what it asks to generate fits beside it.
+least one output token fits), its ids (and its logit bias's) are in the vocabulary, and what it asks to
+generate fits beside it.
 
 Each raises ValueError with the message a user sees: the engine raises them as they are, the router's
 admission (router/admission.py) answers them as INVALID_ARGUMENT. The context-length ones say "this
@@ -41,6 +42,13 @@ def check_vocabulary(prompt_ids: list[int] | np.ndarray, vocab_size: int) -> Non
     if not in_vocab:
         bad = [int(t) for t in prompt_ids if not 0 <= t < vocab_size]
         raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    """A logit bias names tokens of the vocabulary (its values are SamplingParams' to check)."""
+    bad = sorted(t for t in logit_bias or {} if not 0 <= t < vocab_size)
+    if bad:
+        raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def fit_max_tokens(num_tokens: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -7,11 +7,13 @@ logprobs come back in one queued copy. Sampling is the Gumbel-max trick over noi
 the same tokens whatever else shares the batch, alone or batched, on CPU or GPU. A request without a seed
 gets a fresh seed from the sampler's generator at each step. Logprobs are those of the raw model
 distribution (before penalties, temperature and filters). Penalties (repetition, then frequency and
-presence) adjust the logits first, greedy rows too.
+presence) adjust the logits first, greedy rows too; then each row's logit_bias is added and the stops its
+min_tokens holds back go to -inf.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -73,11 +75,12 @@ class Sampler:
         histories: Sequence[History | None] | None = None,
         before_read: Callable[[], None] | None = None,
         positions: Sequence[int] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         """`before_read()` runs once every result is queued on the device (tokens, logprobs, and their
         copies to the host), before the host waits for them: work it queues on this stream runs after
         them and does not delay them (the prefill worker queues its KV copy there)."""
-        pending = self.queue(logits, params, generators, histories, positions)
+        pending = self.queue(logits, params, generators, histories, positions, banned)
         if before_read is not None:
             before_read()
         return pending.result()
@@ -89,13 +92,16 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         histories: Sequence[History | None] | None = None,
         positions: Sequence[int] | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> PendingSample:
         """Queue the sampling of every row and the copy of its results to the host; nothing waits.
 
         The position a row samples is `positions[i]`, else len(prompt) + len(output) of its history (0
         without one); its seed is `params.seed`, else its generator's initial seed, else one drawn from
-        this sampler."""
+        this sampler. `banned[i]`: token ids row i may not take (a request's stops before its min_tokens).
+        Logprobs are the model's own, before penalties, bias and bans (vLLM's raw logprobs)."""
         raw = logits
+        logits = adjust_logits(logits, params, banned)
         stages = stages_of(params, logits.shape[1])
         penalized = histories is not None and any(p.has_penalties for p in params)
         if stages.sample or penalized:
@@ -203,6 +209,32 @@ def sampling_tensors(
     ints = torch.tensor([seeds, positions], dtype=torch.int64).T  # (rows, 2)
     packed = torch.cat([ints, words.reshape(len(params), -1)], dim=1)  # (rows, 6)
     return SamplingTensors.unpack(upload(packed, device))
+
+
+def adjust_logits(
+    logits: torch.Tensor,  # (rows, vocab)
+    params: list[SamplingParams],
+    banned: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """The logits with each row's logit_bias added and its banned tokens at -inf: one upload of (flat index,
+    value) pairs and one out-of-place scatter-add. The logits themselves when no row has either."""
+    rows, vocab = logits.shape
+    index: list[int] = []
+    values: list[float] = []
+    for r, p in enumerate(params):
+        for token, bias in (p.logit_bias or {}).items():
+            if token < vocab:  # checked against the model's vocabulary when the request came in
+                index.append(r * vocab + token)
+                values.append(bias)
+        for token in banned[r] if banned is not None else ():
+            if 0 <= token < vocab:  # a stop token id past the vocabulary is never sampled anyway
+                index.append(r * vocab + token)
+                values.append(-math.inf)
+    if not index:
+        return logits
+    pairs = upload(torch.tensor([index, values], dtype=torch.float64), logits.device)  # ids exact in float64
+    flat = torch.index_add(logits.float().reshape(-1), 0, pairs[0].long(), pairs[1].float())
+    return flat.view(rows, vocab)
 
 
 def apply_penalties_with(

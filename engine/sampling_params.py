@@ -27,6 +27,10 @@ class SamplingParams:
         1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of prompt + output tokens
     )
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always added)
+    # OpenAI's: token id -> a value in [-100, 100] added to its logit before sampling (greedy too); the
+    # logprobs reported stay the model's own
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0  # vLLM's: EOS, stop tokens and stop strings end nothing before this many tokens
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -51,6 +55,20 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens} and max_tokens "
+                f"{self.max_tokens}"
+            )
+        bias = dict(self.logit_bias or {})
+        for token, value in bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not (isinstance(value, int | float) and -100.0 <= value <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+        self.logit_bias = {t: float(v) for t, v in bias.items()} or None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -64,6 +82,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether its logits change before sampling: penalties, a logit bias, or min_tokens (banned stops)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

@@ -49,6 +49,8 @@ class ScheduledSeq:
     # a drafting request's tokens so far (the sequence's own list, read at launch): a draft model computes
     # the positions its KV lacks from them (engine/model_runner.py: DraftModel.catch_up)
     context: list[int] | None = None
+    # token ids the sampler must not pick for this token: the stops a request's min_tokens holds back
+    banned: tuple[int, ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -305,7 +307,7 @@ class Scheduler:
         nothing), the engine overlaps its steps instead (engine/engine_core.py: run_step)."""
         if self.proposer is None:
             return False
-        rows = [s for s in self.running if s.status == SequenceStatus.RUNNING and not s.params.has_penalties]
+        rows = [s for s in self.running if s.status == SequenceStatus.RUNNING and not s.params.adjusts_logits]
         if not rows:
             return False
         n = len(self.running)
@@ -328,14 +330,14 @@ class Scheduler:
         return False
 
     def _may_draft(self, item: ScheduledSeq) -> bool:
-        """A request without penalties whose one token to run is its newest (a decode row, or a prompt's
-        last token) may verify a draft with it."""
+        """A request whose logits nothing adjusts (penalties, a logit bias, min_tokens) and whose one token to
+        run is its newest (a decode row, or a prompt's last token) may verify a draft with it."""
         seq = self.seqs[item.request_id]
         return (
             item.sample
             and len(item.token_ids) == 1
             and not seq.num_pending
-            and not seq.params.has_penalties
+            and not seq.params.adjusts_logits
             and seq.num_computed_tokens + 1 == seq.num_tokens
         )
 
@@ -353,7 +355,17 @@ class Scheduler:
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
+            banned=self._banned(seq),
         )
+
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """The stops (stop tokens, and EOS unless ignored) the token sampled next may not be: every one while
+        the request has fewer than min_tokens output tokens (a token still on the device counts), as vLLM."""
+        params = seq.params
+        if seq.num_output_tokens + seq.num_pending >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
+        return tuple(params.stop_token_ids or ()) + eos
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

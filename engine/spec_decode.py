@@ -28,7 +28,8 @@ Configured vLLM's way, `LLM(..., speculative_config={"method": "ngram", "num_spe
   while it equals those samples. That is Leviathan et al.'s rejection sampling for a one-hot q: token d
   is accepted with probability p(d), and on rejection the sample is drawn from p without d, renormalized
   (the residual). A seeded request gives the same tokens with and without speculation.
-- Requests with penalties decode one token a step (their penalties would need the draft in their history).
+- Requests with penalties, a logit bias or min_tokens decode one token a step (their penalties would need the
+  draft in their history, and each drafted position its own adjusted logits).
 """
 
 from __future__ import annotations

@@ -3,13 +3,17 @@
 Only shapes and types are checked here; ranges of sampling values are the engine's to check
 (`SamplingParams`), so the message a user sees is the same through every front end. Integers that go
 into int32 proto fields are bounded here so a huge number is a 400, not a conversion error.
+
+Fields whose meaning this server does not implement (tools, structured output, best_of, suffix) are refused
+with a 400 naming them (`unsupported`), never ignored: an answer that ignored them would look right and not be.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import SkipJsonSchema
 
 INT32 = 2**31 - 1
 Int32 = Annotated[int, Field(ge=-INT32, le=INT32)]
@@ -48,6 +52,9 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     priority: Int32 = 0  # under --scheduling-policy priority a lower value runs first (vLLM's server field)
+    # OpenAI's: token id (a string, as JSON keys are) -> added to its logit; checked by the engine
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0  # vLLM's: no stop before this many tokens
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None
@@ -55,6 +62,25 @@ class SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with integer keys; a key that is not a token id is a ValueError naming it."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token <= INT32:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[token] = value
+        return bias
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) of the first field set that this server would otherwise ignore, or None."""
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options can only be set when stream is true"
+        return None
 
 
 class TextPart(_Body):
@@ -73,12 +99,46 @@ class ChatMessage(_Body):
         return self.content or ""
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True  # vLLM's extra
+    # read only to refuse them (`unsupported`; left out of the OpenAPI schema): this server calls no tools and
+    # constrains no output
+    tools: SkipJsonSchema[list[Any] | None] = None
+    tool_choice: SkipJsonSchema[Any] = None
+    functions: SkipJsonSchema[list[Any] | None] = None
+    function_call: SkipJsonSchema[Any] = None
+    response_format: SkipJsonSchema[ResponseFormat | None] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
+        if self.tools and self.tool_choice != "none":
+            return (
+                "tools",
+                'tools are not supported: this server calls none (it takes tool_choice "none" only)',
+            )
+        if self.tool_choice not in (None, "none", "auto"):
+            return (
+                "tool_choice",
+                f"tool_choice {self.tool_choice!r} is not supported: this server calls no tools",
+            )
+        if self.functions or self.function_call not in (None, "none"):
+            return "functions", "functions are not supported: this server calls no functions"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", (
+                f"response_format {self.response_format.type!r} is not supported: this server has no "
+                "structured-output decoding"
+            )
+        return super().unsupported()
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -99,6 +159,18 @@ class CompletionRequest(SamplingFields):
     )
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
+    # read only to refuse them (`unsupported`; left out of the OpenAPI schema)
+    suffix: SkipJsonSchema[str | None] = None
+    best_of: SkipJsonSchema[Annotated[int, Field(ge=1, le=128)] | None] = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", f"best_of other than n is not supported (best_of {self.best_of}, n {self.n})"
+        return super().unsupported()
 
     def token_limit(self) -> int:
         return self.max_tokens or 16  # OpenAI's default for completions

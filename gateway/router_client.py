@@ -30,6 +30,14 @@ _PASSTHROUGH = (
 
 
 def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> pb.SamplingParams:
+    refused = body.unsupported()
+    if refused is not None:
+        field, message = refused
+        raise APIError(400, message, field, "unsupported")
+    try:
+        bias = body.token_bias()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "logit_bias", "invalid_request") from None
     msg = pb.SamplingParams(
         max_tokens=max_tokens,
         n=body.n,
@@ -45,6 +53,10 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     num = body.num_logprobs()
     if num is not None:
         msg.logprobs = num
+    if bias:
+        msg.logit_bias.update(bias)
+    if body.min_tokens:
+        msg.min_tokens = body.min_tokens
     return msg
 
 
@@ -56,8 +68,6 @@ def chat_requests(body: ChatCompletionRequest) -> list[pb.GenerateRequest]:
 
 
 def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
-    if body.echo:
-        raise APIError(400, "echo is not supported", "echo", "unsupported")
     sampling = sampling_proto(body, body.token_limit())
     out = []
     for prompt in body.prompts():

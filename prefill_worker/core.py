@@ -121,7 +121,17 @@ class PrefillCore:
     def _add(self, msg: PrefillPrompt) -> None:
         rid, prompt_ids, dst_block_ids = msg.request_id, msg.prompt_token_ids, msg.dst_block_ids
         trace.mark(rid, "pcore.add")
-        first_only = dataclasses.replace(msg.params, n=1, max_tokens=1, stop=None, ignore_eos=True)
+        # the first token only: its stops are the decode worker's to act on, except that min_tokens holds
+        # them back here too (the EOS of a request that ignores none among them)
+        p = msg.params
+        first_only = dataclasses.replace(
+            p,
+            n=1,
+            max_tokens=1,
+            stop=None,
+            ignore_eos=p.ignore_eos or not p.min_tokens,
+            min_tokens=min(p.min_tokens, 1),
+        )
         need = -(-len(prompt_ids) // self.blocks.block_size)
         try:
             self.engine.validate(prompt_ids, first_only)  # on the server's array: cheaper than on a list

@@ -11,7 +11,13 @@ import dataclasses
 import grpc
 import numpy as np
 
-from engine.prompt_checks import check_length, check_not_empty, check_vocabulary, fit_max_tokens
+from engine.prompt_checks import (
+    check_length,
+    check_logit_bias,
+    check_not_empty,
+    check_vocabulary,
+    fit_max_tokens,
+)
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.errors import Stop
@@ -40,10 +46,11 @@ async def admit(
         check_length(len(prompt_ids), info.max_model_len)
         max_tokens = fit_max_tokens(len(prompt_ids), params.max_tokens, info.max_model_len)
         check_vocabulary(prompt_ids, info.vocab_size)
+        check_logit_bias(params.logit_bias, info.vocab_size)
+        if max_tokens != params.max_tokens:  # checked again: min_tokens may not fit in the room left
+            params = dataclasses.replace(params, max_tokens=max_tokens)
     except ValueError as exc:
         raise Stop(_INVALID, str(exc)) from exc
-    if max_tokens != params.max_tokens:
-        params = dataclasses.replace(params, max_tokens=max_tokens)
     return prompt_ids, params
 
 

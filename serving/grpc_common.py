@@ -26,6 +26,7 @@ _OPTIONAL = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
 )
 
 # Small messages, long streams: no message size surprises, keepalive so dead peers are noticed.
@@ -60,6 +61,7 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> S
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias) or None,
     )
 
 
@@ -85,6 +87,10 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.logit_bias:
+        msg.logit_bias.update(p.logit_bias)
+    if p.min_tokens:
+        msg.min_tokens = p.min_tokens
     return msg
 
 

@@ -50,17 +50,22 @@ def _eos_ids(model_dir: str | Path) -> list[int]:
 
 @torch.no_grad()
 def hf_greedy(
-    model_dir: str | Path, prompt_ids_list: list[list[int]], max_new_tokens_list: list[int]
+    model_dir: str | Path,
+    prompt_ids_list: list[list[int]],
+    max_new_tokens_list: list[int],
+    extra: list[dict[str, Any]] | None = None,
 ) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time; each output stops after the first EOS
-    (engine.tokenizer's eos_token_ids), which it includes, or after max_new_tokens."""
+    (engine.tokenizer's eos_token_ids), which it includes, or after max_new_tokens. `extra[i]`: more
+    GenerationConfig fields for prompt i (say sequence_bias, min_new_tokens, or eos_token_id with stop ids)."""
     from transformers import GenerationConfig
 
     model, eos = hf_model(model_dir), _eos_ids(model_dir)
     outputs = []
-    for prompt, max_new in zip(prompt_ids_list, max_new_tokens_list, strict=True):
+    for i, (prompt, max_new) in enumerate(zip(prompt_ids_list, max_new_tokens_list, strict=True)):
+        fields = {"eos_token_id": eos or None, **(extra[i] if extra else {})}
         config = GenerationConfig(
-            do_sample=False, max_new_tokens=max_new, eos_token_id=eos or None, pad_token_id=(eos or [0])[0]
+            do_sample=False, max_new_tokens=max_new, pad_token_id=(eos or [0])[0], **fields
         )
         ids = torch.tensor([prompt])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)

@@ -201,6 +201,70 @@ def test_penalties_reach_the_sampler(stack):
     assert penalized.choices[0].text != plain
 
 
+def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_dir, chat_ids, chat_expected):
+    """Through the gateway, the router and a prefill worker (the first token) and a decode worker (the rest)."""
+    first = chat_expected[0]
+    assert len(chat_expected) < 16  # the plain answer ends at EOS
+    want = hf_greedy(
+        bundled_model_dir, [chat_ids] * 2, [24, 24],
+        [{"sequence_bias": {(first,): -100.0}}, {"min_new_tokens": 16, "sequence_bias": {(first,): 3.0}}],
+    )  # fmt: skip
+    assert want[0][0] != first and len(want[1]) >= 16
+    client = stack.client()
+    biased = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=24, temperature=0, logit_bias={str(first): -100}
+    )
+    assert biased.choices[0].message.content == tok.decode(want[0])
+    assert biased.usage.completion_tokens == len(want[0])
+    held = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=24, temperature=0, logit_bias={str(first): 3},
+        extra_body={"min_tokens": 16},
+    )  # fmt: skip
+    assert held.choices[0].message.content == tok.decode(want[1])
+    assert held.usage.completion_tokens == len(want[1])
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"best_of": 3}, "best_of"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ],
+)
+def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, param):
+    """Never a success that ignored a field the client counts on."""
+    body = {"model": stack.model, "max_tokens": 2, **extra}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": "Hi"})
+    r = stack.post(path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_bad_logit_bias_and_min_tokens_get_400(stack):
+    client = stack.client()
+    for extra, words in [
+        ({"logit_bias": {"99999999": 1}}, "out of the vocabulary"),
+        ({"logit_bias": {"5": 101}}, "logit_bias values"),
+        ({"extra_body": {"min_tokens": 9}}, "min_tokens must be at most max_tokens"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.completions.create(model=stack.model, prompt="Hi", max_tokens=3, **extra)
+    r = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=2, tools=[], tool_choice="none",
+        response_format={"type": "text"},
+    )  # fmt: skip
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_64_concurrent_streams_complete(stack):
     async def one(client, i):
         stream = await client.completions.create(
@@ -341,6 +405,9 @@ _FIELDS = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "logprobs": st.integers(0, 5) | st.booleans(), "top_logprobs": st.integers(0, 5),
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "logit_bias": st.dictionaries(st.integers(-3, 60000).map(str) | st.text(max_size=3), st.floats(-120, 120),
+                                  max_size=3),
+    "min_tokens": st.integers(0, 5),
 }  # fmt: skip
 _common = st.fixed_dictionaries(
     {"model": _mostly(st.just("SmolLM2-135M-Instruct"))},

@@ -87,6 +87,12 @@ def test_logprobs_are_the_raw_log_softmax():
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be at most max_tokens"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias values"),
+        ({"logit_bias": {3: float("nan")}}, "logit_bias values"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys"),
+        ({"logit_bias": {"3": 1.0}}, "logit_bias keys"),
     ],
 )
 def test_bad_params_name_the_problem(kwargs, word):
@@ -134,6 +140,37 @@ def test_penalties_steer_greedy_and_keep_raw_logprobs():
     assert out.token_ids == [1]  # 5 - 2 < 4
     ref = torch.log_softmax(logits[0], -1)
     assert out.logprobs[0][1] == pytest.approx(ref[1].item())  # logprobs stay the model's
+
+
+def test_logit_bias_and_bans_steer_every_row_kind_and_keep_raw_logprobs():
+    """Bias added before greedy and sampled picks alike, banned tokens never picked, rows without either
+    untouched, and the logprobs reported are the model's own."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, logit_bias={2: 6.0}, logprobs=1),  # 0 + 6 beats 5
+        SamplingParams(temperature=0, logit_bias={0: -100}),  # the top token pushed below the rest
+        SamplingParams(temperature=0),  # only a ban: the top two are stops
+        SamplingParams(temperature=0),  # nothing: argmax
+    ]
+    banned = [(), (), (0, 1, 99), ()]  # an id past the vocabulary is ignored
+    out = Sampler()(logits, params, [None] * 4, banned=banned)
+    assert out.token_ids == [2, 1, 2, 0]
+    assert out.logprobs[0][2] == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+    sampled = [SamplingParams(temperature=1.0, seed=s, logit_bias={3: 100.0}) for s in range(4)]
+    assert Sampler()(logits, sampled, [None] * 4).token_ids == [3] * 4  # e^100 outweighs the rest
+    bans = [SamplingParams(temperature=1.0, seed=s) for s in range(4)]
+    got = Sampler()(logits, bans, [None] * 4, banned=[(0, 1, 2)] * 4).token_ids
+    assert got == [3] * 4
+
+
+def test_adjusting_leaves_the_input_logits_alone():
+    from engine.sampler import adjust_logits
+
+    logits = torch.zeros(2, 3)
+    out = adjust_logits(logits, [SamplingParams(logit_bias={1: 2.5}), SamplingParams()], [(), (2,)])
+    assert out.tolist() == [[0.0, 2.5, 0.0], [0.0, 0.0, -math.inf]]
+    assert logits.eq(0).all()
+    assert adjust_logits(logits, [SamplingParams(), SamplingParams()], [(), ()]) is logits
 
 
 def test_penalties_apply_before_temperature_when_sampling():

@@ -51,3 +51,16 @@ def test_without_stop_strings_text_is_the_decode(tok):
     text = "Héllo wörld — naïve café ☕ 123"
     ts, _ = stream(tok, text)
     assert ts.text == text and ts.stop is None
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """As vLLM: a stop string counts only in the text of tokens past the first min_tokens."""
+    text = "one stop two stop three stop four"
+    ids = tok.encode(text, add_special_tokens=False)
+    first = next(i for i in range(len(ids)) if "stop" in tok.decode(ids[: i + 1])) + 1  # tokens to the first
+    ts, _ = stream(tok, text, stop=["stop"], min_tokens=first, max_tokens=len(ids))
+    assert ts.text == "one stop two " and ts.stop == "stop"
+    ts, _ = stream(tok, text, stop=["stop"], min_tokens=len(ids), max_tokens=len(ids))
+    assert ts.text == text and ts.stop is None
+    ts, _ = stream(tok, text, stop=["stop"], max_tokens=len(ids))
+    assert ts.text == "one " and ts.stop == "stop"
