@@ -83,20 +83,25 @@ class SamplingFields(_Body):
         return None
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    type: str  # "text" only: other kinds (images, audio) are refused by name (ChatCompletionRequest.unsupported)
+    text: str = ""
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def other_parts(self) -> list[str]:
+        """The types of content parts other than text."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [part.type for part in parts if part.type != "text"]
 
 
 class ResponseFormat(BaseModel):
@@ -119,6 +124,12 @@ class ChatCompletionRequest(SamplingFields):
     response_format: SkipJsonSchema[ResponseFormat | None] = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        other = [kind for m in self.messages for kind in m.other_parts()]
+        if other:
+            return (
+                "messages",
+                f"messages hold a content part of type {other[0]!r}: this model reads text only",
+            )
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.tools and self.tool_choice != "none":

@@ -232,6 +232,11 @@ def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
@@ -241,8 +246,12 @@ def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_
 )
 def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, param):
     """Never a success that ignored a field the client counts on."""
-    body = {"model": stack.model, "max_tokens": 2, **extra}
-    body.update({"messages": CHAT} if "chat" in path else {"prompt": "Hi"})
+    body = {
+        "model": stack.model,
+        "max_tokens": 2,
+        **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}),
+    }
+    body.update(extra)
     r = stack.post(path, body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
