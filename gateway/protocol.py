@@ -29,8 +29,37 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+_STRUCTURED = "structured output (guided decoding) is not supported by this server"
+# Fields of OpenAI's and vLLM's APIs that change what a request returns and that this server does not
+# implement: each is refused by name when set (other than to its default, the value after the reason).
+_REFUSED: dict[str, tuple[str, object]] = {
+    **{
+        name: (_STRUCTURED, None)
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    },
+    "allowed_token_ids": ("allowed_token_ids is not supported by this server", None),
+    "bad_words": ("bad_words is not supported by this server", None),
+    "prompt_logprobs": ("prompt_logprobs is not supported by this server", None),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported by this server", None),
+    "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
+    "logits_processors": ("logits_processors are not supported by this server", None),
+    "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported by this server", False),
+    "skip_special_tokens": ("skip_special_tokens false is not supported: special tokens are left out", True),
+    "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
+    "continue_final_message": ("continue_final_message is not supported by this server", False),
+    "chat_template": ("a request's own chat_template is not supported: the model's is used", None),
+    "chat_template_kwargs": ("chat_template_kwargs are not supported by this server", None),
+    "documents": ("documents are not supported by this server", None),
+    "audio": ("audio output is not supported: this model writes text only", None),
+    "web_search_options": ("web search is not supported by this server", None),
+}
+
+
 class SamplingFields(_Body):
-    """Fields both endpoints share."""
+    """Fields both endpoints share. Unknown fields are kept (not declared) so that `unsupported` can refuse
+    those of _REFUSED."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     max_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
@@ -80,6 +109,14 @@ class SamplingFields(_Body):
         """(field, message) of the first field set that this server would otherwise ignore, or None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options can only be set when stream is true"
+        for name, value in (self.model_extra or {}).items():
+            if name in _REFUSED:
+                reason, default = _REFUSED[name]
+                if value != default and value not in (None, [], {}, ""):
+                    return name, reason if name in reason else f"{name}: {reason}"
+        modalities = (self.model_extra or {}).get("modalities")
+        if isinstance(modalities, list) and any(m != "text" for m in modalities):
+            return "modalities", "modalities other than text are not supported: this model writes text only"
         return None
 
 

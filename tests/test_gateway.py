@@ -242,6 +242,13 @@ def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ],
 )
 def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, param):
@@ -269,8 +276,9 @@ def test_bad_logit_bias_and_min_tokens_get_400(stack):
             client.completions.create(model=stack.model, prompt="Hi", max_tokens=3, **extra)
     r = client.chat.completions.create(
         model=stack.model, messages=CHAT, max_tokens=2, tools=[], tool_choice="none",
-        response_format={"type": "text"},
-    )  # fmt: skip
+        response_format={"type": "text"}, modalities=["text"], store=False,
+        extra_body={"skip_special_tokens": True, "use_beam_search": False, "guided_json": None},
+    )  # defaults and what does not change the answer are taken  # fmt: skip
     assert r.choices[0].finish_reason in ("stop", "length")
 
 

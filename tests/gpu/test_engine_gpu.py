@@ -57,14 +57,14 @@ def test_triton_engine_matches_transformers(tiny, budget):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_rotary_in_the_decode_kernel_serves_as_its_own_kernel(tiny, monkeypatch, kv_cache_dtype):
     """PDSERVE_FUSED_ROTARY=1: decode steps rotate q and k and write the new K and V in the decode kernel, in
-    CUDA graphs (both split classes: short and 200-token prompts): greedy output is the separate kernel's, and
-    transformers' with a 16-bit cache."""
+    CUDA graphs (max_model_len 1024: the short contexts' plan splits them into 64-key partitions): greedy output
+    is the separate kernel's, and transformers' with a 16-bit cache."""
     batch = prompts(TINY_VOCAB, seed=3)
     outs = {}
     for fused in (False, True):
         monkeypatch.setattr(backend, "FUSED_ROTARY", fused)
         llm = LLM(
-            str(tiny), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05,
+            str(tiny), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.05,
             kv_cache_dtype=kv_cache_dtype,
         )  # fmt: skip
         outs[fused] = run(llm, batch)
