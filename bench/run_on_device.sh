@@ -4,15 +4,15 @@
 # since the device tool returns only a few files per call. Run from the repo root:
 #   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
-# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg bench_latency bench_throughput tests_kv_memory
-# bench_kv_memory; not in the default list: tests_quant bench_quant sweep_mma kernels_quant (int4 weights), profile (Nsight Compute's
+# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg bench_latency bench_throughput
+# tests_kv_memory bench_kv_memory; not in the default list: tests_quant bench_quant sweep_mma kernels_quant (int4 weights), profile (Nsight Compute's
 # counters for bench/profile_kernels.py), and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/device-out}
-STEPS=${STEPS:-tests_kernels_kv bench_kernels bench_kv tests_engine_disagg bench_disagg}
+STEPS=${STEPS:-tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg}
 mkdir -p "$OUT/k" "$OUT/kv" "$OUT/d" "$OUT/lat" "$OUT/tp"
 if ls .whl/*.whl >/dev/null 2>&1; then  # grpcio-health-checking / -reflection, see tests/gpu/README.md
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -38,6 +38,10 @@ step bench_kv 240 python3 bench/kvtransfer.py --out "$OUT/kv" --ablate --sweep -
 unset PDSERVE_TRACE
 [ -n "${TRACE_KV:-}" ] && wanted bench_kv && python3 -m bench.trace_report "$OUT/kv/trace" > "$OUT/kv/trace_report.txt" 2>&1
 step tests_engine_disagg 200 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_disagg_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider
+# the other device tests: CUDA graphs, the decode step's small ops, the fused kernels, the sampler, speculation
+step tests_rest 300 python3 -m pytest tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_decode_ops_gpu.py \
+  tests/gpu/test_fused_gpu.py tests/gpu/test_sampler_gpu.py tests/gpu/test_spec_decode_gpu.py -q ${XDIST/8/4} -rfE \
+  -p no:cacheprovider
 if wanted bench_disagg; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv -lms 20 > "$OUT/d/clocks.csv" 2>&1 &
   SMI=$!
