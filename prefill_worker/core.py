@@ -121,8 +121,8 @@ class PrefillCore:
     def _add(self, msg: PrefillPrompt) -> None:
         rid, prompt_ids, dst_block_ids = msg.request_id, msg.prompt_token_ids, msg.dst_block_ids
         trace.mark(rid, "pcore.add")
-        # the first token only: its stops are the decode worker's to act on, except that min_tokens holds
-        # them back here too (the EOS of a request that ignores none among them)
+        # the first token only: the decode worker acts on its stops. A request with min_tokens must not get
+        # EOS or a stop token here either, so its ignore_eos stays its own and the scheduler bans them
         p = msg.params
         first_only = dataclasses.replace(
             p,
