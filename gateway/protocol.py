@@ -81,8 +81,9 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     priority: Int32 = 0  # under --scheduling-policy priority a lower value runs first (vLLM's server field)
-    # OpenAI's: token id (a string, as JSON keys are) -> added to its logit; checked by the engine
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (a string, as JSON keys are) -> added to its logit; checked by the engine. At most 300
+    # entries, as OpenAI's API takes: the sampler lists them on the host every step
+    logit_bias: Annotated[dict[str, float], Field(max_length=300)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0  # vLLM's: no stop before this many tokens
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)

@@ -270,6 +270,7 @@ def test_bad_logit_bias_and_min_tokens_get_400(stack):
     for extra, words in [
         ({"logit_bias": {"99999999": 1}}, "out of the vocabulary"),
         ({"logit_bias": {"5": 101}}, "logit_bias values"),
+        ({"logit_bias": {str(t): 1 for t in range(301)}}, "at most 300"),
         ({"extra_body": {"min_tokens": 9}}, "min_tokens must be at most max_tokens"),
     ]:
         with pytest.raises(openai.BadRequestError, match=words):
