@@ -23,7 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import DTYPE_NAMES, EngineConfig, SchedulerConfig
 from engine.kv_scales import CALIBRATION_TEXT, setup_kv_scales
 from engine.model_runner import LaunchedStep, ModelRunner, Sampled, kv_bytes_per_block
-from engine.prompt_checks import check_logit_bias, check_prompt
+from engine.prompt_checks import check_param_token_ids, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -344,7 +344,7 @@ class EngineCore:
         check_prompt(prompt_ids, self.max_model_len, self.model_config.vocab_size)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        check_logit_bias(params.logit_bias, self.model_config.vocab_size)
+        check_param_token_ids(params, self.model_config.vocab_size)
 
     def make_sequence(
         self,

@@ -1,5 +1,5 @@
 """The checks a prompt passes before it runs: it holds a token, it is shorter than max_model_len (so at
-least one output token fits), its ids (and its logit bias's) are in the vocabulary, and what it asks to
+least one output token fits), its ids (and those its params name) are in the vocabulary, and what it asks to
 generate fits beside it.
 
 Each raises ValueError with the message a user sees: the engine raises them as they are, the router's
@@ -11,6 +11,8 @@ model's maximum context length" or "but max_model_len is", which the gateway ans
 from __future__ import annotations
 
 import numpy as np
+
+from engine.sampling_params import SamplingParams
 
 
 def check_prompt(prompt_ids: list[int] | np.ndarray, max_model_len: int, vocab_size: int) -> None:
@@ -44,11 +46,12 @@ def check_vocabulary(prompt_ids: list[int] | np.ndarray, vocab_size: int) -> Non
         raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
-def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
-    """A logit bias names tokens of the vocabulary (its values are SamplingParams' to check)."""
-    bad = sorted(t for t in logit_bias or {} if not 0 <= t < vocab_size)
-    if bad:
-        raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+def check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """A logit bias and allowed_token_ids name tokens of the vocabulary (values are SamplingParams' to check)."""
+    for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        bad = sorted(t for t in ids or () if not 0 <= t < vocab_size)
+        if bad:
+            raise ValueError(f"{name} token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
 def fit_max_tokens(num_tokens: int, max_tokens: int | None, max_model_len: int) -> int:

@@ -216,12 +216,19 @@ def adjust_logits(
     params: list[SamplingParams],
     banned: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """The logits with each row's logit_bias added and its banned tokens at -inf: one upload of (flat index,
-    value) pairs and one out-of-place scatter-add. The logits themselves when no row has either."""
+    """The logits with each row's logit_bias added, its banned tokens at -inf, and, for a row with
+    allowed_token_ids, every other token at -inf: one upload of (flat index, value) pairs, an out-of-place
+    scatter-add and, where rows restrict their tokens, one masked fill. The logits themselves when no row has
+    any of them."""
     rows, vocab = logits.shape
     index: list[int] = []
     values: list[float] = []
+    restricted = any(p.allowed_token_ids is not None for p in params)
     for r, p in enumerate(params):
+        for token in p.allowed_token_ids or ():  # value nan: marks an allowed token (the fill below)
+            if token < vocab:
+                index.append(r * vocab + token)
+                values.append(math.nan)
         for token, bias in (p.logit_bias or {}).items():
             if token < vocab:  # checked against the model's vocabulary when the request came in
                 index.append(r * vocab + token)
@@ -233,7 +240,16 @@ def adjust_logits(
     if not index:
         return logits
     pairs = upload(torch.tensor([index, values], dtype=torch.float64), logits.device)  # ids exact in float64
-    flat = torch.index_add(logits.float().reshape(-1), 0, pairs[0].long(), pairs[1].float())
+    where, add = pairs[0].long(), pairs[1].float()
+    allowed = add.isnan()
+    flat = torch.index_add(logits.float().reshape(-1), 0, where, add.masked_fill(allowed, 0.0))
+    if restricted:  # -inf off each restricting row's allowed tokens; fixed shapes: no wait for the device
+        spare = torch.full_like(where, rows * vocab)  # the other pairs mark a spare slot past the end
+        keep = torch.zeros(rows * vocab + 1, dtype=torch.bool, device=logits.device)
+        keep = keep.index_fill_(0, torch.where(allowed, where, spare), True)[:-1].view(rows, vocab)
+        marked = torch.zeros(rows + 1, dtype=torch.bool, device=logits.device)
+        marked = marked.index_fill_(0, torch.where(allowed, where // vocab, spare // vocab), True)[:-1]
+        return flat.view(rows, vocab).masked_fill(~keep & marked[:, None], -math.inf)
     return flat.view(rows, vocab)
 
 

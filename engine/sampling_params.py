@@ -31,6 +31,7 @@ class SamplingParams:
     # logprobs reported stay the model's own
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0  # vLLM's: EOS, stop tokens and stop strings end nothing before this many tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
@@ -69,6 +70,13 @@ class SamplingParams:
             if not (isinstance(value, int | float) and -100.0 <= value <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
         self.logit_bias = {t: float(v) for t, v in bias.items()} or None
+        if self.allowed_token_ids is not None:
+            allowed = list(self.allowed_token_ids)
+            if not allowed:
+                raise ValueError("allowed_token_ids must not be empty: no token could be sampled")
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be token ids (integers >= 0), got {allowed[:5]!r}")
+            self.allowed_token_ids = sorted(set(allowed))
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -85,8 +93,14 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether its logits change before sampling: penalties, a logit bias, or min_tokens (banned stops)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether its logits change before sampling: penalties, a logit bias, allowed_token_ids, or min_tokens
+        (banned stops)."""
+        return (
+            self.has_penalties
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+        )
 
     @property
     def greedy(self) -> bool:

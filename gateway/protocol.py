@@ -37,7 +37,6 @@ _REFUSED: dict[str, tuple[str, object]] = {
         name: (_STRUCTURED, None)
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
     },
-    "allowed_token_ids": ("allowed_token_ids is not supported by this server", None),
     "bad_words": ("bad_words is not supported by this server", None),
     "prompt_logprobs": ("prompt_logprobs is not supported by this server", None),
     "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported by this server", None),
@@ -85,6 +84,7 @@ class SamplingFields(_Body):
     # entries, as OpenAI's API takes: the sampler lists them on the host every step
     logit_bias: Annotated[dict[str, float], Field(max_length=300)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0  # vLLM's: no stop before this many tokens
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=65536)] | None = None  # vLLM's
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None

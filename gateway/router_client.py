@@ -57,6 +57,8 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
         msg.logit_bias.update(bias)
     if body.min_tokens:
         msg.min_tokens = body.min_tokens
+    if body.allowed_token_ids:
+        msg.allowed_token_ids.extend(body.allowed_token_ids)
     return msg
 
 

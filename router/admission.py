@@ -13,8 +13,8 @@ import numpy as np
 
 from engine.prompt_checks import (
     check_length,
-    check_logit_bias,
     check_not_empty,
+    check_param_token_ids,
     check_vocabulary,
     fit_max_tokens,
 )
@@ -46,7 +46,7 @@ async def admit(
         check_length(len(prompt_ids), info.max_model_len)
         max_tokens = fit_max_tokens(len(prompt_ids), params.max_tokens, info.max_model_len)
         check_vocabulary(prompt_ids, info.vocab_size)
-        check_logit_bias(params.logit_bias, info.vocab_size)
+        check_param_token_ids(params, info.vocab_size)
         if max_tokens != params.max_tokens:  # checked again: min_tokens may not fit in the room left
             params = dataclasses.replace(params, max_tokens=max_tokens)
     except ValueError as exc:

@@ -62,6 +62,7 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> S
         ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
     )
 
 
@@ -91,6 +92,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.logit_bias.update(p.logit_bias)
     if p.min_tokens:
         msg.min_tokens = p.min_tokens
+    if p.allowed_token_ids:
+        msg.allowed_token_ids.extend(p.allowed_token_ids)
     return msg
 
 

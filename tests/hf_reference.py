@@ -57,20 +57,36 @@ def hf_greedy(
 ) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time; each output stops after the first EOS
     (engine.tokenizer's eos_token_ids), which it includes, or after max_new_tokens. `extra[i]`: more
-    GenerationConfig fields for prompt i (say sequence_bias, min_new_tokens, or eos_token_id with stop ids)."""
+    GenerationConfig fields for prompt i (say sequence_bias, min_new_tokens, or eos_token_id with stop ids), and
+    under "logits_processor" a LogitsProcessorList for generate."""
     from transformers import GenerationConfig
 
     model, eos = hf_model(model_dir), _eos_ids(model_dir)
     outputs = []
     for i, (prompt, max_new) in enumerate(zip(prompt_ids_list, max_new_tokens_list, strict=True)):
         fields = {"eos_token_id": eos or None, **(extra[i] if extra else {})}
+        processors = fields.pop("logits_processor", None)
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new, pad_token_id=(eos or [0])[0], **fields
         )
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=config, logits_processor=processors
+        )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+class AllowOnly:
+    """A transformers logits processor that leaves only `token_ids` possible (vLLM's allowed_token_ids)."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        keep = torch.full_like(scores, float("-inf"))
+        keep[:, self.token_ids] = 0.0
+        return scores + keep
 
 
 # ---- tiny random checkpoints ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from serving.roles import free_port
 from tests.cluster import start_cluster
-from tests.hf_reference import hf_greedy, hf_logits
+from tests.hf_reference import AllowOnly, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -201,15 +201,19 @@ def test_penalties_reach_the_sampler(stack):
     assert penalized.choices[0].text != plain
 
 
-def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_dir, chat_ids, chat_expected):
+def test_logit_bias_min_tokens_and_allowed_token_ids_match_transformers(
+    stack, tok, bundled_model_dir, chat_ids, chat_expected
+):
     """Through the gateway, the router and a prefill worker (the first token) and a decode worker (the rest)."""
     first = chat_expected[0]
     assert len(chat_expected) < 16  # the plain answer ends at EOS
+    allowed = sorted(set(chat_expected) - {first})  # EOS among them
     want = hf_greedy(
-        bundled_model_dir, [chat_ids] * 2, [24, 24],
-        [{"sequence_bias": {(first,): -100.0}}, {"min_new_tokens": 16, "sequence_bias": {(first,): 3.0}}],
+        bundled_model_dir, [chat_ids] * 3, [24, 24, 10],
+        [{"sequence_bias": {(first,): -100.0}}, {"min_new_tokens": 16, "sequence_bias": {(first,): 3.0}},
+         {"logits_processor": [AllowOnly(allowed)]}],
     )  # fmt: skip
-    assert want[0][0] != first and len(want[1]) >= 16
+    assert want[0][0] != first and len(want[1]) >= 16 and set(want[2]) <= set(allowed)
     client = stack.client()
     biased = client.chat.completions.create(
         model=stack.model, messages=CHAT, max_tokens=24, temperature=0, logit_bias={str(first): -100}
@@ -222,6 +226,15 @@ def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_
     )  # fmt: skip
     assert held.choices[0].message.content == tok.decode(want[1])
     assert held.usage.completion_tokens == len(want[1])
+    kept = client.completions.create(
+        model=stack.model,
+        prompt=chat_ids,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed},
+    )
+    assert kept.choices[0].text == tok.decode(want[2])
+    assert kept.usage.completion_tokens == len(want[2])
 
 
 @pytest.mark.parametrize(
@@ -244,7 +257,6 @@ def test_logit_bias_and_min_tokens_match_transformers(stack, tok, bundled_model_
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
-        ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
@@ -272,6 +284,11 @@ def test_bad_logit_bias_and_min_tokens_get_400(stack):
         ({"logit_bias": {"5": 101}}, "logit_bias values"),
         ({"logit_bias": {str(t): 1 for t in range(301)}}, "at most 300"),
         ({"extra_body": {"min_tokens": 9}}, "min_tokens must be at most max_tokens"),
+        (
+            {"extra_body": {"allowed_token_ids": [5, 60000]}},
+            "allowed_token_ids token ids out of the vocabulary",
+        ),
+        ({"extra_body": {"allowed_token_ids": []}}, "allowed_token_ids"),
     ]:
         with pytest.raises(openai.BadRequestError, match=words):
             client.completions.create(model=stack.model, prompt="Hi", max_tokens=3, **extra)
@@ -425,7 +442,7 @@ _FIELDS = {
     "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
     "logit_bias": st.dictionaries(st.integers(-3, 60000).map(str) | st.text(max_size=3), st.floats(-120, 120),
                                   max_size=3),
-    "min_tokens": st.integers(0, 5),
+    "min_tokens": st.integers(0, 5), "allowed_token_ids": st.lists(st.integers(-2, 60000), max_size=3),
 }  # fmt: skip
 _common = st.fixed_dictionaries(
     {"model": _mostly(st.just("SmolLM2-135M-Instruct"))},

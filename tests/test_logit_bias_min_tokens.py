@@ -1,6 +1,7 @@
-"""logit_bias and min_tokens against transformers (fp32, CPU, the bundled SmolLM2): greedy output with a bias
-equals generate's with `sequence_bias`, and with min_tokens equals generate's with `min_new_tokens` (stop token
-ids counted as EOS there), batched beside plain rows. tests/test_gateway.py takes both through the OpenAI
+"""logit_bias, min_tokens and allowed_token_ids against transformers (fp32, CPU, the bundled SmolLM2): greedy
+output with a bias equals generate's with `sequence_bias`, with min_tokens generate's with `min_new_tokens` (stop
+token ids counted as EOS there), and with allowed_token_ids generate's with a processor that masks the rest,
+batched beside plain rows. tests/test_gateway.py takes both through the OpenAI
 gateway and a prefill and a decode worker."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import AllowOnly, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +47,7 @@ def cases(tok, chats, plain):
     eos = sorted(tok.eos_token_ids)
     first = plain[0][0]
     stop = plain[2][2]  # a token the plain answer reaches early
+    allowed = sorted(set(plain[0]) - {plain[0][1]})
     rows = [
         (chats[0], SamplingParams(temperature=0, max_tokens=24), {}),
         (
@@ -64,6 +66,11 @@ def cases(tok, chats, plain):
             SamplingParams(temperature=0, max_tokens=20, min_tokens=18, logit_bias={plain[2][1]: -7.5}),
             {"min_new_tokens": 18, "sequence_bias": {(plain[2][1],): -7.5}},
         ),
+        (  # the first answer's tokens but its second, and EOS
+            chats[0],
+            SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=[*allowed, *eos]),
+            {"logits_processor": [AllowOnly([*allowed, *eos])]},
+        ),
     ]
     return rows
 
@@ -78,6 +85,7 @@ def expected(bundled_model_dir, cases, plain):
     assert len(want[2]) >= 20 > len(plain[1])  # EOS held back for 20 tokens
     assert len(want[3]) > 3 and plain[2][2] not in want[3][:6]  # the stop token held back for 6 tokens
     assert len(want[4]) >= 18
+    assert want[5] != plain[0] and set(want[5]) <= set(cases[5][1].allowed_token_ids)  # the mask bit
     return want
 
 

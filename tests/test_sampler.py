@@ -93,6 +93,8 @@ def test_logprobs_are_the_raw_log_softmax():
         ({"logit_bias": {3: float("nan")}}, "logit_bias values"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys"),
         ({"logit_bias": {"3": 1.0}}, "logit_bias keys"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [2, -1]}, "allowed_token_ids must be token ids"),
     ],
 )
 def test_bad_params_name_the_problem(kwargs, word):
@@ -161,6 +163,22 @@ def test_logit_bias_and_bans_steer_every_row_kind_and_keep_raw_logprobs():
     bans = [SamplingParams(temperature=1.0, seed=s) for s in range(4)]
     got = Sampler()(logits, bans, [None] * 4, banned=[(0, 1, 2)] * 4).token_ids
     assert got == [3] * 4
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    """Greedy and sampled rows keep to their allowed tokens (bias and bans still apply inside them); rows without
+    the list beside them are untouched."""
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0, 2.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[3, 2]),
+        SamplingParams(temperature=0, allowed_token_ids=[1, 2, 4], logit_bias={4: 3.0}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, allowed_token_ids=[0, 4]),
+    ]
+    out = Sampler()(logits, params, [None] * 4, banned=[(), (), (), (0,)])
+    assert out.token_ids == [2, 4, 0, 4]
+    sampled = [SamplingParams(temperature=5.0, seed=s, allowed_token_ids=[3, 4]) for s in range(40)]
+    assert set(Sampler()(logits[:1].expand(40, -1), sampled, [None] * 40).token_ids) == {3, 4}
 
 
 def test_adjusting_leaves_the_input_logits_alone():
