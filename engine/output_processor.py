@@ -11,7 +11,9 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """One completion's text, built a token at a time, cut at the first stop string.
 
-    Used by the offline engine and by the router, which sees only token ids from the decode workers."""
+    A stop token (one of stop_token_ids, or EOS unless ignored) ends the completion in the engine; as in vLLM,
+    its text is left out unless include_stop_str_in_output. Used by the offline engine and by the router,
+    which sees only token ids from the decode workers."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams) -> None:
         self.detok = IncrementalDetokenizer(
@@ -25,12 +27,18 @@ class TextStream:
         # as vLLM: stop strings are looked for in the text of tokens past the first min_tokens only
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
+        eos = () if params.ignore_eos else tokenizer.eos_token_ids
+        self.stop_ids = {*(params.stop_token_ids or ()), *eos}
 
     def add(self, token_id: int, last: bool = False) -> bool:
         """Add a token (last: the completion ends here); True if a stop string now ends the text."""
         if self.stop is not None:
             return False
         self.num_tokens += 1
+        if (
+            token_id in self.stop_ids and not self.keep_stop
+        ):  # the completion's last token: no text of its own
+            return self._extend(self.detok.flush())
         return self._extend(self.detok.add(token_id) + (self.detok.flush() if last else ""))
 
     def finish(self) -> bool:

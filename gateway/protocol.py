@@ -43,7 +43,6 @@ _REFUSED: dict[str, tuple[str, object]] = {
     "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
     "logits_processors": ("logits_processors are not supported by this server", None),
     "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported by this server", False),
-    "skip_special_tokens": ("skip_special_tokens false is not supported: special tokens are left out", True),
     "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
     "continue_final_message": ("continue_final_message is not supported by this server", False),
     "chat_template": ("a request's own chat_template is not supported: the model's is used", None),
@@ -85,6 +84,7 @@ class SamplingFields(_Body):
     logit_bias: Annotated[dict[str, float], Field(max_length=300)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0  # vLLM's: no stop before this many tokens
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=65536)] | None = None  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None

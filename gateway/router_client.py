@@ -59,6 +59,8 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
         msg.min_tokens = body.min_tokens
     if body.allowed_token_ids:
         msg.allowed_token_ids.extend(body.allowed_token_ids)
+    if not body.skip_special_tokens:
+        msg.skip_special_tokens = False
     return msg
 
 

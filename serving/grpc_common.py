@@ -27,6 +27,7 @@ _OPTIONAL = (
     "frequency_penalty",
     "repetition_penalty",
     "min_tokens",
+    "skip_special_tokens",
 )
 
 # Small messages, long streams: no message size surprises, keepalive so dead peers are noticed.
@@ -94,6 +95,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.min_tokens = p.min_tokens
     if p.allowed_token_ids:
         msg.allowed_token_ids.extend(p.allowed_token_ids)
+    if not p.skip_special_tokens:
+        msg.skip_special_tokens = False
     return msg
 
 

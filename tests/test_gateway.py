@@ -237,6 +237,25 @@ def test_logit_bias_min_tokens_and_allowed_token_ids_match_transformers(
     assert kept.usage.completion_tokens == len(want[2])
 
 
+def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat_expected):
+    """EOS ends the answer without text of its own; include_stop_str_in_output with skip_special_tokens false
+    shows it; a stop token id's text is left out too."""
+    client = stack.client()
+    body = dict(model=stack.model, messages=CHAT, max_tokens=24, temperature=0)
+    eos_text = tok.decode([chat_expected[-1]], skip_special_tokens=False)
+    assert chat_expected[-1] in tok.eos_token_ids and eos_text
+    shown = client.chat.completions.create(
+        **body, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True}
+    )
+    assert shown.choices[0].message.content == tok.decode(chat_expected[:-1]) + eos_text
+    hidden = client.chat.completions.create(**body, extra_body={"skip_special_tokens": False})
+    assert hidden.choices[0].message.content == tok.decode(chat_expected[:-1])
+    stop = chat_expected[2]
+    cut = client.chat.completions.create(**body, extra_body={"stop_token_ids": [stop]})
+    assert cut.choices[0].message.content == tok.decode(chat_expected[:2])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
@@ -259,7 +278,7 @@ def test_logit_bias_min_tokens_and_allowed_token_ids_match_transformers(
         ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
-        ("/v1/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ],
 )
@@ -295,7 +314,7 @@ def test_bad_logit_bias_and_min_tokens_get_400(stack):
     r = client.chat.completions.create(
         model=stack.model, messages=CHAT, max_tokens=2, tools=[], tool_choice="none",
         response_format={"type": "text"}, modalities=["text"], store=False,
-        extra_body={"skip_special_tokens": True, "use_beam_search": False, "guided_json": None},
+        extra_body={"spaces_between_special_tokens": True, "use_beam_search": False, "guided_json": None},
     )  # defaults and what does not change the answer are taken  # fmt: skip
     assert r.choices[0].finish_reason in ("stop", "length")
 

@@ -64,3 +64,29 @@ def test_stop_strings_wait_for_min_tokens(tok):
     assert ts.text == text and ts.stop is None
     ts, _ = stream(tok, text, stop=["stop"], max_tokens=len(ids))
     assert ts.text == "one " and ts.stop == "stop"
+
+
+def test_a_stop_token_leaves_its_text_out_unless_asked(tok):
+    """As vLLM: the token that stops the completion (a stop token id, or EOS unless ignored) adds no text,
+    except with include_stop_str_in_output (and EOS's only with skip_special_tokens false)."""
+    ids = tok.encode("Paris is lovely", add_special_tokens=False)
+    (dot,) = tok.encode(".", add_special_tokens=False)
+    assert dot not in ids
+    eos = min(tok.eos_token_ids)
+
+    def text(last: int, **kw) -> str:
+        ts = TextStream(tok, [], SamplingParams(**kw))
+        for i, t in enumerate([*ids, last]):
+            ts.add(t, last=i == len(ids))
+        return ts.text
+
+    assert text(dot, stop_token_ids=[dot]) == "Paris is lovely"
+    assert text(dot, stop_token_ids=[dot], include_stop_str_in_output=True) == "Paris is lovely."
+    assert text(dot) == "Paris is lovely."  # not a stop token
+    special = tok.decode([eos], skip_special_tokens=False)
+    assert special and text(eos) == "Paris is lovely"
+    assert text(eos, skip_special_tokens=False) == "Paris is lovely"
+    assert (
+        text(eos, skip_special_tokens=False, include_stop_str_in_output=True) == "Paris is lovely" + special
+    )
+    assert text(eos, skip_special_tokens=False, ignore_eos=True) == "Paris is lovely" + special
