@@ -288,15 +288,10 @@ def sweep_mma(out_dir: Path | None) -> None:
 
     from bench.kernels import time_us
     from bench.record import record
-    from kernels.w4a16_mma import RING, config, w4a16_mma
+    from kernels.w4a16_mma import config, w4a16_mma
 
-    # (chunks a step, two blocks a program, ring stages): the register path's three, and the ring's
-    swept = [(1, False, 0), (2, False, 0), (1, True, 0)] + [
-        (1, p, r) for p in (False, True) for r in (2, 4, 8)
-    ]
-
-    def key(fold: bool, w: int, u: int, pair: bool = False, ring: int = 0) -> str:
-        return f"{'F' if fold else 'X'}W{w}U{u}" + ("P" if pair else "") + (f"R{ring}" if ring else "")
+    def key(fold: bool, w: int, u: int, pair: bool = False) -> str:
+        return f"{'F' if fold else 'X'}W{w}U{u}" + ("P" if pair else "")
 
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     found: dict[str, dict[str, float]] = {}
@@ -305,22 +300,18 @@ def sweep_mma(out_dir: Path | None) -> None:
         for name, (k, n) in LAYER.items():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {
-                key(fold, w, u, pair, ring): round(
+                key(fold, w, u, pair): round(
                     time_us(
-                        [
-                            partial(w4a16_mma, x, ws[name], None, w, u, fold, None, pair=pair, ring=ring)
-                            for ws in sets
-                        ]
+                        [partial(w4a16_mma, x, ws[name], None, w, u, fold, None, pair=pair) for ws in sets]
                     ),
                     2,
                 )
                 for fold in (True, False)
                 for w in (4, 8)
-                for u, pair, ring in swept
+                for u, pair in ((1, False), (2, False), (1, True))
             }
             w, u, fold, pair = config(m, n, k, x.device)
-            ring = RING
-            row["config"] = row[key(fold, w, 1 if pair or ring else u, pair, ring)]
+            row["config"] = row[key(fold, w, 1 if pair else u, pair)]
             found[f"M={m} {name}"] = row
             picked += row["config"] if m == 1 else 0.0
             best += min(v for key, v in row.items() if key != "config") if m == 1 else 0.0
@@ -331,9 +322,8 @@ def sweep_mma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-mma",
         extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
                        "replay), us per config: F zeros folded into the A registers, X a second MMA's x sums; W "
-                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; R the "
-                       "words through a shared-memory ring of that many stages; config: what "
-                       "kernels/w4a16_mma.config picks", "configs": found},
+                       "warps; U chunks a step, loaded a step ahead; P two adjacent column blocks a program; "
+                       "config: what kernels/w4a16_mma.config picks", "configs": found},
     )  # fmt: skip
 
 
@@ -490,7 +480,7 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
 def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str) -> dict[str, Any]:
     """One engine part in a process of its own, with kernel knobs (kernels/_backend.py) set in its environment:
     PDSERVE_PDL="0" launches every kernel plainly, PDSERVE_FUSED_NORMS="0" keeps the norms in kernels of their
-    own, PDSERVE_W4A16_RING the int4 kernel's ring stages, PDSERVE_FUSED_ROTARY="1" rotary in the decode kernel."""
+    own, PDSERVE_FUSED_ROTARY="1" rotary in the decode kernel."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
@@ -504,15 +494,12 @@ def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str
 def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
     from kernels._backend import FUSED_ROTARY
-    from kernels.w4a16_mma import RING
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
     plain, bf16_plain = child("awq", 400, PDSERVE_PDL="0"), child("none", 400, PDSERVE_PDL="0")
     own_norms = child("awq", 400, PDSERVE_FUSED_NORMS="0")
-    other_ring = child("awq", 400, PDSERVE_W4A16_RING="0" if RING else "4")  # against the default
     rotary = {q: child(q, 400, PDSERVE_FUSED_ROTARY="0" if FUSED_ROTARY else "1") for q in ("awq", "none")}
     found = {
-        f"int4_ring{0 if RING else 4}": other_ring,
         f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
         f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
         "bf16": bf16,
@@ -535,8 +522,6 @@ def engines(out_dir: Path | None) -> list[tuple]:
                "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"],
                "int4_norms_in_kernels_of_their_own": own_norms,
                "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"],
-               "w4a16_ring_stages": RING, f"int4_ring{0 if RING else 4}": other_ring,
-               "ring_speedup": (other_ring["tok_s"] / int4["tok_s"]) ** (-1 if RING else 1),
                "fused_rotary": FUSED_ROTARY, f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
                f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
                "ratio_other_rotary": rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]},
@@ -556,8 +541,6 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
             ("  int4 norms in own kernels", own_norms["tok_s"], bf16["tok_s"], None,
              own_norms["tok_s"] / bf16["tok_s"]),
-            (f"  int4 ring {0 if RING else 4}", other_ring["tok_s"], bf16["tok_s"], None,
-             other_ring["tok_s"] / bf16["tok_s"]),
             (f"  both rotary fused {not FUSED_ROTARY}", rotary["awq"]["tok_s"], rotary["none"]["tok_s"], None,
              rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),

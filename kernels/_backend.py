@@ -30,9 +30,6 @@ PDL: bool = os.environ.get("PDSERVE_PDL", "1").strip() != "0"
 # PDSERVE_FUSED_NORMS=0 keeps a decoder layer's norms in kernels of their own where its int4 GEMMs could carry
 # them (engine/model.py, kernels/w4a16_mma.py)
 FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
-# PDSERVE_W4A16_RING=1|2|4|8 carries the int4 tensor-core kernel's words through a shared-memory ring of that
-# many stages (kernels/w4a16_mma.py); 0, the default until the H200 has measured it, keeps them in registers
-W4A16_RING: int = int(os.environ.get("PDSERVE_W4A16_RING", "0"))
 # PDSERVE_FUSED_ROTARY=1 lets a decode step's attention kernel rotate q and k and write the new token's K and V
 # itself (kernels/paged_decode_attention.py), one launch a layer fewer; off until the H200 has measured it
 FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "0").strip() == "1"

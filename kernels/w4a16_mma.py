@@ -31,13 +31,6 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   waits (griddepcontrol.wait) for the kernel before, whose output x is. The kernels before a decoder layer's
   GEMMs let it start on their entry, so the GEMM's programs are resident and its weights in flight while those
   run.
-- A ring in shared memory (`ring=` 1, 2, 4 or 8 stages; off by default, RING): each lane copies its own words
-  of the chunk `ring` steps on with cp.async into its own 16-byte slots and reads them back with ld.shared once
-  its own copies have landed (cp.async.wait_group), so no barrier joins the warps. Bytes in flight are then held
-  in shared memory, not registers (80 against 89 registers at 8 warps, 96 against 128 for gate_up's SwiGLU).
-  The copies are inline PTX: Gluon's own async copies take a CTA barrier a step. The ring is the kernel's
-  largest allocation and lives throughout, so Triton places it at shared memory's start and its own scratch
-  after it; the copies address it from there.
 There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
 interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
 """
@@ -64,8 +57,6 @@ MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
 SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
-RING = _backend.W4A16_RING  # stages of the shared-memory ring that carries the words (0: none; 1, 2, 4 or 8)
-RINGS = (0, 1, 2, 4, 8)
 
 
 @gluon.jit
@@ -91,81 +82,6 @@ def _wait_for_primary():
     """griddepcontrol.wait: the kernel before this one (a programmatic dependent launch) has finished, and its
     writes are visible."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _commit():
-    """cp.async.commit_group: the ring copies this thread asked for since the last commit form one group."""
-    gl.inline_asm_elementwise("cp.async.commit_group; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _wait_ring(PENDING: gl.constexpr):
-    """cp.async.wait_group: all but this thread's PENDING newest groups of ring copies have landed, and are visible
-    to this thread (only to it: each lane reads back its own words, so no barrier is needed)."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise(
-            "cp.async.wait_group 0; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-    elif PENDING == 1:
-        gl.inline_asm_elementwise(
-            "cp.async.wait_group 1; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-    elif PENDING == 3:
-        gl.inline_asm_elementwise(
-            "cp.async.wait_group 3; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-    else:
-        gl.static_assert(PENDING == 7, "ring stages: 1, 2, 4 or 8")
-        gl.inline_asm_elementwise(
-            "cp.async.wait_group 7; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-
-@gluon.jit
-def _ring_offsets(
-    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
-    W: gl.constexpr, Q: gl.constexpr,
-):  # fmt: skip
-    """Each word's byte offset in a ring slot, (W, Q, 4 words, 8 groups, 4 threads): a lane's 16-byte runs side by
-    side with the other lanes' (conflict-free), q-major."""
-    iw = _index(W, 0, 5, P0)
-    iq = _index(Q, 1, 5, P1)
-    iv = _index(4, 2, 5, P2)
-    ig = _index(8, 3, 5, P3)
-    it = _index(4, 4, 5, P4)
-    return (iq * (W * 32) + iw * 32 + ig * 4 + it) * 16 + iv * 4
-
-
-@gluon.jit
-def _ring_put(
-    qw_ptr, c, ch, n_chunks, K, off,
-    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
-    W: gl.constexpr, Q: gl.constexpr,
-):  # fmt: skip
-    """cp.async of warp w's words of chunk ch + w into the ring at byte offsets `off` (_ring_offsets plus the
-    slot's), 16 bytes a copy. A chunk past the last reads the last instead: its x is zero."""
-    iw = _index(W, 0, 5, P0)
-    iq = _index(Q, 1, 5, P1)
-    iv = _index(4, 2, 5, P2)
-    ig = _index(8, 3, 5, P3)
-    it = _index(4, 4, 5, P4)
-    chw = gl.minimum(ch + iw, n_chunks - 1)
-    ptrs = qw_ptr + ((c * (K // 64) + chw * Q + iq) * 32 + ig * 4 + it) * 4 + iv
-    gl.inline_asm_elementwise(
-        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $8; cp.async.cg.shared.global [a], [$4], 16; "
-        "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs, off], dtype=gl.int32, is_pure=False, pack=4,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _ring_get(off):
-    """This lane's words at byte offsets `off` of the ring, which its own _ring_put copied (after _wait_ring)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .u32 a; mov.u32 a, global_smem; add.u32 a, a, $4; ld.shared.v4.b32 {$0, $1, $2, $3}, [a]; }",
-        "=r,=r,=r,=r,r,r,r,r", [off], dtype=gl.int32, is_pure=False, pack=4,
-    )  # fmt: skip
 
 
 @gluon.jit
@@ -412,11 +328,10 @@ def _w4a16_mma_kernel(
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
     SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
     NBP: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, RING: gl.constexpr, MMA: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr,
-    K0: gl.constexpr,
 ):  # fmt: skip
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
@@ -431,19 +346,13 @@ def _w4a16_mma_kernel(
     total = gl.zeros([W, 16, BN], gl.float32, MMA)
     sw = _index(W, 0, 2, S0)
     cols = c * 16 + _index(16, 1, 2, S1)
-    TWO: gl.constexpr = SWIGLU or PAIR  # a second column block cu a step, against the same x
-    if RING > 0:  # the ring: one allocation held for the whole kernel (see w4a16_mma)
-        LANES: gl.constexpr = Q * W * 512  # one chunk's words of one column block
-        SLOT: gl.constexpr = (2 if TWO else 1) * LANES
-        keep = gl.allocate_shared_memory(gl.int32, [RING * SLOT // 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        off0 = _ring_offsets(P0, P1, P2, P3, P4, W, Q)
     # the first step's weights, scales and zeros are asked for before the wait: x is the kernel before's output
-    if RING == 0:
-        ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-        Pa = gl.load(ptrs, mask=mask, other=0)
+    ptrs, mask = _words(qw_ptr, c, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+    Pa = gl.load(ptrs, mask=mask, other=0)
     sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
     gn = _next_weight(g_ptr, c, N, O0) if ADD else 0.0
     gn_u = _next_weight(g_ptr, c + 1, N, O0) if ADD and PAIR else 0.0
+    TWO: gl.constexpr = SWIGLU or PAIR  # a second column block cu a step, against the same x
     if TWO:
         gl.static_assert(U == 1, "two column blocks take one chunk of each a step")
         if SWIGLU:  # N columns of (gate | up): gate block c, up block c + N / 32
@@ -452,54 +361,17 @@ def _w4a16_mma_kernel(
         else:
             cu = c + 1
             cols_u = cols + 16
-        if RING == 0:
-            ptrs, mask = _words(qw_ptr, cu, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-            Ua = gl.load(ptrs, mask=mask, other=0)
+        ptrs, mask = _words(qw_ptr, cu, 0, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        Ua = gl.load(ptrs, mask=mask, other=0)
         ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
         total_u = gl.zeros([W, 16, BN], gl.float32, MMA)  # block cu's partial sums
-    if RING > 0:  # the first RING steps' words into the ring, before the wait
-        gl.static_assert(U == 1, "the ring takes one chunk a step")
-        for i in gl.static_range(RING):
-            _ring_put(qw_ptr, c, i * W, n_chunks, K, off0 + i * SLOT, P0, P1, P2, P3, P4, W, Q)
-            if TWO:
-                _ring_put(qw_ptr, cu, i * W, n_chunks, K, off0 + i * SLOT + LANES, P0, P1, P2, P3, P4, W, Q)
-            _commit()
-    if U == 1:
+    if U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
         rstd, R, R_u = _after_wait(
             sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
         )
-    if RING > 0:  # one chunk (of each block) a step: words through the ring, the rest a step ahead
-        for ch in range(0, n_chunks, W):
-            at = off0 + ((ch // W) % RING) * SLOT
-            _wait_ring(RING - 1)  # this step's group has landed
-            P = _ring_get(at)
-            B = Ba
-            s = sa
-            z0 = za0
-            z1 = za1
-            if TWO:
-                Pu = _ring_get(at + LANES)
-                su = ta
-                y0 = ya0
-                y1 = ya1
-                ta, ya0, ya1 = _side(
-                    s_ptr, z_ptr, cu, ch + W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
-                )
-            Ba = _x(x_ptr, ch + W, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
-            sa, za0, za1 = _side(s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
-            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-            if TWO:
-                total_u += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-            # the slot just read takes the words RING steps on
-            _ring_put(qw_ptr, c, ch + RING * W, n_chunks, K, at, P0, P1, P2, P3, P4, W, Q)
-            if TWO:
-                _ring_put(qw_ptr, cu, ch + RING * W, n_chunks, K, at + LANES, P0, P1, P2, P3, P4, W, Q)
-            _commit()
-        _wait_ring(0)  # no copy lands after the ring's bytes are given back
-    elif U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
         for ch in range(0, n_chunks, W):
             P = Pa
             B = Ba
@@ -584,9 +456,6 @@ def _w4a16_mma_kernel(
             gl.sum(total_u, axis=0), c + 1, M, N, out_ptr, stride_om, bias_ptr, gn_u, y_ptr, part_ptr, R_u, rstd,
             HAS_BIAS, NORM, ADD, DT, O0, O1, BN,
         )  # fmt: skip
-    if RING > 0:  # a use of the reservation after everything else, so that nothing else is given its bytes
-        lanes = gl.arange(0, 32 * W, K0)
-        gl.store(part_ptr + lanes, keep.slice(0, 32 * W).load(K0).to(gl.float32), mask=(lanes < 0) | (M < 0))
 
 
 def _slices(parent: Any, rank: int) -> list[Any]:
@@ -612,7 +481,7 @@ def _layouts(w: int, q: int, bn: int) -> dict[str, Any]:
         size_per_thread=[1, q * 8, 1, 1], threads_per_warp=[1, 1, 4, 8], warps_per_cta=[w, 1, 1, 1],
         order=[1, 2, 3, 0],
     )  # fmt: skip
-    out: dict[str, Any] = {"MMA": mma, "K0": gl.BlockedLayout([1], [32], [w], [0])}
+    out: dict[str, Any] = {"MMA": mma}
     for name, lay, rank in (
         ("P", words, 5),
         ("B", x, 4),
@@ -697,7 +566,6 @@ def w4a16_mma(
     pdl: bool | None = None,  # a programmatic dependent launch (kernels/pdl.py; by default on a GPU)
     swiglu: bool = False,  # w is (gate | up): silu(gate) * up, (M, N / 2); swiglu_applies(x, w)
     pair: bool | None = None,  # two adjacent column blocks a program (an even count); config() by default
-    ring: int | None = None,  # stages of words in shared memory (0: none, one chunk a step); RING by default
     norm: NormedInput | None = None,  # x is weight * the stream: the sums take 1 / rms
     add_to: torch.Tensor | None = None,  # (M, N): the stream, which the product is added into in place
     next_norm: NextNorm | None = None,  # with add_to: where the next norm's input goes
@@ -730,11 +598,7 @@ def w4a16_mma(
         out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     grid = n // (2 * BLOCK_COLS) if swiglu else blocks // (2 if pair else 1)
     warps = default[0] if warps is None else warps
-    ring = RING if ring is None else ring
-    if ring not in RINGS or (ring and unroll not in (None, 1)):
-        raise ValueError(f"ring takes one of {RINGS} stages and one chunk a step, not {ring} and {unroll}")
-    # two column blocks a step, or the ring's one chunk
-    unroll = 1 if swiglu or pair or ring else default[1] if unroll is None else unroll
+    unroll = 1 if swiglu or pair else default[1] if unroll is None else unroll  # two column blocks a step
     fold = default[2] if fold is None else fold
     pdl = pdl_on(x) if pdl is None else pdl
     bn = 8 if m <= 8 else 16
@@ -742,7 +606,7 @@ def w4a16_mma(
     # programs an SM; held to 128 they spill 16 bytes, outside the K loop
     regs = {"maxnreg": 128} if add_to is not None and warps == 8 and unroll == 2 and bn == 8 else {}
     nxt = (next_norm.weight, next_norm.normed, next_norm.sumsq) if next_norm is not None else (out, out, out)
-    compiled = _w4a16_mma_kernel[(grid,)](
+    _w4a16_mma_kernel[(grid,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, nxt[0], nxt[1],
         norm.sumsq if norm is not None else out, nxt[2],
         m, n, k, x.stride(0) // 2, out.stride(0), norm.eps if norm is not None else 0.0,
@@ -751,24 +615,12 @@ def w4a16_mma(
         HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PAIR=pair,
         NORM=norm is not None, ADD=add_to is not None, NB=k // BLOCK_COLS if norm is not None else 1,
         NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, PDL=pdl,
-        EARLY=bn == 8, RING=ring, launch_pdl=pdl,
+        EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),
     )  # fmt: skip
-    if ring:
-        _check_ring(compiled, ring * (2 if swiglu or pair else 1) * (w.chunk // 64) * warps * 512)
     return out
-
-
-def _check_ring(compiled: Any, ring_bytes: int) -> None:
-    """The ring's copies address shared memory from its start: Triton gives the ring, its largest allocation and
-    live throughout, offset 0 and its own scratch (the reductions) the bytes after it. A launch whose shared
-    memory cannot hold both is a layout this kernel was not built for."""
-    if int(compiled.metadata.shared) < ring_bytes:
-        raise RuntimeError(
-            f"w4a16_mma: {compiled.metadata.shared} bytes of shared memory, the ring needs {ring_bytes}"
-        )
 
 
 def check_fused(

@@ -99,51 +99,6 @@ def test_paired_column_blocks_match_reference(warps):
         w4a16_mma(torch.randn(1, 1024, device="cuda").to(torch.bfloat16), odd, pair=True)
 
 
-@pytest.mark.parametrize("ring", [1, 2, 4, 8])
-def test_the_shared_memory_ring_matches_the_register_path(ring):
-    """Words carried through the shared-memory ring (each lane its own slots, no barrier) give the register
-    path's result: at every stage count plainly, and at 4 stages in every form (4 and 8 warps, folded or not,
-    K ranges that leave warps idle, two blocks a program, SwiGLU, a normed x, an add into the stream); bad
-    stage counts are refused."""
-    full = ring == 4  # each form is a compiled variant: the whole matrix at one stage count
-    for i, (k, n, group) in enumerate([(4096, 1024, 128), (1088, 224, 64), (14336, 4096, 128)]):
-        w = to_fragments(random_int4(k, n, group, offsets=i == 1, seed=i))
-        for m in (1, 5, 16) if full else (1, 16):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            ref = w4a16_gemm_reference(x.float(), w)
-            for warps, fold in [(4, True), (4, False), (8, True), (8, False)] if full else [(8, True)]:
-                out = w4a16_mma(x, w, None, warps, 1, fold, True, pair=False, ring=ring)
-                assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, warps, fold)
-                plain = w4a16_mma(x, w, None, warps, 1, fold, True, pair=False, ring=0)
-                assert rel_err(out, plain.float()) < 1e-3, (m, k, n, warps, fold)
-            if not full:
-                continue
-            assert rel_err(w4a16_mma(x, w, pair=True, ring=ring), ref) < ERR[torch.bfloat16], (m, k, n)
-            swiglu = w4a16_mma(x, w, swiglu=True, ring=ring)
-            assert rel_err(swiglu, silu_and_mul_reference(ref)) < ERR[torch.bfloat16], (m, k, n)
-            h = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            g = (1 + 0.2 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-            norm = NormedInput(norm_input(h, g)[1], 1e-5)
-            xn = (g.float() * h.float()).to(torch.bfloat16)
-            out = w4a16_mma(xn, w, norm=norm, ring=ring)
-            assert rel_err(out, w4a16_mma_reference(xn, w, norm=norm)) < ERR[torch.bfloat16], (m, k, n)
-            stream = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-            nxt = NextNorm(
-                g[:n],
-                torch.empty(m, n, device="cuda", dtype=torch.bfloat16),
-                torch.empty(m, n // 16, device="cuda"),
-            )
-            added, plain_added = stream.clone(), stream.clone()
-            w4a16_mma(x, w, add_to=added, next_norm=nxt, ring=ring)
-            w4a16_mma(x, w, add_to=plain_added, next_norm=nxt, ring=0)
-            assert rel_err(added, plain_added.float()) < 1e-3, (m, k, n)
-    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="ring takes"):
-        w4a16_mma(x, to_fragments(random_int4(1024, 256, 64, seed=1)), ring=3)
-    with pytest.raises(ValueError, match="ring takes"):
-        w4a16_mma(x, to_fragments(random_int4(1024, 256, 64, seed=1)), None, 8, 2, ring=ring)
-
-
 SWIGLU_SHAPES = [(4096, 28672, 128), (576, 3072, 32), (1024, 224, 64), (1024, 200, 64)]  # (K, N, group)
 
 
