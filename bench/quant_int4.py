@@ -480,7 +480,7 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
 def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str) -> dict[str, Any]:
     """One engine part in a process of its own, with kernel knobs (kernels/_backend.py) set in its environment:
     PDSERVE_PDL="0" launches every kernel plainly, PDSERVE_FUSED_NORMS="0" keeps the norms in kernels of their
-    own, PDSERVE_FUSED_ROTARY="1" rotary in the decode kernel."""
+    own."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
@@ -493,15 +493,11 @@ def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str
 
 def engines(out_dir: Path | None) -> list[tuple]:
     from bench.record import record
-    from kernels._backend import FUSED_ROTARY
 
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
     plain, bf16_plain = child("awq", 400, PDSERVE_PDL="0"), child("none", 400, PDSERVE_PDL="0")
     own_norms = child("awq", 400, PDSERVE_FUSED_NORMS="0")
-    rotary = {q: child(q, 400, PDSERVE_FUSED_ROTARY="0" if FUSED_ROTARY else "1") for q in ("awq", "none")}
     found = {
-        f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
-        f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
         "bf16": bf16,
         "int4": int4,
         "int4_lm_head": head,
@@ -521,10 +517,7 @@ def engines(out_dir: Path | None) -> list[tuple]:
                "pdl_speedup_bf16": bf16["tok_s"] / bf16_plain["tok_s"],
                "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"],
                "int4_norms_in_kernels_of_their_own": own_norms,
-               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"],
-               "fused_rotary": FUSED_ROTARY, f"int4_fused_rotary_{not FUSED_ROTARY}": rotary["awq"],
-               f"bf16_fused_rotary_{not FUSED_ROTARY}": rotary["none"],
-               "ratio_other_rotary": rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]},
+               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -541,8 +534,6 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
             ("  int4 norms in own kernels", own_norms["tok_s"], bf16["tok_s"], None,
              own_norms["tok_s"] / bf16["tok_s"]),
-            (f"  both rotary fused {not FUSED_ROTARY}", rotary["awq"]["tok_s"], rotary["none"]["tok_s"], None,
-             rotary["awq"]["tok_s"] / rotary["none"]["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 

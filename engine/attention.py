@@ -17,7 +17,6 @@ from kernels.decode_reduce import decode_workspace_size
 from kernels.kv_cache_write import kv_cache_write
 from kernels.paged_decode_attention import (
     MIN_PARTITION,
-    RotaryWrite,
     paged_decode_attention,
     plan_num_splits,
     split_target,
@@ -100,11 +99,6 @@ class PagedAttention(nn.Module):
         # model.to(bfloat16) must not round it
         self.kv_scale = torch.ones(2, dtype=torch.float32)
 
-    def fuses_rotary(self, q: torch.Tensor) -> bool:
-        """Whether a decode-only step's kernel takes q unrotated and writes the new K and V itself
-        (kernels/paged_decode_attention.py: RotaryWrite): the Triton kernel, PDSERVE_FUSED_ROTARY=1."""
-        return _backend.FUSED_ROTARY and _backend.use_triton(q) and RotaryWrite.applies(self.head_dim)
-
     def forward(
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
@@ -112,18 +106,15 @@ class PagedAttention(nn.Module):
         v: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim)
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
-        rotary: RotaryWrite | None = None,  # a decode-only step: q unrotated, the new K and V unwritten
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
         if (
             k is not None and v is not None
         ):  # the model writes them fused with RoPE (kernels/rotary_kv_write.py)
             kv_cache_write(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
-        assert rotary is None or meta.is_decode_only, "only a decode-only step rotates in the decode kernel"
         if meta.is_decode_only:
             out = paged_decode_attention(
                 q, kv_cache, meta.seq_lens, meta.block_tables, self.scale, max_seq_len=meta.max_seq_len,
                 num_splits=meta.decode_num_splits, workspace=meta.decode_workspace, kv_scale=self.kv_scale,
-                rotary=rotary,
             )  # fmt: skip
         else:  # the leading one-token rows by the decode kernel, the chunks after them by the prefill one
             nd = meta.num_decode_seqs

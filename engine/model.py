@@ -26,7 +26,6 @@ from engine.layers import (
 )
 from engine.model_config import ModelConfig
 from kernels.fused_add_rmsnorm import norm_input
-from kernels.paged_decode_attention import RotaryWrite
 from kernels.rotary_kv_write import rotary_kv_write
 from kernels.w4a16_mma import NextNorm, NormedInput
 
@@ -80,9 +79,6 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        if meta.is_decode_only and self.attn.fuses_rotary(q):  # the decode kernel rotates and writes them
-            rotary = RotaryWrite(k, v, positions, cos_sin_cache, meta.slot_mapping)
-            return self.attn(q, None, None, kv_cache, meta, rotary)
         # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
         rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale)
         return self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)

@@ -30,9 +30,6 @@ PDL: bool = os.environ.get("PDSERVE_PDL", "1").strip() != "0"
 # PDSERVE_FUSED_NORMS=0 keeps a decoder layer's norms in kernels of their own where its int4 GEMMs could carry
 # them (engine/model.py, kernels/w4a16_mma.py)
 FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
-# PDSERVE_FUSED_ROTARY=1 lets a decode step's attention kernel rotate q and k and write the new token's K and V
-# itself (kernels/paged_decode_attention.py), one launch a layer fewer; off until the H200 has measured it
-FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "0").strip() == "1"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

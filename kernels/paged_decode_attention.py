@@ -13,8 +13,6 @@ online_softmax_tile_fp8; k_scale folded into the softmax scale, v_scale applied 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -26,11 +24,10 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
-from kernels.kv_quant import FP8_DTYPE, as_read, fp16_dots, load_scales, scale_args, store_quantized
+from kernels.kv_quant import FP8_DTYPE, as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile, online_softmax_tile_fp8
 from kernels.paged_prefill_attention import gather_kv
 from kernels.pdl import pdl, pdl_entry, pdl_launch
-from kernels.rotary_kv_write import rotary_kv_write_reference, rotate_store
 
 MIN_PARTITION = 256  # keys per split at least: below that the reduce costs more than it saves
 FP32_CONFIG = {"block_n": 32, "num_warps": 4, "num_stages": 2}  # 4-byte tiles: half the rows fit
@@ -70,15 +67,9 @@ def _paged_decode_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     kv_scale_ptr,  # FP8: [k_scale, v_scale]
-    k_ptr,  # ROTARY: the new token's k and v (RotaryWrite), its position and slot, the cos | sin cache
-    v_ptr,
-    positions_ptr,
-    slot_mapping_ptr,
-    cos_sin_ptr,
     # sizes
     qk_scale,
     partition_size,
-    max_position,  # ROTARY: cos_sin's rows
     # strides
     stride_o_seq,
     stride_o_head,
@@ -95,11 +86,6 @@ def _paged_decode_kernel(
     stride_c_off,
     stride_c_head,
     stride_bt_seq,
-    stride_k_seq,
-    stride_k_head,
-    stride_v_seq,
-    stride_v_head,
-    stride_cs_pos,
     # meta
     QUERY_GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -114,7 +100,6 @@ def _paged_decode_kernel(
     FP16_DOTS: tl.constexpr,
     PAIRS: tl.constexpr,  # an fp8 cache read as 16-bit words (fp8_pairs)
     CUDA: tl.constexpr,
-    ROTARY: tl.constexpr,  # q and k rotated here, the new K and V written here (RotaryWrite)
 ):
     pdl_entry(PDL)
     kv_head = tl.program_id(0)  # grid (kv head, sequence, split): a sequence's kv heads start side by side
@@ -128,33 +113,16 @@ def _paged_decode_kernel(
     out_mask = row_ok[:, None] & dim_ok[None, :]
     out_rows = out_ptr + seq.to(tl.int64) * stride_o_seq + heads * stride_o_head  # (BLOCK_H,)
     q_rows = query_ptr + seq.to(tl.int64) * stride_q_seq + heads[:, None] * stride_q_head  # (BLOCK_H, 1)
-    pairs = tl.arange(0, BLOCK_D // 2)
-    if ROTARY:  # neox halves of head_dim (a power of two here), rotated as kernels/rotary_kv_write.py rotates
-        pos = tl.load(positions_ptr + seq).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_position - 1)  # in bounds whatever the caller passes
-        half_ok = pairs < HEAD_DIM // 2
-        cs = cos_sin_ptr + pos * stride_cs_pos + pairs
-        cos = tl.load(cs, mask=half_ok, other=0.0).to(tl.float32)
-        sin = tl.load(cs + HEAD_DIM // 2, mask=half_ok, other=0.0).to(tl.float32)
-        q_half = row_ok[:, None] & half_ok[None, :]
-        x1 = tl.load(q_rows + pairs[None, :], mask=q_half, other=0.0).to(tl.float32)
-        x2 = tl.load(q_rows + HEAD_DIM // 2 + pairs[None, :], mask=q_half, other=0.0).to(tl.float32)
-        r1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(query_ptr.dtype.element_ty)
-        r2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(query_ptr.dtype.element_ty)
-        q = tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (BLOCK_H, BLOCK_D))  # [r1 | r2] per row
-        if PAIRS:
-            q_even, q_odd = tl.split(tl.reshape(q, (BLOCK_H, BLOCK_D // 2, 2)))
     # q before seq_len: the two loads' latencies overlap instead of adding up
     if PAIRS:  # q's even and odd dims, against the words' low and high bytes (online_softmax_tile_fp8)
-        if not ROTARY:
-            pair_mask = row_ok[:, None] & (pairs * 2 < HEAD_DIM)[None, :]
-            q_even = tl.load(q_rows + pairs[None, :] * 2, mask=pair_mask, other=0.0)
-            q_odd = tl.load(q_rows + pairs[None, :] * 2 + 1, mask=pair_mask, other=0.0)
+        pairs = tl.arange(0, BLOCK_D // 2)
+        pair_mask = row_ok[:, None] & (pairs * 2 < HEAD_DIM)[None, :]
+        q_even = tl.load(q_rows + pairs[None, :] * 2, mask=pair_mask, other=0.0)
+        q_odd = tl.load(q_rows + pairs[None, :] * 2 + 1, mask=pair_mask, other=0.0)
         if FP16_DOTS:  # the tiles convert to q's dtype (kernels/kv_quant.py: fp16_dots)
             q_even, q_odd = q_even.to(tl.float16), q_odd.to(tl.float16)
     else:
-        if not ROTARY:
-            q = tl.load(q_rows + dims[None, :], mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
+        q = tl.load(q_rows + dims[None, :], mask=out_mask, other=0.0)  # (BLOCK_H, BLOCK_D)
         if FP16_DOTS:
             q = q.to(tl.float16)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -167,20 +135,6 @@ def _paged_decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_base = kv_cache_ptr + kv_head * stride_c_head
     k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
-    if ROTARY:  # the program whose keys end at the new token writes its K and V, then reads them as cached
-        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
-        # slot >= 0 as a block: the interpreter cannot mask with a block & scalar mix
-        here = tl.zeros_like(pairs)
-        put = half_ok & (slot + here >= 0) & (end + here == seq_len) & (start + here < seq_len)
-        dst = kv_base + (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_off + pairs
-        k_src = k_ptr + seq.to(tl.int64) * stride_k_seq + kv_head * stride_k_head + pairs
-        rotate_store(k_src, dst, put, cos, sin, HEAD_DIM // 2, k_scale, FP8)
-        v_src = v_ptr + seq.to(tl.int64) * stride_v_seq + kv_head * stride_v_head + pairs
-        v1 = tl.load(v_src, mask=put).to(tl.float32)
-        store_quantized(dst + stride_c_kv, v1, put, v_scale, FP8)
-        v2 = tl.load(v_src + HEAD_DIM // 2, mask=put).to(tl.float32)
-        store_quantized(dst + stride_c_kv + HEAD_DIM // 2, v2, put, v_scale, FP8)
-        tl.debug_barrier()  # the writes are visible to every thread of the program before its tiles load
     qk_scale = qk_scale * k_scale  # fp8 K tiles enter the dot as stored: their scale goes on the scores
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -230,38 +184,6 @@ def _paged_decode_kernel(
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 writes zeros, not NaN
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
-
-
-@dataclass(frozen=True)
-class RotaryWrite:
-    """A decode step's new tokens as the qkv projection leaves them, for the decode kernel to rotate (q and k,
-    neox halves, as kernels/rotary_kv_write.py) and write (k and v, at slot_mapping; a negative slot writes
-    nothing) itself: one launch a layer fewer. Each sequence's one token is at position seq_len - 1."""
-
-    k: torch.Tensor  # (num_seqs, num_kv_heads, head_dim), strided views of the qkv projection allowed
-    v: torch.Tensor  # (num_seqs, num_kv_heads, head_dim)
-    positions: torch.Tensor  # (num_seqs,) int
-    cos_sin_cache: torch.Tensor  # (max_positions, head_dim): cos | sin
-    slot_mapping: torch.Tensor  # (num_seqs,) int
-
-    @staticmethod
-    def applies(head_dim: int) -> bool:
-        """The kernel puts q's rotated halves side by side in its tile: a power-of-two head_dim."""
-        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-    def check(self, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        num_seqs, _, head_dim = query.shape
-        shape = (num_seqs, kv_cache.shape[3], head_dim)
-        if not self.applies(head_dim) or self.k.shape != shape or self.v.shape != shape:
-            raise ValueError(f"RotaryWrite: k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, want {shape}")
-        if self.positions.shape != (num_seqs,) or self.slot_mapping.shape != (num_seqs,):
-            raise ValueError("RotaryWrite: one position and one slot a sequence")
-        if self.cos_sin_cache.shape[1] != head_dim or self.cos_sin_cache.stride(1) != 1:
-            raise ValueError(
-                f"RotaryWrite: cos_sin_cache {tuple(self.cos_sin_cache.shape)}, rows of {head_dim}"
-            )
-        if self.k.stride(2) != 1 or self.v.stride(2) != 1:
-            raise ValueError("RotaryWrite: k and v head_dim not contiguous")
 
 
 def fp8_pairs(kv_cache: torch.Tensor) -> bool:
@@ -324,7 +246,6 @@ def paged_decode_attention_triton(
     config: dict | None = None,
     out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
     kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
-    rotary: RotaryWrite | None = None,  # query not yet rotated: rotate it, and write the new K and V
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
     """config: tile keys (block_n, num_warps, num_stages) and the merge launch's "merge_warps" and
     "merge_block_d" (head_dim elements per program; default MERGE_WARPS and MERGE_BLOCK_D).
@@ -364,20 +285,13 @@ def paged_decode_attention_triton(
         ws_strides = (*part.stride()[:3], *ml.stride()[:3])
     else:  # the pointers are unused: the kernel writes the normalised output directly
         part, ml, ws_strides = out, out, (0, 0, 0, 0, 0, 0)
-    if rotary is not None:
-        rotary.check(query, kv_cache)
-        r = rotary
-        rot_args = (r.k, r.v, r.positions, r.slot_mapping, r.cos_sin_cache)
-        rot_strides = (r.k.stride(0), r.k.stride(1), r.v.stride(0), r.v.stride(1), r.cos_sin_cache.stride(0))
-    else:  # unused
-        rot_args, rot_strides = (query, query, seq_lens, seq_lens, query), (0, 0, 0, 0, 0)
     _paged_decode_kernel[(num_kv_heads, num_seqs, num_splits)](
-        out, part, ml, query, kv_cache, seq_lens, block_tables, scale_ptr, *rot_args,
-        scale * LOG2E, partition, rotary.cos_sin_cache.shape[0] if rotary is not None else 1,
+        out, part, ml, query, kv_cache, seq_lens, block_tables, scale_ptr,
+        scale * LOG2E, partition,
         out.stride(0), out.stride(1), *ws_strides,
         query.stride(0), query.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), *rot_strides,
+        block_tables.stride(0),
         QUERY_GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         HEAD_DIM=head_dim,
@@ -391,7 +305,6 @@ def paged_decode_attention_triton(
         FP16_DOTS=fp16_dots(fp8, query.dtype),
         PAIRS=fp8_pairs(kv_cache),
         CUDA=query.is_cuda,
-        ROTARY=rotary is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(on),
@@ -435,20 +348,13 @@ def paged_decode_attention_reference(
 
 def paged_decode_attention(
     query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None, *, num_splits=None, workspace=None,
-    kv_scale=None, rotary=None,
+    kv_scale=None,
 ):  # fmt: skip
     """num_splits / workspace (Triton only, see paged_decode_attention_triton): fixed for CUDA graphs.
-    kv_scale: an fp8 cache's (2,) [k_scale, v_scale]. rotary (RotaryWrite): query is not yet rotated, nor the
-    new K and V written; the torch path rotates and writes first (rotating query in place)."""
+    kv_scale: an fp8 cache's (2,) [k_scale, v_scale]."""
     if _backend.use_triton(query):
         return paged_decode_attention_triton(
             query, kv_cache, seq_lens, block_tables, scale, max_seq_len,
-            num_splits=num_splits, workspace=workspace, kv_scale=kv_scale, rotary=rotary,
-        )  # fmt: skip
-    if rotary is not None:
-        rotary.check(query, kv_cache)
-        rotary_kv_write_reference(
-            query, rotary.k, rotary.v, rotary.positions.long(), rotary.cos_sin_cache, kv_cache,
-            rotary.slot_mapping.long(), kv_scale=kv_scale,
+            num_splits=num_splits, workspace=workspace, kv_scale=kv_scale,
         )  # fmt: skip
     return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale, kv_scale)

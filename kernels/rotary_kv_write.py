@@ -28,7 +28,7 @@ from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 
 @triton.jit
-def rotate_store(src, dst, mask, cos, sin, HALF: tl.constexpr, scale, FP8: tl.constexpr):
+def _rotate_store(src, dst, mask, cos, sin, HALF: tl.constexpr, scale, FP8: tl.constexpr):
     """Rows of neox halves at src (pointers to the first half) -> rotated rows at dst (FP8: quantized)."""
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -94,7 +94,7 @@ def _rotary_kv_write_kernel(
     q_mask = (q_heads < q_end)[:, None] & dmask[None, :]  # (BLOCK_Q, BLOCK_HALF)
     q_src = q_ptr + token * stride_q_tok + q_heads[:, None] * stride_q_head + dims[None, :]
     q_dst = q_out_ptr + token * stride_qo_tok + q_heads[:, None] * stride_qo_head + dims[None, :]
-    rotate_store(q_src, q_dst, q_mask, cos, sin, HALF, 1.0, False)
+    _rotate_store(q_src, q_dst, q_mask, cos, sin, HALF, 1.0, False)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     kv_heads = kv0 + tl.arange(0, BLOCK_KV)
@@ -105,7 +105,7 @@ def _rotary_kv_write_kernel(
     dst += kv_heads[:, None] * stride_c_head + dims[None, :]
     k_scale, v_scale = load_scales(kv_scale_ptr, FP8)
     k_src = k_ptr + token * stride_k_tok + kv_heads[:, None] * stride_k_head + dims[None, :]
-    rotate_store(k_src, dst, kv_mask, cos, sin, HALF, k_scale, FP8)
+    _rotate_store(k_src, dst, kv_mask, cos, sin, HALF, k_scale, FP8)
     v_src = v_ptr + token * stride_v_tok + kv_heads[:, None] * stride_v_head + dims[None, :]
     v1 = tl.load(v_src, mask=kv_mask).to(tl.float32)
     store_quantized(dst + stride_c_kv, v1, kv_mask, v_scale, FP8)

@@ -9,7 +9,7 @@ import torch
 
 import kernels._backend as backend
 from engine import LLM, SamplingParams
-from tests.hf_reference import TINY_VOCAB, hf_greedy, tiny_random_model_dir
+from tests.hf_reference import hf_greedy, tiny_random_model_dir
 
 LENGTHS = [1, 5, 16, 17, 40, 100, 200]
 MAX_TOKENS = [9, 12, 7, 16, 10, 14, 8]
@@ -52,27 +52,6 @@ def test_triton_engine_matches_transformers(tiny, budget):
         {"prompt_token_ids": batch[-1]}, SamplingParams(temperature=0, max_tokens=MAX_TOKENS[-1])
     )
     assert again[0].num_cached_tokens > 0 and again[0].outputs[0].token_ids == want[-1]
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_rotary_in_the_decode_kernel_serves_as_its_own_kernel(tiny, monkeypatch, kv_cache_dtype):
-    """PDSERVE_FUSED_ROTARY=1: decode steps rotate q and k and write the new K and V in the decode kernel, in
-    CUDA graphs (max_model_len 1024: the short contexts' plan splits them into 64-key partitions): greedy output
-    is the separate kernel's, and transformers' with a 16-bit cache."""
-    batch = prompts(TINY_VOCAB, seed=3)
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(backend, "FUSED_ROTARY", fused)
-        llm = LLM(
-            str(tiny), device="cuda", dtype="float32", max_model_len=1024, gpu_memory_utilization=0.05,
-            kv_cache_dtype=kv_cache_dtype,
-        )  # fmt: skip
-        outs[fused] = run(llm, batch)
-        del llm
-        torch.cuda.empty_cache()
-    assert outs[True] == outs[False]
-    if kv_cache_dtype == "auto":
-        assert outs[True] == hf_greedy(tiny, batch, MAX_TOKENS)
 
 
 def test_triton_and_torch_paths_agree(tiny, monkeypatch):
