@@ -106,10 +106,14 @@ class SamplingFields(_Body):
             bias[token] = value
         return bias
 
-    def unsupported(self) -> tuple[str, str] | None:
-        """(field, message) of the first field set that this server would otherwise ignore, or None."""
+    def conflict(self) -> tuple[str, str] | None:
+        """(field, message) of a field that makes no sense without another (OpenAI refuses these), or None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options can only be set when stream is true"
+        return None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) of the first field set that this server would otherwise ignore, or None."""
         for name, value in (self.model_extra or {}).items():
             if name in _REFUSED:
                 reason, default = _REFUSED[name]
@@ -161,6 +165,11 @@ class ChatCompletionRequest(SamplingFields):
     function_call: SkipJsonSchema[Any] = None
     response_format: SkipJsonSchema[ResponseFormat | None] = None
 
+    def conflict(self) -> tuple[str, str] | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs set to true"
+        return super().conflict()
+
     def unsupported(self) -> tuple[str, str] | None:
         other = [kind for m in self.messages for kind in m.other_parts()]
         if other:
@@ -168,8 +177,6 @@ class ChatCompletionRequest(SamplingFields):
                 "messages",
                 f"messages hold a content part of type {other[0]!r}: this model reads text only",
             )
-        if self.top_logprobs and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs set to true"
         if self.tools and self.tool_choice != "none":
             return (
                 "tools",

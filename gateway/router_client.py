@@ -16,6 +16,7 @@ from gateway.errors import APIError, from_grpc
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_common import set_token_controls
 
 _PASSTHROUGH = (
     "temperature",
@@ -30,10 +31,10 @@ _PASSTHROUGH = (
 
 
 def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> pb.SamplingParams:
-    refused = body.unsupported()
-    if refused is not None:
-        field, message = refused
-        raise APIError(400, message, field, "unsupported")
+    for found, code in ((body.conflict(), "invalid_request"), (body.unsupported(), "unsupported")):
+        if found is not None:
+            field, message = found
+            raise APIError(400, message, field, code)
     try:
         bias = body.token_bias()
     except ValueError as exc:
@@ -53,14 +54,7 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     num = body.num_logprobs()
     if num is not None:
         msg.logprobs = num
-    if bias:
-        msg.logit_bias.update(bias)
-    if body.min_tokens:
-        msg.min_tokens = body.min_tokens
-    if body.allowed_token_ids:
-        msg.allowed_token_ids.extend(body.allowed_token_ids)
-    if not body.skip_special_tokens:
-        msg.skip_special_tokens = False
+    set_token_controls(msg, bias, body.min_tokens, body.allowed_token_ids, body.skip_special_tokens)
     return msg
 
 

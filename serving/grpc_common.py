@@ -89,15 +89,27 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
-    if p.logit_bias:
-        msg.logit_bias.update(p.logit_bias)
-    if p.min_tokens:
-        msg.min_tokens = p.min_tokens
-    if p.allowed_token_ids:
-        msg.allowed_token_ids.extend(p.allowed_token_ids)
-    if not p.skip_special_tokens:
-        msg.skip_special_tokens = False
+    set_token_controls(msg, p.logit_bias, p.min_tokens, p.allowed_token_ids, p.skip_special_tokens)
     return msg
+
+
+def set_token_controls(
+    msg: pb.SamplingParams,
+    logit_bias: dict[int, float] | None,
+    min_tokens: int,
+    allowed_token_ids: list[int] | None,
+    skip_special_tokens: bool,
+) -> None:
+    """The fields that steer which tokens a request may take, set only where they differ from the default (as
+    from SamplingParams, so from an OpenAI request body)."""
+    if logit_bias:
+        msg.logit_bias.update(logit_bias)
+    if min_tokens:
+        msg.min_tokens = min_tokens
+    if allowed_token_ids:
+        msg.allowed_token_ids.extend(allowed_token_ids)
+    if not skip_special_tokens:
+        msg.skip_special_tokens = False
 
 
 def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> pb.TokenLogprobs:

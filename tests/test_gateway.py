@@ -294,6 +294,9 @@ def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, para
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and param in error["message"]
+    # a field that needs another (OpenAI's own refusals) or a bad value is invalid, the rest unsupported
+    invalid = param in ("top_logprobs", "stream_options", "logit_bias")
+    assert error["code"] == ("invalid_request" if invalid else "unsupported"), error
 
 
 def test_bad_logit_bias_and_min_tokens_get_400(stack):
