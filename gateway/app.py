@@ -31,10 +31,16 @@ from gateway.drain import Admission, Drain
 from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
 from gateway.limits import BodyLimit
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from gateway.rate_limit import TenantLimits, retry_after
 from gateway.responses import Choice, Formatter, TokenText, Totals
-from gateway.router_client import RouterStreams, build, chat_requests, completion_requests
+from gateway.router_client import RouterStreams, build, chat_requests, completion_requests, tokenize_request
 from gateway.tenants import CacheSalts, TenantKeys
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -170,6 +176,33 @@ class Gateway:
             return exc.response()
         self._finished((endpoint, start, record), 200, totals)
         return JSONResponse(fmt.whole(choices, totals))
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        """vLLM's /tokenize: the router encodes the prompt as Generate would, so `count` is the
+        `usage.prompt_tokens` the same prompt gets."""
+        assert self.stub is not None
+        try:
+            request = build(lambda: tokenize_request(body))
+            reply = await self.stub.Tokenize(request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            return from_grpc(exc).response()
+        except APIError as exc:
+            return exc.response()
+        ids = list(reply.token_ids)
+        strs = list(reply.token_strs) if body.return_token_strs else None
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": reply.max_model_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        """vLLM's /detokenize: token ids back to text, special tokens kept."""
+        assert self.stub is not None
+        request = pb.DetokenizeRequest(model=body.model or "", token_ids=body.tokens)
+        try:
+            reply = await self.stub.Detokenize(request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            return from_grpc(exc).response()
+        return JSONResponse({"prompt": reply.text})
 
     def _admit(self, tenant: str | None) -> None:
         """The tenant's rate limits: 429 with Retry-After when it is over one."""
@@ -318,6 +351,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await gw.serve(request, body, "completions")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
+        return await gw.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await gw.detokenize(body)
 
     @app.get("/v1/models")
     async def models() -> dict:

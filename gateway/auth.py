@@ -1,4 +1,4 @@
-"""Bearer-token auth for the /v1 endpoints; /health and /metrics stay open. A key may name a tenant
+"""Bearer-token auth for the /v1 endpoints and /tokenize, /detokenize; /health and /metrics stay open. A key may name a tenant
 (gateway/tenants.py): the request's access record carries it on, for its cache salt and rate limits."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from gateway.access import record_of
 from gateway.errors import APIError
 from gateway.tenants import TenantKeys
 
+KEYED = frozenset({"/tokenize", "/detokenize"})  # vLLM's paths, outside /v1: they use the router's tokenizer
+
 
 def bearer_token(header: bytes) -> bytes | None:
     """The token of an `Authorization: Bearer TOKEN` header; the scheme is case-insensitive (RFC 7235)."""
@@ -21,7 +23,7 @@ def bearer_token(header: bytes) -> bytes | None:
 
 
 class BearerAuth:
-    """ASGI middleware: paths under /v1/ need a key of `keys`; keys are looked up by their SHA-256, so the
+    """ASGI middleware: paths under /v1/ (and KEYED) need a key of `keys`; keys are looked up by their SHA-256, so the
     time taken says nothing about how close a wrong token came. `on_refused(path, status)` is told of
     every refusal."""
 
@@ -31,7 +33,7 @@ class BearerAuth:
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1/") or scope["path"] in KEYED):
             token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
             known, tenant = self.keys.lookup(token or b"") if token else (False, None)
             if not known:

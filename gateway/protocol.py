@@ -241,3 +241,27 @@ class CompletionRequest(SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's /tokenize of a prompt: its token ids as /v1/completions would encode it."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # completions encode with them: another value is refused
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's /tokenize of chat messages: their token ids as /v1/chat/completions would encode them."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the chat template writes them: another value is refused
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -13,7 +13,12 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from gateway.errors import APIError, from_grpc
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import set_token_controls
@@ -76,6 +81,27 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
             req.token_ids.ids.extend(prompt)
         out.append(req)
     return out
+
+
+def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> pb.TokenizeRequest:
+    chat = isinstance(body, TokenizeChatRequest)
+    if body.add_special_tokens != (not chat):
+        field = "add_special_tokens"
+        raise APIError(400, f"{field} {body.add_special_tokens} is not supported: prompts are encoded as "
+                       f"{'chat' if chat else 'completion'}s encode them", field, "unsupported")  # fmt: skip
+    prompt = pb.GenerateRequest(model=body.model or "")
+    if isinstance(body, TokenizeChatRequest):
+        other = [kind for m in body.messages for kind in m.other_parts()]
+        if other:
+            message = f"messages hold a content part of type {other[0]!r}: this model reads text only"
+            raise APIError(400, message, "messages", "unsupported")
+        messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
+        prompt.chat.CopyFrom(
+            pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
+        )
+    else:
+        prompt.text = body.prompt
+    return pb.TokenizeRequest(prompt=prompt, return_token_strs=body.return_token_strs)
 
 
 def build(make: Callable[[], list[pb.GenerateRequest]]) -> list[pb.GenerateRequest]:

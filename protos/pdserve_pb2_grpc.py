@@ -48,6 +48,16 @@ class RouterStub:
                 request_serializer=protos_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.v1.Router/Tokenize',
+                request_serializer=protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.v1.Router/Detokenize',
+                request_serializer=protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -75,6 +85,24 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids as Generate encodes it (text, or chat through the model's template), and the model's
+        context length; no worker is asked and no length is enforced. Errors: INVALID_ARGUMENT (unknown model, no
+        tokenizer, a prompt that cannot be encoded), RESOURCE_EXHAUSTED (the tokenizing pool is full),
+        UNAVAILABLE (the router cannot serve).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Token ids back to text. Errors: INVALID_ARGUMENT (unknown model, no tokenizer, an id outside the
+        vocabulary), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -87,6 +115,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_pdserve__pb2.ModelInfoRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -147,6 +185,60 @@ class Router:
             '/pdserve.v1.Router/GetModelInfo',
             protos_dot_pdserve__pb2.ModelInfoRequest.SerializeToString,
             protos_dot_pdserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Tokenize',
+            protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Detokenize',
+            protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,14 +25,14 @@ from router.prompts import Overloaded, PromptEncoder, prompt_chars
 from serving.grpc_common import params_from_proto
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+_OVERLOADED = "the router is overloaded: too many prompts are being tokenized; retry later"
 
 
 async def admit(
     request: pb.GenerateRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
 ) -> tuple[np.ndarray, SamplingParams]:
     """The prompt's token ids and the request's params (max_tokens filled in); raises Stop."""
-    if request.model and request.model != served_model_name:
-        raise Stop(_INVALID, f"unknown model {request.model!r}; this server serves {served_model_name!r}")
+    check_model(request.model, served_model_name)
     try:
         params = params_from_proto(request.sampling)
         if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
@@ -78,7 +78,53 @@ async def _tokenize(
     try:
         return await prompts.encode(request)
     except Overloaded:
-        raise Stop(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            "the router is overloaded: too many prompts are being tokenized; retry later",
-        ) from None
+        raise Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, _OVERLOADED) from None
+
+
+async def tokenize(
+    request: pb.TokenizeRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
+) -> pb.TokenizeResponse:
+    """A prompt's token ids as Generate encodes them (vLLM's /tokenize): no length is enforced, since the
+    caller may be measuring how much to cut; raises Stop."""
+    prompt = request.prompt
+    check_model(prompt.model, served_model_name)
+    try:
+        if prompt.WhichOneof("prompt") == "token_ids":
+            ids = list(prompt.token_ids.ids)
+            check_vocabulary(ids, info.vocab_size)
+        elif prompt.WhichOneof("prompt") is None:
+            raise ValueError("the request has no prompt: set text, chat or token_ids")
+        elif prompts is None:
+            raise ValueError("this model has no tokenizer")
+        else:
+            ids = await prompts.encode(prompt)
+    except ValueError as exc:
+        raise Stop(_INVALID, str(exc)) from exc
+    except Overloaded:
+        raise Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, _OVERLOADED) from None
+    out = pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
+    if request.return_token_strs:
+        if prompts is None:
+            raise Stop(_INVALID, "token strings need a tokenizer; this model has none")
+        out.token_strs.extend(prompts.tokenizer.backend.id_to_token(i) or "" for i in ids)
+    return out
+
+
+def detokenize(
+    request: pb.DetokenizeRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
+) -> pb.DetokenizeResponse:
+    """Token ids back to text, special tokens kept (vLLM's /detokenize); raises Stop."""
+    check_model(request.model, served_model_name)
+    try:
+        check_vocabulary(list(request.token_ids), info.vocab_size)
+        if prompts is None:
+            raise ValueError("this model has no tokenizer")
+    except ValueError as exc:
+        raise Stop(_INVALID, str(exc).replace("prompt token ids", "token ids")) from exc
+    text = prompts.tokenizer.decode(list(request.token_ids), skip_special_tokens=False)
+    return pb.DetokenizeResponse(text=text)
+
+
+def check_model(model: str, served_model_name: str) -> None:
+    if model and model != served_model_name:
+        raise Stop(_INVALID, f"unknown model {model!r}; this server serves {served_model_name!r}")

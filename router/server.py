@@ -31,7 +31,7 @@ from engine.sampling_params import SamplingParams, completion_params
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.admission import admit
+from router.admission import admit, detokenize, tokenize
 from router.aggregated import DecodeOnlyRouter
 from router.errors import SHUTTING_DOWN, Stop, decode_failure
 from router.fallback_index import FallbackIndex
@@ -295,6 +295,26 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason or "no worker has answered yet")
             raise AssertionError("abort raises")
         return self.model_info
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        info = await self.GetModelInfo(pb.ModelInfoRequest(), context)
+        try:
+            return await tokenize(request, info, self.config.served_model_name, self.prompts)
+        except Stop as stop:
+            await context.abort(stop.code, stop.details)
+            raise AssertionError("abort raises") from None
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        info = await self.GetModelInfo(pb.ModelInfoRequest(), context)
+        try:
+            return detokenize(request, info, self.config.served_model_name, self.prompts)
+        except Stop as stop:
+            await context.abort(stop.code, stop.details)
+            raise AssertionError("abort raises") from None
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or new_request_id()

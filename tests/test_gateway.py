@@ -648,3 +648,49 @@ def test_fuzzing_never_gives_5xx_and_nothing_dies(stack):
     assert stack.proc.poll() is None and stack.cluster.proc.poll() is None
     assert httpx.get(stack.url + "/health").status_code == 200
     stack.cluster.wait_all_blocks_free(timeout=30)
+
+
+def test_tokenize_and_detokenize_use_the_routers_encoding(stack, tok):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are those a completion is charged for, a chat's those of
+    its template; /detokenize gives the text back with special tokens; bad input gets a named 4xx."""
+    text = "The capital of France is"
+    r = stack.post("/tokenize", {"model": stack.model, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    ids = tok.encode(text)
+    assert got["tokens"] == ids and got["count"] == len(ids)
+    assert got["token_strs"] == [tok.backend.id_to_token(i) for i in ids]
+    models = httpx.get(stack.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert got["max_model_len"] == models["data"][0]["max_model_len"]
+    client = stack.client()
+    done = client.completions.create(model=stack.model, prompt=text, max_tokens=1, temperature=0)
+    assert done.usage.prompt_tokens == got["count"]
+
+    chat = stack.post("/tokenize", {"messages": CHAT}).json()
+    want = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True), add_special_tokens=False)
+    assert chat["tokens"] == want and chat["token_strs"] is None
+    answered = client.chat.completions.create(model=stack.model, messages=CHAT, max_tokens=1, temperature=0)
+    assert answered.usage.prompt_tokens == chat["count"]
+    bare = stack.post("/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
+    template = tok.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert bare["tokens"] == tok.encode(template, add_special_tokens=False) and bare["count"] < chat["count"]
+
+    back = stack.post("/detokenize", {"model": stack.model, "tokens": want})
+    assert back.status_code == 200, back.text
+    assert back.json() == {"prompt": tok.decode(want, skip_special_tokens=False)}
+    assert tok.eos_token and tok.eos_token in back.json()["prompt"]  # the template's end-of-turn tokens stay
+
+    for path, body, status, code, words in [
+        ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model_not_found", "gpt-4"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "unsupported", "add_special_tokens"),
+        ("/tokenize", {"messages": []}, 400, "invalid_request", "messages"),
+        ("/detokenize", {"tokens": [10**6]}, 400, "invalid_argument", "vocabulary"),
+        ("/detokenize", {"tokens": [-1]}, 400, "invalid_request", "tokens"),
+        ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model_not_found", "gpt-4"),
+    ]:
+        r = stack.post(path, body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert error["code"] == code and words in error["message"], (path, body, error)
+    assert stack.post("/tokenize", {"prompt": "x"}, key=None).status_code == 401
+    assert stack.post("/detokenize", {"tokens": [1]}, key="wrong").status_code == 401
