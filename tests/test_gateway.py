@@ -506,7 +506,9 @@ def _cheap(body):
     st.one_of(
         st.tuples(st.just("/v1/chat/completions"), _chat.map(_cheap)),
         st.tuples(st.just("/v1/completions"), _completion.map(_cheap)),
-        st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), _json),
+        st.tuples(
+            st.sampled_from(["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]), _json
+        ),
     )
 )
 def _fuzz_json(stack, statuses, case):
@@ -572,13 +574,18 @@ def _fuzz_schema(stack, statuses):
         return st.tuples(st.just(path), served.map(_cheap))
 
     @settings(
-        max_examples=80,
+        max_examples=100,
         deadline=None,
         suppress_health_check=list(HealthCheck),
         derandomize=True,
         database=None,
     )
-    @given(bodies("/v1/chat/completions") | bodies("/v1/completions"))
+    @given(
+        bodies("/v1/chat/completions")
+        | bodies("/v1/completions")
+        | bodies("/tokenize")
+        | bodies("/detokenize")
+    )
     def run(case):
         path, body = case
         r = stack.post(path, body)
