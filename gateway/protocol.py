@@ -253,13 +253,32 @@ class TokenizeCompletionRequest(_Body):
 
 
 class TokenizeChatRequest(_Body):
-    """vLLM's /tokenize of chat messages: their token ids as /v1/chat/completions would encode them."""
+    """vLLM's /tokenize of chat messages: their token ids as /v1/chat/completions would encode them. vLLM's
+    fields that change the rendering (tools, a template of the request's own, ...) are refused by name, since
+    the count would otherwise be of another prompt than the one asked about."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template writes them: another value is refused
     return_token_strs: bool = False
+
+    def unsupported(self) -> tuple[str, str] | None:
+        extra = self.model_extra or {}
+        if extra.get("tools"):
+            return "tools", "tools are not supported: this server renders no tools into the chat template"
+        for name in (
+            "continue_final_message",
+            "chat_template",
+            "chat_template_kwargs",
+            "mm_processor_kwargs",
+        ):
+            if extra.get(name) not in (None, False, {}, ""):
+                reason = _REFUSED.get(name, (f"{name} is not supported by this server", None))[0]
+                return name, reason
+        return None
 
 
 class DetokenizeRequest(_Body):

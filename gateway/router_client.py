@@ -91,6 +91,9 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
                        f"{'chat' if chat else 'completion'}s encode them", field, "unsupported")  # fmt: skip
     prompt = pb.GenerateRequest(model=body.model or "")
     if isinstance(body, TokenizeChatRequest):
+        refused = body.unsupported()
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0], "unsupported")
         other = [kind for m in body.messages for kind in m.other_parts()]
         if other:
             message = f"messages hold a content part of type {other[0]!r}: this model reads text only"
