@@ -98,31 +98,33 @@ async def tokenize(
             raise ValueError("this model has no tokenizer")
         else:
             ids = await prompts.encode(prompt)
+        out = pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
+        if request.return_token_strs:
+            if prompts is None:
+                raise ValueError("token strings need a tokenizer; this model has none")
+            out.token_strs.extend(await prompts.token_strs(ids))
     except ValueError as exc:
         raise Stop(_INVALID, str(exc)) from exc
     except Overloaded:
         raise Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, _OVERLOADED) from None
-    out = pb.TokenizeResponse(token_ids=ids, max_model_len=info.max_model_len)
-    if request.return_token_strs:
-        if prompts is None:
-            raise Stop(_INVALID, "token strings need a tokenizer; this model has none")
-        out.token_strs.extend(prompts.tokenizer.backend.id_to_token(i) or "" for i in ids)
     return out
 
 
-def detokenize(
+async def detokenize(
     request: pb.DetokenizeRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
 ) -> pb.DetokenizeResponse:
-    """Token ids back to text, special tokens kept (vLLM's /detokenize); raises Stop."""
+    """Token ids back to text, special tokens kept (vLLM's /detokenize), in the tokenizing pool; raises Stop."""
     check_model(request.model, served_model_name)
+    ids = list(request.token_ids)
     try:
-        check_vocabulary(list(request.token_ids), info.vocab_size)
+        check_vocabulary(ids, info.vocab_size)
         if prompts is None:
             raise ValueError("this model has no tokenizer")
+        return pb.DetokenizeResponse(text=await prompts.decode(ids))
     except ValueError as exc:
         raise Stop(_INVALID, str(exc).replace("prompt token ids", "token ids")) from exc
-    text = prompts.tokenizer.decode(list(request.token_ids), skip_special_tokens=False)
-    return pb.DetokenizeResponse(text=text)
+    except Overloaded:
+        raise Stop(grpc.StatusCode.RESOURCE_EXHAUSTED, _OVERLOADED) from None
 
 
 def check_model(model: str, served_model_name: str) -> None:

@@ -6,6 +6,8 @@ nothing else is pending). A prompt beyond either is refused (`Overloaded`), so a
 starve the router's polls and health answers or queue without bound, while a burst of ordinary ones queues. Before any of that, `min_tokens` bounds a
 prompt's length from its size alone: no token is longer than `max_token_chars` characters, so a prompt of
 C characters has at least ceil(C / max_token_chars) tokens, and one that cannot fit is refused unread.
+Detokenizing and token strings (the Router's Tokenize and Detokenize calls) share the pool and its bounds,
+each id counted as a character.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from engine.tokenizer import Tokenizer
 from protos import pdserve_pb2 as pb
+
+T = TypeVar("T")
 
 
 class Overloaded(Exception):
@@ -70,14 +76,25 @@ class PromptEncoder:
 
     async def encode(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids (ValueError for a prompt that cannot be encoded; Overloaded)."""
-        chars = prompt_chars(request)
+        return await self._run(prompt_chars(request), self._encode, request)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids back to text, special tokens kept; in the pool, each id counted as a character."""
+        return await self._run(len(ids), self.tokenizer.decode, ids, False)
+
+    async def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's entry in the vocabulary ("" for none); in the pool, each id counted as a character."""
+        return await self._run(len(ids), lambda: [self.tokenizer.backend.id_to_token(i) or "" for i in ids])
+
+    async def _run(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in the pool, counted as `chars` characters of pending work (Overloaded beyond the bounds)."""
         with self._lock:
             crowded = self._pending and self._pending_chars + chars > self.max_pending_chars
             if self._pending >= self.max_pending or crowded:
                 raise Overloaded
             self._pending += 1
             self._pending_chars += chars
-        future = self._pool.submit(self._encode, request)
+        future = self._pool.submit(fn, *args)
         future.add_done_callback(lambda _: self._release(chars))
         return await asyncio.wrap_future(future)
 

@@ -311,7 +311,7 @@ class RouterServicer(pb_grpc.RouterServicer):
     ) -> pb.DetokenizeResponse:
         info = await self.GetModelInfo(pb.ModelInfoRequest(), context)
         try:
-            return detokenize(request, info, self.config.served_model_name, self.prompts)
+            return await detokenize(request, info, self.config.served_model_name, self.prompts)
         except Stop as stop:
             await context.abort(stop.code, stop.details)
             raise AssertionError("abort raises") from None

@@ -44,7 +44,7 @@ async def ask(
 
 def refused(call, code: grpc.StatusCode, words: str) -> None:
     with pytest.raises(Stop) as stop:
-        asyncio.run(call) if asyncio.iscoroutine(call) else call()
+        asyncio.run(call)
     assert stop.value.code == code and words in stop.value.details, stop.value.details
 
 
@@ -69,20 +69,13 @@ def test_refusals_name_their_cause(tok, encoder) -> None:
     refused(ask(tok, None, text="x"), bad, "no tokenizer")
     refused(ask(tok, None, token_ids=pb.TokenIds(ids=[5])), bad, "token strings need a tokenizer")
     refused(ask(tok, encoder, token_ids=pb.TokenIds(ids=[tok.vocab_size])), bad, "out of the vocabulary")
-    refused(lambda: detokenize(pb.DetokenizeRequest(token_ids=[-1]), info(tok), NAME, encoder), bad, "[-1]")
-    refused(
-        lambda: detokenize(pb.DetokenizeRequest(token_ids=[1]), info(tok), NAME, None), bad, "no tokenizer"
-    )
+    refused(detokenize(pb.DetokenizeRequest(token_ids=[-1]), info(tok), NAME, encoder), bad, "[-1]")
+    refused(detokenize(pb.DetokenizeRequest(token_ids=[1]), info(tok), NAME, None), bad, "no tokenizer")
     other = pb.DetokenizeRequest(model="other", token_ids=[1])
-    refused(lambda: detokenize(other, info(tok), NAME, encoder), bad, "unknown model")
-    ids = tok.encode("Hello world")
-    back = detokenize(
-        pb.DetokenizeRequest(model=NAME, token_ids=[*ids, *tok.eos_token_ids]), info(tok), NAME, encoder
-    )
-    assert (
-        back.text == tok.decode([*ids, *tok.eos_token_ids], skip_special_tokens=False)
-        and tok.eos_token in back.text
-    )
+    refused(detokenize(other, info(tok), NAME, encoder), bad, "unknown model")
+    ids = [*tok.encode("Hello world"), *tok.eos_token_ids]
+    back = asyncio.run(detokenize(pb.DetokenizeRequest(model=NAME, token_ids=ids), info(tok), NAME, encoder))
+    assert back.text == tok.decode(ids, skip_special_tokens=False) and tok.eos_token in back.text
 
 
 def test_a_full_tokenizing_pool_is_resource_exhausted(tok, encoder) -> None:
@@ -93,9 +86,18 @@ def test_a_full_tokenizing_pool_is_resource_exhausted(tok, encoder) -> None:
     async def main() -> None:
         first = asyncio.ensure_future(ask(tok, encoder, text="one"))
         await asyncio.sleep(0)
-        with pytest.raises(Stop) as stop:  # max_pending 1: the second waits for nothing
-            await ask(tok, encoder, text="two")
-        assert stop.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in stop.value.details
+        # max_pending 1: nothing else waits, detokenizing and token strings included (the same pool: a huge list
+        # of ids cannot hold the router's event loop either)
+        for call in (
+            ask(tok, encoder, text="two"),
+            ask(tok, encoder, token_ids=pb.TokenIds(ids=[5, 6])),
+            detokenize(pb.DetokenizeRequest(token_ids=[5, 6]), info(tok), NAME, encoder),
+        ):
+            with pytest.raises(Stop) as stop:
+                await call
+            assert (
+                stop.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "overloaded" in stop.value.details
+            )
         gate.set()
         assert list((await first).token_ids) == tok.encode("one")
 
