@@ -124,6 +124,17 @@ class Gateway:
             raise from_grpc(exc) from exc
         return self._info
 
+    async def model_card(self) -> dict:
+        """The served model as OpenAI's /v1/models lists it, with vLLM's max_model_len."""
+        info = await self.model_info()
+        return {
+            "id": info.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": info.max_model_len,
+        }
+
     async def unhealthy(self) -> str | None:
         """None while the router can route; otherwise why not, in the router's words where it gives them."""
         assert self.channel is not None
@@ -362,9 +373,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        info = await gw.model_info()
-        card = {"id": info.model, "object": "model", "created": 0, "owned_by": "pdserve"}
-        return {"object": "list", "data": [{**card, "max_model_len": info.max_model_len}]}
+        return {"object": "list", "data": [await gw.model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # a served name may hold slashes ("org/name")
+    async def model(model: str) -> dict:
+        card = await gw.model_card()
+        if model != card["id"]:
+            msg = f"The model {model!r} does not exist; this server serves {card['id']!r}"
+            raise APIError(404, msg, "model", "model_not_found")
+        return card
 
     @app.get("/health")
     async def health() -> Response:

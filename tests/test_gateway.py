@@ -710,3 +710,19 @@ def test_tokenize_and_detokenize_use_the_routers_encoding(stack, tok):
         assert error["code"] == code and words in error["message"], (path, body, error)
     assert stack.post("/tokenize", {"prompt": "x"}, key=None).status_code == 401
     assert stack.post("/detokenize", {"tokens": [1]}, key="wrong").status_code == 401
+
+
+def test_a_model_is_retrieved_by_name(stack):
+    """GET /v1/models/{model} (the client's models.retrieve) gives the served model's card, as the list does;
+    another name is a 404 naming it."""
+    client = stack.client()
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [stack.model]
+    card = client.models.retrieve(stack.model)
+    assert card.id == stack.model and card.object == "model" and card.model_dump() == listed[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/other-model")
+    assert (
+        missing.value.body["code"] == "model_not_found" and "org/other-model" in missing.value.body["message"]
+    )
+    assert stack.post("/v1/models/" + stack.model, None).status_code == 405  # a GET, not a POST
