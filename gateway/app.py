@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import signal
@@ -336,9 +337,19 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(0.2)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+_VERSION = _version()
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     gw = Gateway(config)
-    app = FastAPI(title="pdserve gateway", version="0.1", lifespan=gw.lifespan)
+    app = FastAPI(title="pdserve gateway", version=_VERSION, lifespan=gw.lifespan)
     app.state.gateway = gw
     install_handlers(app)
     served = add_compat(gw.metrics.registry, config.metrics_compat)
@@ -382,6 +393,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             msg = f"The model {model!r} does not exist; this server serves {card['id']!r}"
             raise APIError(404, msg, "model", "model_not_found")
         return card
+
+    @app.get("/version")
+    async def version() -> dict:  # vLLM's: the server's version, open as /health is
+        return {"version": _VERSION}
 
     @app.get("/health")
     async def health() -> Response:

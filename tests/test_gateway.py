@@ -726,3 +726,11 @@ def test_a_model_is_retrieved_by_name(stack):
         missing.value.body["code"] == "model_not_found" and "org/other-model" in missing.value.body["message"]
     )
     assert stack.post("/v1/models/" + stack.model, None).status_code == 405  # a GET, not a POST
+
+
+def test_the_version_is_the_installed_distributions(stack):
+    """GET /version (vLLM's), open as /health is: the pdserve distribution's version."""
+    import importlib.metadata
+
+    r = httpx.get(stack.url + "/version", timeout=10)
+    assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("pdserve")}
