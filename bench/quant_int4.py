@@ -21,7 +21,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   from the KV-sizing log line; GPTQ with the LM head quantized too (lm_head=true, the config of a
   dummy-weight directory), whose weights are the memory record; and AWQ and bf16 again with every kernel
   launched plainly, none as a programmatic dependent (PDSERVE_PDL=0, kernels/pdl.py), for what PDL gains;
-  and AWQ with the layers' norms in kernels of their own (PDSERVE_FUSED_NORMS=0), for what the fusion gains.
+  and AWQ with the layers' norms in kernels of their own (PDSERVE_FUSED_NORMS=0), and with RoPE and the KV-cache
+  write in their own kernel rather than the qkv GEMM's epilogue (PDSERVE_FUSED_ROTARY=0), for what each fusion
+  gains.
   The GEMMs are timed as the engine launches them (PDL: each lets the next start, which asks for its first
   weights, then waits) and, beside that, launched plainly.
 - --sweep: also time the GEMM's tile configs at M = 1, 4 and 16: the swapped kernel's, the CUDA-core
@@ -497,6 +499,7 @@ def engines(out_dir: Path | None) -> list[tuple]:
     bf16, int4, head = child("none", 400), child("awq", 400), child("gptq_head", 400)
     plain, bf16_plain = child("awq", 400, PDSERVE_PDL="0"), child("none", 400, PDSERVE_PDL="0")
     own_norms = child("awq", 400, PDSERVE_FUSED_NORMS="0")
+    own_rotary = child("awq", 400, PDSERVE_FUSED_ROTARY="0")
     found = {
         "bf16": bf16,
         "int4": int4,
@@ -504,6 +507,7 @@ def engines(out_dir: Path | None) -> list[tuple]:
         "int4_no_pdl": plain,
         "bf16_no_pdl": bf16_plain,
         "int4_norm_kernels": own_norms,
+        "int4_rotary_kernel": own_rotary,
     }
     print(json.dumps(found, indent=1), flush=True)
     if any("error" in part for part in found.values()):
@@ -517,7 +521,9 @@ def engines(out_dir: Path | None) -> list[tuple]:
                "pdl_speedup_bf16": bf16["tok_s"] / bf16_plain["tok_s"],
                "ratio_without_pdl": plain["tok_s"] / bf16_plain["tok_s"],
                "int4_norms_in_kernels_of_their_own": own_norms,
-               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"]},
+               "fused_norms_speedup": int4["tok_s"] / own_norms["tok_s"],
+               "int4_rotary_in_a_kernel_of_its_own": own_rotary,
+               "fused_rotary_speedup": int4["tok_s"] / own_rotary["tok_s"]},
     )  # fmt: skip
     gb = head["weight_bytes"] / 1e9
     record(
@@ -534,6 +540,8 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("  no PDL, both", plain["tok_s"], bf16_plain["tok_s"], None, plain["tok_s"] / bf16_plain["tok_s"]),
             ("  int4 norms in own kernels", own_norms["tok_s"], bf16["tok_s"], None,
              own_norms["tok_s"] / bf16["tok_s"]),
+            ("  int4 rotary in own kernel", own_rotary["tok_s"], bf16["tok_s"], None,
+             own_rotary["tok_s"] / bf16["tok_s"]),
             ("weights (GB), head int4", gb, bf16["weight_bytes"] / 1e9, None, None),
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 

@@ -25,9 +25,10 @@ from engine.layers import (
     VocabParallelEmbedding,
 )
 from engine.model_config import ModelConfig
+from kernels import _backend
 from kernels.fused_add_rmsnorm import norm_input
 from kernels.rotary_kv_write import rotary_kv_write
-from kernels.w4a16_mma import NextNorm, NormedInput
+from kernels.w4a16_mma import NextNorm, NormedInput, RopeWrite
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -73,15 +74,32 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        written: bool = False,  # the qkv GEMM already rotated q and wrote k and v (rope_write)
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim): o_proj's input
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
-        rotary_kv_write(q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale)
+        if not written:
+            # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
+            rotary_kv_write(
+                q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale
+            )
         return self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
+
+    def rope_write(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> RopeWrite | None:  # fmt: skip
+        """What the int4 qkv GEMM needs to end in RoPE and the KV-cache write at x (kernels/w4a16_mma.py), or
+        None where it cannot: an fp8 cache, heads it cannot split, PDSERVE_FUSED_ROTARY=0."""
+        if not _backend.FUSED_ROTARY:
+            return None
+        rope = RopeWrite(
+            positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads
+        )  # fmt: skip
+        return rope if self.qkv_proj.fuses_rope(x, rope) else None
 
 
 class LlamaMLP(nn.Module):
@@ -143,8 +161,9 @@ class LlamaDecoderLayer(nn.Module):
         gate_up_proj take 1 / rms from sumsq; o_proj and down_proj add into the stream and leave the next norm's
         (x, sumsq), which this returns for next_weight."""
         attn, mlp = self.self_attn, self.mlp
-        qkv = attn.qkv_proj.fused(x, norm=NormedInput(sumsq, self.input_layernorm.eps))
-        out = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta)
+        rope = attn.rope_write(x, positions, cos_sin_cache, kv_cache, meta)
+        qkv = attn.qkv_proj.fused(x, norm=NormedInput(sumsq, self.input_layernorm.eps), rope=rope)
+        out = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta, written=rope is not None)
         mid = NextNorm(self.post_attention_layernorm.weight, torch.empty_like(x), torch.empty_like(sumsq))
         attn.o_proj.fused(out, add_to=stream, next_norm=mid)
         act = mlp.gate_up_proj.fused(

@@ -30,6 +30,9 @@ PDL: bool = os.environ.get("PDSERVE_PDL", "1").strip() != "0"
 # PDSERVE_FUSED_NORMS=0 keeps a decoder layer's norms in kernels of their own where its int4 GEMMs could carry
 # them (engine/model.py, kernels/w4a16_mma.py)
 FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
+# PDSERVE_FUSED_ROTARY=0 keeps RoPE and the KV-cache write in their own kernel where the int4 qkv GEMM carrying
+# the norm could end in them (engine/model.py, kernels/w4a16_mma.py)
+FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "1").strip() != "0"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -25,6 +25,10 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   each 16 columns' sums of squares of it (NextNorm). The GEMM after (qkv, gate_up) takes the first as its x
   and multiplies its fp32 sums by 1 / sqrt(mean + eps), summed from the second (NormedInput). Where RMSNorm
   rounds x * rstd and then weight times that, this rounds weight * x only.
+- RoPE and the KV-cache write (rope=RopeWrite, 1-8 rows): for qkv's heads a program owns a head's first-half
+  block j and its second-half block j + head_dim / 32, so a lane holds both halves of its rows' pairs; it rotates
+  the query and key heads, writes the queries in place and the keys and values into the paged cache, rounded as
+  the GEMM and then kernels/rotary_kv_write.py round.
 - GPTQ act order: x's columns are gathered into the layout's order first (x[:, perm]).
 - A programmatic dependent launch (PDL, kernels/pdl.py): a program lets the next kernel start (up to 8 rows;
   at 16 the early dependents' registers slow it), asks for its first step's weights, scales and zeros, then
@@ -57,6 +61,9 @@ MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
 SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
+# qkv ending in RoPE and the KV-cache write: 8 warps a program of two column blocks, zeros folded. Past 8 rows
+# these programs were slower than the GEMM and rotary_kv_write apart (H200: 21.7 against 14.7 us at 16 rows)
+ROPE_MAX_ROWS, ROPE_WARPS = 8, 8
 
 
 @gluon.jit
@@ -290,6 +297,55 @@ def _store(
 
 
 @gluon.jit
+def _rope_store(
+    out, up, c, M, N, out_ptr, stride_om, bias_ptr, rstd, pos_ptr, cs_ptr, cache_ptr, slot_ptr, stride_cs,
+    max_pos, num_heads, num_kv_heads, stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
+    HAS_BIAS: gl.constexpr, NORM: gl.constexpr, DT: gl.constexpr, HALF: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+    O0: gl.constexpr, O1: gl.constexpr, BN: gl.constexpr,
+):  # fmt: skip
+    """The qkv GEMM's epilogue with RoPE and the KV-cache write (kernels/rotary_kv_write.py's work, rounded as
+    it rounds): block c holds rows j * 16 .. + 15 of a head's first half and `up` the same rows of its second
+    half, each rounded as the GEMM writes it. A query head is rotated and written in place; a key head is
+    rotated and a value head taken as it is into the cache at each row's slot (a negative slot writes
+    nothing), and both are also written to the output unrotated, as the GEMM alone writes them."""
+    ocol = c * 16 + _index(16, 0, 2, O0)  # (16, 1)
+    on = _index(BN, 1, 2, O1)  # (1, BN)
+    rows = on < M
+    if NORM:
+        out = out * rstd
+        up = up * rstd
+    if HAS_BIAS:
+        out += gl.load(bias_ptr + ocol).to(gl.float32)
+        up += gl.load(bias_ptr + ocol + HALF).to(gl.float32)
+    x1 = out.to(DT).to(gl.float32)
+    x2 = up.to(DT).to(gl.float32)
+    head = c // (HALF // 8)
+    dim = ocol - head * (2 * HALF)  # (16, 1): within the head's first half
+    pos = gl.load(pos_ptr + on, mask=rows, other=0).to(gl.int64)
+    pos = gl.minimum(gl.maximum(pos, 0), max_pos - 1)  # in bounds whatever the caller passes
+    cs = cs_ptr + pos * stride_cs + dim
+    cos = gl.load(cs).to(gl.float32)
+    sin = gl.load(cs + HALF).to(gl.float32)
+    r1 = x1 * cos - x2 * sin
+    r2 = x2 * cos + x1 * sin
+    is_q = head < num_heads
+    dst = out_ptr + on * stride_om + ocol
+    gl.store(dst, gl.where(is_q, r1, x1).to(DT), mask=rows)
+    gl.store(dst + HALF, gl.where(is_q, r2, x2).to(DT), mask=rows)
+    kv = head - num_heads  # 0 .. num_kv_heads - 1: keys, then values
+    is_v = kv >= num_kv_heads
+    slot = gl.load(slot_ptr + on, mask=rows, other=-1).to(gl.int64)
+    cache = (
+        cache_ptr + is_v.to(gl.int64) * stride_c_kv + (slot // BLOCK_SIZE) * stride_c_block
+        + (slot % BLOCK_SIZE) * stride_c_off + (kv - is_v.to(gl.int32) * num_kv_heads) * stride_c_head + dim
+    )  # fmt: skip
+    cmask = rows & (slot >= 0) & (kv >= 0)
+    et = cache_ptr.dtype.element_ty
+    gl.store(cache, gl.where(is_v, x1, r1).to(et), mask=cmask)
+    gl.store(cache + HALF, gl.where(is_v, x2, r2).to(et), mask=cmask)
+
+
+@gluon.jit
 def _stream(out_ptr, c, M, N, stride_om, O0: gl.constexpr, O1: gl.constexpr, BN: gl.constexpr):
     """Column block c of the stream an ADD GEMM adds into, (16, BN) as the output is laid."""
     ocol = c * 16 + _index(16, 0, 2, O0)
@@ -324,10 +380,12 @@ def _after_wait(
 def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, g_ptr, y_ptr, sumsq_ptr, part_ptr, M, N, K, stride_xw,
     stride_om, eps,
+    pos_ptr, cs_ptr, cache_ptr, slot_ptr, stride_cs, max_pos, num_heads, num_kv_heads,
+    stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
     SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
-    NBP: gl.constexpr,
+    NBP: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, BLOCK_SIZE: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
@@ -341,6 +399,9 @@ def _w4a16_mma_kernel(
     c = gl.program_id(0)
     if PAIR:  # column blocks 2c and 2c + 1
         c = c * 2
+    if ROPE:  # a head's first-half block j and its second-half block j + HALF / 16: program (head, j)
+        HB: gl.constexpr = HALF // 16
+        c = (c // HB) * (2 * HB) + c % HB
     n_chunks = K // BK
     ones = gl.full([W, 16, BK], 1.0, DT, A_L)
     total = gl.zeros([W, 16, BN], gl.float32, MMA)
@@ -352,12 +413,15 @@ def _w4a16_mma_kernel(
     sa, za0, za1 = _side(s_ptr, z_ptr, c, 0, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
     gn = _next_weight(g_ptr, c, N, O0) if ADD else 0.0
     gn_u = _next_weight(g_ptr, c + 1, N, O0) if ADD and PAIR else 0.0
-    TWO: gl.constexpr = SWIGLU or PAIR  # a second column block cu a step, against the same x
+    TWO: gl.constexpr = SWIGLU or PAIR or ROPE  # a second column block cu a step, against the same x
     if TWO:
         gl.static_assert(U == 1, "two column blocks take one chunk of each a step")
         if SWIGLU:  # N columns of (gate | up): gate block c, up block c + N / 32
             cu = c + N // 32
             cols_u = cols + N // 2
+        elif ROPE:  # the same rows of the head's second half
+            cu = c + HALF // 16
+            cols_u = cols + HALF
         else:
             cu = c + 1
             cols_u = cols + 16
@@ -446,6 +510,12 @@ def _w4a16_mma_kernel(
         gl.store(
             out_ptr + on * stride_om + ocol, out.to(out_ptr.dtype.element_ty), mask=(on < M) & (ocol < N_OUT)
         )  # fmt: skip
+    elif ROPE:
+        _rope_store(
+            out, gl.sum(total_u, axis=0), c, M, N, out_ptr, stride_om, bias_ptr, rstd, pos_ptr, cs_ptr,
+            cache_ptr, slot_ptr, stride_cs, max_pos, num_heads, num_kv_heads, stride_c_kv, stride_c_block,
+            stride_c_off, stride_c_head, HAS_BIAS, NORM, DT, HALF, BLOCK_SIZE, O0, O1, BN,
+        )  # fmt: skip
     else:
         _store(
             out, c, M, N, out_ptr, stride_om, bias_ptr, gn, y_ptr, part_ptr, R, rstd, HAS_BIAS, NORM, ADD, DT,
@@ -528,6 +598,16 @@ def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool
     return (8, 1, True, False) if many else (8, 2, True, False)
 
 
+def rope_applies(x: torch.Tensor, w: Int4Weight, rope: RopeWrite) -> bool:
+    """Whether the qkv GEMM can end in RoPE and the KV-cache write here: 1..ROPE_MAX_ROWS rows, a 16-bit
+    cache, half a head in whole column blocks, and N the heads' columns."""
+    d = rope.head_dim
+    return (
+        applies(x, w) and x.shape[0] <= ROPE_MAX_ROWS and rope.kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and d % (2 * BLOCK_COLS) == 0 and w.out_features == (rope.num_heads + 2 * rope.num_kv_heads) * d
+    )  # fmt: skip
+
+
 def swiglu_config(m: int) -> tuple[int, int, bool, bool]:
     """gate_up ending in SwiGLU: 4 warps, one chunk of gate's block and one of up's a step, zeros folded up to 8
     rows and summed by a second MMA past them (as the pair config at 9-16 rows)."""
@@ -542,6 +622,24 @@ class NormedInput:
 
     sumsq: torch.Tensor
     eps: float
+
+
+@dataclass(frozen=True)
+class RopeWrite:
+    """What the qkv GEMM's epilogue needs to do rotary_kv_write's work (kernels/rotary_kv_write.py): RoPE on the
+    query and key heads from cos_sin_cache at each row's position, the key and value heads written into a 16-bit
+    paged cache at each row's slot. The GEMM's N is (num_heads + 2 * num_kv_heads) * head_dim."""
+
+    positions: torch.Tensor  # (M,) int32/int64
+    cos_sin_cache: torch.Tensor  # (max_positions, head_dim): cos | sin
+    kv_cache: torch.Tensor  # (2, num_blocks, block_size, num_kv_heads, head_dim), 16-bit
+    slot_mapping: torch.Tensor  # (M,) int32/int64; a negative slot writes nothing
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.cos_sin_cache.shape[1])
 
 
 @dataclass(frozen=True)
@@ -569,9 +667,11 @@ def w4a16_mma(
     norm: NormedInput | None = None,  # x is weight * the stream: the sums take 1 / rms
     add_to: torch.Tensor | None = None,  # (M, N): the stream, which the product is added into in place
     next_norm: NextNorm | None = None,  # with add_to: where the next norm's input goes
+    rope: RopeWrite
+    | None = None,  # qkv: RoPE and the KV-cache write in the epilogue; rope_applies(x, w, rope)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
-    add_to itself with add_to."""
+    add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""
     m, k = x.shape
     n = w.out_features
     if not applies(x, w):
@@ -582,12 +682,26 @@ def w4a16_mma(
         )
     blocks = triton.cdiv(n, BLOCK_COLS)
     default = swiglu_config(m) if swiglu else config(m, n, k, x.device)
+    if rope is not None:
+        default = (ROPE_WARPS, 1, True, False)
     named = warps is not None or unroll is not None or fold is not None
     if pair is None:  # config()'s pick, unless the caller names a config
         pair = default[3] and blocks % 2 == 0 and not swiglu and not named
     if pair and (swiglu or blocks % 2):
         raise ValueError(f"pair takes an even count of column blocks and no swiglu, not {n} columns")
     check_fused(x, w, norm, add_to, next_norm, swiglu)
+    if rope is not None:
+        if swiglu or add_to is not None or pair:
+            raise ValueError("rope takes the qkv GEMM alone: no swiglu, add_to or pair")
+        if not rope_applies(x, w, rope):
+            raise ValueError(
+                f"rope takes 1..{ROPE_MAX_ROWS} rows, a 16-bit cache and heads of a multiple of {2 * BLOCK_COLS} "
+                f"dims filling the {n} columns"
+            )
+        _expect(rope.positions, (m,), rope.positions.dtype, "rope positions")
+        _expect(rope.slot_mapping, (m,), rope.slot_mapping.dtype, "rope slot_mapping")
+        if rope.kv_cache.stride(-1) != 1 or rope.cos_sin_cache.stride(1) != 1:
+            raise ValueError("rope: the cache's and cos_sin_cache's head_dim must be contiguous")
     if w.perm is not None:
         x = x.index_select(1, w.perm)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
@@ -596,9 +710,9 @@ def w4a16_mma(
         out = add_to
     else:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
-    grid = n // (2 * BLOCK_COLS) if swiglu else blocks // (2 if pair else 1)
+    grid = n // (2 * BLOCK_COLS) if swiglu or rope is not None else blocks // (2 if pair else 1)
     warps = default[0] if warps is None else warps
-    unroll = 1 if swiglu or pair else default[1] if unroll is None else unroll  # two column blocks a step
+    unroll = 1 if swiglu or pair or rope is not None else default[1] if unroll is None else unroll
     fold = default[2] if fold is None else fold
     pdl = pdl_on(x) if pdl is None else pdl
     bn = 8 if m <= 8 else 16
@@ -610,17 +724,32 @@ def w4a16_mma(
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, nxt[0], nxt[1],
         norm.sumsq if norm is not None else out, nxt[2],
         m, n, k, x.stride(0) // 2, out.stride(0), norm.eps if norm is not None else 0.0,
+        *_rope_args(rope, out),
         GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
         HAS_BIAS=bias is not None, W=warps, Q=w.chunk // 64, U=unroll, BN=bn, SWIGLU=swiglu, PAIR=pair,
         NORM=norm is not None, ADD=add_to is not None, NB=k // BLOCK_COLS if norm is not None else 1,
-        NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, PDL=pdl,
+        NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, ROPE=rope is not None,
+        HALF=rope.head_dim // 2 if rope is not None else 0,
+        BLOCK_SIZE=rope.kv_cache.shape[2] if rope is not None else 1, PDL=pdl,
         EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),
     )  # fmt: skip
     return out
+
+
+def _rope_args(rope: RopeWrite | None, out: torch.Tensor) -> tuple[Any, ...]:
+    """The kernel's rope arguments: pointers, sizes and strides (any tensor and zeros without rope)."""
+    if rope is None:
+        return (out, out, out, out, 0, 1, 0, 0, 0, 0, 0, 0)
+    c = rope.kv_cache
+    return (
+        rope.positions, rope.cos_sin_cache, c, rope.slot_mapping, rope.cos_sin_cache.stride(0),
+        rope.cos_sin_cache.shape[0], rope.num_heads, rope.num_kv_heads, c.stride(0), c.stride(1), c.stride(2),
+        c.stride(3),
+    )  # fmt: skip
 
 
 def check_fused(
@@ -661,10 +790,13 @@ def w4a16_mma_reference(
     norm: NormedInput | None = None,
     add_to: torch.Tensor | None = None,
     next_norm: NextNorm | None = None,
+    rope: RopeWrite | None = None,
 ) -> torch.Tensor:
     """w4a16_mma in fp32 torch, rounded where it rounds: the dequantized weights' product (times 1 / rms with a
     norm, plus the bias; then silu(gate) * up with swiglu) in fp32, or with add_to that product added into add_to
-    (and next_norm's outputs)."""
+    (and next_norm's outputs). With rope the product rounded to x's dtype, its query heads rotated in place and
+    its key and value heads written into the cache (rotary_kv_write's reference)."""
+    from kernels.rotary_kv_write import rotary_kv_write_reference
     from kernels.w4a16_gemm import w4a16_gemm_reference
 
     out = w4a16_gemm_reference(x.float(), w)
@@ -675,6 +807,15 @@ def w4a16_mma_reference(
     if swiglu:
         gate, up = out.to(x.dtype).float().chunk(2, dim=-1)
         out = torch.nn.functional.silu(gate).to(x.dtype).float() * up
+    if rope is not None:
+        out = out.to(x.dtype)
+        heads, kvh, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
+        q, k, v = out.split([heads * d, kvh * d, kvh * d], dim=-1)
+        rotary_kv_write_reference(
+            q.view(-1, heads, d), k.view(-1, kvh, d), v.view(-1, kvh, d), rope.positions, rope.cos_sin_cache,
+            rope.kv_cache, rope.slot_mapping,
+        )  # fmt: skip
+        return out
     if add_to is None or next_norm is None:
         return out
     h = (out.to(x.dtype).float() + add_to.float()).to(x.dtype)

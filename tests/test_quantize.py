@@ -65,8 +65,9 @@ def test_engine_equals_transformers_on_the_dequantized_checkpoint(name, checkpoi
 
 def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatch):
     """The model's path with each layer's norms riding in its int4 GEMMs (engine/model.py: forward_fused; on a
-    GPU at 1-16 rows) taken on the CPU through the fused GEMM's torch reference: greedy output equals
-    transformers' on the dequantized weights, and the path ran."""
+    GPU at 1-16 rows), the qkv GEMM also ending in RoPE and the KV-cache write, taken on the CPU through the fused
+    GEMM's torch reference: greedy output equals transformers' on the dequantized weights, and the path ran."""
+    import kernels.w4a16_mma as mma
     from engine.layers.quant.int4 import Int4Method
     from engine.model import LlamaModel
 
@@ -77,11 +78,17 @@ def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatc
     calls: list[int] = []
     real = LlamaModel.forward_fused
     monkeypatch.setattr(LlamaModel, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    ropes: list[bool] = []
+    reference = mma.w4a16_mma_reference
+    monkeypatch.setattr(
+        mma, "w4a16_mma_reference", lambda *a, **kw: ropes.append(kw.get("rope") is not None) or reference(*a, **kw)
+    )  # fmt: skip
     llm = LLM(str(checkpoints["awq"]), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
     )
     assert calls, "the fused path did not run"
+    assert any(ropes), "the qkv GEMM did not end in RoPE and the KV-cache write"
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 

@@ -121,6 +121,12 @@ class LinearBase(nn.Module):
         fuses = getattr(self.quant_method, "fuses_norms", None)
         return self.tp_size == 1 and fuses is not None and bool(fuses(x))
 
+    def fuses_rope(self, x: torch.Tensor, rope: Any) -> bool:
+        """Whether this layer's fused GEMM (fuses_norms) can also end in RoPE and the KV-cache write (a
+        kernels/w4a16_mma.RopeWrite)."""
+        fuses = getattr(self.quant_method, "fuses_rope", None)
+        return self.fuses_norms(x) and fuses is not None and bool(fuses(x, rope))
+
     def fused(self, x: torch.Tensor, **fused: Any) -> torch.Tensor:
         """x W^T by the GEMM that carries a norm (norm=), the residual add (add_to=, next_norm=) or SwiGLU
         (swiglu=True): kernels/w4a16_mma.py. Only where fuses_norms(x)."""

@@ -14,9 +14,11 @@ from engine.quantize import QuantizeConfig, quantize
 from kernels.fused_add_rmsnorm import norm_input, rms_norm
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference, int4_dequant_triton, to_fragments
 from kernels.int8_dequant import Int8Weight, int8_dequant_reference, int8_dequant_triton
+from kernels.kv_quant import FP8_DTYPE
+from kernels.rotary_kv_write import rotary_kv_write
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
-from kernels.w4a16_mma import NextNorm, NormedInput, w4a16_mma, w4a16_mma_reference
+from kernels.w4a16_mma import ROPE_WARPS, NextNorm, NormedInput, RopeWrite, w4a16_mma, w4a16_mma_reference
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -183,6 +185,46 @@ def test_swiglu_gemm_takes_its_norm(m, k, n, group):
     assert out.shape == (m, n // 2) and rel_err(out, ref) < ERR[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,k", [(32, 8, 128, 4096), (4, 2, 64, 576), (2, 1, 32, 64)])
+def test_rope_and_kv_write_ride_in_the_qkv_gemm(heads, kv_heads, head_dim, k, dtype):
+    """The qkv GEMM ending in RoPE and the KV-cache write (RopeWrite) leaves exactly what the same GEMM and then
+    rotary_kv_write leave: the query columns rotated, the key and value columns as computed, the cache's rows;
+    a row with a negative slot writes nothing. 1-8 rows, taking its norm, with and without a bias; and within
+    a rounding of the torch reference."""
+    n = (heads + 2 * kv_heads) * head_dim
+    for i, m in enumerate((1, 3, 5, 8)):
+        w = to_fragments(random_int4(k, n, 64, seed=i))
+        bias = torch.randn(n, device="cuda").to(dtype) if i % 2 else None
+        h = torch.randn(m, k, device="cuda").to(dtype)
+        g = (1 + 0.2 * torch.randn(k, device="cuda")).to(dtype)
+        norm = NormedInput(norm_input(h, g)[1], 1e-5)
+        x = (g.float() * h.float()).to(dtype)
+        cos_sin = torch.randn(300, head_dim, device="cuda").to(dtype)
+        positions = torch.randint(0, 300, (m,), device="cuda")
+        slots = torch.randperm(64, device="cuda")[:m]
+        if m > 1:
+            slots[1] = -1
+        cache = torch.randn(2, 4, 16, kv_heads, head_dim, device="cuda").to(dtype)
+        before = cache.clone()
+        fused = w4a16_mma(
+            x, w, bias, norm=norm, rope=RopeWrite(positions, cos_sin, cache, slots, heads, kv_heads)
+        )
+        plain = w4a16_mma(x, w, bias, norm=norm, warps=ROPE_WARPS, unroll=1, fold=True, pair=False)
+        split = plain.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, key, v = (t.view(m, -1, head_dim) for t in split)
+        separate = before.clone()
+        rotary_kv_write(q, key, v, positions, cos_sin, separate, slots)
+        assert torch.equal(fused, plain), (m, n)
+        assert torch.equal(cache, separate), (m, n)
+        if m > 1:  # the skipped row's slot is untouched; every other row's is written
+            assert not torch.equal(cache, before)
+        ref_cache = before.clone()
+        ref = w4a16_mma_reference(x, w, bias, norm=norm, rope=RopeWrite(positions, cos_sin, ref_cache, slots,
+                                                                         heads, kv_heads))  # fmt: skip
+        assert rel_err(fused, ref) < ERR[dtype] and rel_err(cache, ref_cache.float()) < ERR[dtype], (m, n)
+
+
 def test_fused_gemm_refuses_what_does_not_fit():
     w = to_fragments(random_int4(1024, 256, 64, seed=1))
     x = torch.randn(2, 1024, device="cuda").to(torch.bfloat16)
@@ -193,6 +235,24 @@ def test_fused_gemm_refuses_what_does_not_fit():
     wrong = NextNorm(torch.ones(256, device="cuda"), torch.empty(2, 256, device="cuda"), torch.empty(2, 16))
     with pytest.raises(ValueError, match="next norm's weight"):
         w4a16_mma(x, w, add_to=torch.zeros(2, 256, device="cuda", dtype=torch.bfloat16), next_norm=wrong)
+    pos, slots = (
+        torch.zeros(2, dtype=torch.long, device="cuda"),
+        torch.zeros(2, dtype=torch.long, device="cuda"),
+    )
+    cos_sin = torch.zeros(16, 64, device="cuda", dtype=torch.bfloat16)
+    fp8 = torch.zeros(2, 2, 16, 2, 64, device="cuda").to(FP8_DTYPE)
+    with pytest.raises(
+        ValueError, match="16-bit cache"
+    ):  # 2 heads and 2 kv heads of 64 dims fill 256 columns
+        w4a16_mma(x, w, rope=RopeWrite(pos, cos_sin, fp8, slots, 2, 1))
+    cache = torch.zeros(2, 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="filling the 256 columns"):
+        w4a16_mma(x, w, rope=RopeWrite(pos, cos_sin, cache, slots, 4, 2))
+    with pytest.raises(ValueError, match="qkv GEMM alone"):
+        w4a16_mma(x, w, swiglu=True, rope=RopeWrite(pos, cos_sin, cache, slots, 2, 1))
+    nine = torch.zeros(9, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="1..8 rows"):
+        w4a16_mma(x.repeat(5, 1)[:9], w, rope=RopeWrite(nine, cos_sin, cache, nine, 2, 1))
 
 
 def test_dequantize_kernels_are_exact():
@@ -306,6 +366,31 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
     before = len(calls)
     unfused = served(ckpt, dtype="bfloat16")
     assert len(calls) == before
+    assert fused == want and unfused == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rope_in_the_int4_qkv_gemm_serves_as_transformers(tmp_path, monkeypatch, arch):
+    """Heads of 32 dims: at 1-8 rows the qkv GEMM also ends in RoPE and the KV-cache write (checked to run, in
+    CUDA graphs), and greedy output equals transformers' on the dequantized weights and the engine's with
+    rotary_kv_write in its own kernel (PDSERVE_FUSED_ROTARY=0)."""
+    import kernels.w4a16_mma as mma
+
+    model = tiny_random_model_dir(tmp_path, arch, num_attention_heads=2, num_key_value_heads=1)
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
+                                   max_tokens=512))  # fmt: skip
+    want = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS))
+    ropes: list[int] = []
+    real = mma.w4a16_mma
+    monkeypatch.setattr(
+        mma, "w4a16_mma", lambda *a, **kw: ropes.append(kw.get("rope") is not None) or real(*a, **kw)
+    )
+    fused = served(ckpt, dtype="bfloat16")
+    assert any(ropes), "the qkv GEMM did not end in RoPE"
+    monkeypatch.setattr(backend, "FUSED_ROTARY", False)
+    ropes.clear()
+    unfused = served(ckpt, dtype="bfloat16")
+    assert ropes and not any(ropes)
     assert fused == want and unfused == want
 
 

@@ -63,6 +63,18 @@ class Int4Method(LinearMethod):
         w = self.weight
         return _backend.FUSED_NORMS and w is not None and w.perm is None and w4a16_mma.applies(x, w)
 
+    def fuses_rope(self, x: torch.Tensor, rope: w4a16_mma.RopeWrite) -> bool:
+        """Whether the fused GEMM can end in RoPE and the KV-cache write: on the GPU kernel's path, 1-8 rows, a
+        16-bit cache, half a head in whole column blocks (kernels/w4a16_mma.py rope_applies); the CPU reference
+        takes the same rows and any cache but fp8."""
+        w = self.weight
+        if w is None:
+            return False
+        if w4a16_mma.applies(x, w):
+            return w4a16_mma.rope_applies(x, w, rope)
+        rows = x.shape[0] <= w4a16_mma.ROPE_MAX_ROWS
+        return rows and rope.kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
     def apply_fused(
         self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, **fused: Any
     ) -> torch.Tensor:
