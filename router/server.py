@@ -18,8 +18,10 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -46,6 +48,8 @@ from serving.kv_events import EventBatch, Snapshot
 from serving.logs import bind_request, new_request_id
 from serving.mux import ManyCall, ManyStream
 from serving.tls import PLAINTEXT, TLSConfig
+
+R = TypeVar("R")
 
 logger = logging.getLogger(__name__)
 
@@ -299,19 +303,19 @@ class RouterServicer(pb_grpc.RouterServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        info = await self.GetModelInfo(pb.ModelInfoRequest(), context)
-        try:
-            return await tokenize(request, info, self.config.served_model_name, self.prompts)
-        except Stop as stop:
-            await context.abort(stop.code, stop.details)
-            raise AssertionError("abort raises") from None
+        return await self._with_tokenizer(tokenize, request, context)
 
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
+        return await self._with_tokenizer(detokenize, request, context)
+
+    async def _with_tokenizer(self, call: Callable[..., Awaitable[R]], request: Any, context: Any) -> R:
+        """call(request, model info, served name, prompt encoder) once the router can serve; a Stop it raises
+        aborts the RPC with its status and details."""
         info = await self.GetModelInfo(pb.ModelInfoRequest(), context)
         try:
-            return await detokenize(request, info, self.config.served_model_name, self.prompts)
+            return await call(request, info, self.config.served_model_name, self.prompts)
         except Stop as stop:
             await context.abort(stop.code, stop.details)
             raise AssertionError("abort raises") from None
