@@ -36,11 +36,15 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   quant_w4a16_m1_limits_llama3-8b.
 - --sweep-mma: the fragment layout's kernel (kernels/w4a16_mma.py) GEMM by GEMM at 1-16 rows over warps, chunks a
   step, the zero fold and paired column blocks, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
+- --rope: the qkv GEMM (taking its norm) ending in RoPE and the KV-cache write against the GEMM and then
+  rotary_kv_write, chained as a decode step chains them, at 1-16 rows and 4 or 8 warps (past 8 rows, where the
+  engine keeps them apart, the fused kernel timed anyway): quant_w4a16_qkv_rope_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
-quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b. About 6 minutes on an H200.
+quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b; --rope: quant_w4a16_qkv_rope_llama3-8b. About 6
+minutes on an H200.
 """
 
 from __future__ import annotations
@@ -546,6 +550,72 @@ def engines(out_dir: Path | None) -> list[tuple]:
             ("weights (GB), head bf16", int4["weight_bytes"] / 1e9, bf16["weight_bytes"] / 1e9, None, None)]  # fmt: skip
 
 
+def rope_epilogue(out_dir: Path | None) -> None:
+    """The qkv GEMM (taking its norm) ending in RoPE and the KV-cache write, against the GEMM and then
+    rotary_kv_write, as a decode step chains them (PDL, graph replay over six layers' weights), at 1-16 rows:
+    quant_w4a16_qkv_rope_llama3-8b (one row). Past ROPE_MAX_ROWS the fused GEMM is timed at its warps as named."""
+    import torch
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_mma import ROPE_WARPS, NormedInput, RopeWrite, w4a16_mma
+
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    heads, kv_heads, d = 32, 8, 128
+    cos_sin = torch.randn(8192, d, device="cuda", dtype=torch.bfloat16)
+    cache = torch.zeros(2, 512, 16, kv_heads, d, device="cuda", dtype=torch.bfloat16)
+    found: dict[int, dict[str, float]] = {}
+    for m in SMALL_M:
+        x = torch.randn(m, LAYER["qkv"][0], device="cuda", dtype=torch.bfloat16)
+        norm = NormedInput(torch.rand(m, LAYER["qkv"][0] // 16, device="cuda") + 1.0, 1e-5)
+        pos = torch.arange(m, device="cuda") + 100
+        slots = torch.arange(m, device="cuda") + 1600
+        rope = RopeWrite(pos, cos_sin, cache, slots, heads, kv_heads)
+        row = {
+            "qkv_us": time_us([partial(w4a16_mma, x, w["qkv"], norm=norm) for w in sets]),
+            "qkv_then_rotary_us": time_us([partial(_qkv_then_rotary, x, w["qkv"], norm, rope) for w in sets]),
+        }
+        for warps in (4, 8):
+            row[f"fused_w{warps}_us"] = time_us(
+                [partial(_rope_launch, x, w["qkv"], norm, rope, warps) for w in sets]
+            )
+        found[m] = row
+        print(f"rope M={m}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    one = found[1]
+    record(
+        "quant_w4a16_qkv_rope_llama3-8b", one[f"fused_w{ROPE_WARPS}_us"], "us", baseline=one["qkv_then_rotary_us"],
+        baseline_name="the qkv GEMM, then rotary_kv_write (us)",
+        ratio=one["qkv_then_rotary_us"] / one[f"fused_w{ROPE_WARPS}_us"], out_dir=out_dir, command=COMMAND + " --rope",
+        extra={"what": "Llama-3-8B's qkv GEMM taking its norm, one row, ending in RoPE and the KV-cache write, "
+                       "against the GEMM and then rotary_kv_write, PDL-chained, graph replay over six layers",
+               "by_rows": found},
+    )  # fmt: skip
+
+
+def _qkv_then_rotary(x: Any, w: Any, norm: Any, rope: Any) -> None:
+    """The qkv GEMM taking its norm, then rotary_kv_write on its output: the unfused pair."""
+    from kernels.rotary_kv_write import rotary_kv_write
+    from kernels.w4a16_mma import w4a16_mma
+
+    m, h, kvh, d = x.shape[0], rope.num_heads, rope.num_kv_heads, rope.head_dim
+    q, k, v = w4a16_mma(x, w, norm=norm).split([h * d, kvh * d, kvh * d], dim=-1)
+    rotary_kv_write(q.view(m, h, d), k.view(m, kvh, d), v.view(m, kvh, d), rope.positions, rope.cos_sin_cache,
+                    rope.kv_cache, rope.slot_mapping)  # fmt: skip
+
+
+def _rope_launch(x: Any, w: Any, norm: Any, rope: Any, warps: int) -> None:
+    """The qkv GEMM ending in RoPE at `warps`, zeros folded up to 8 rows; past ROPE_MAX_ROWS, where w4a16_mma
+    refuses it, too (timing only: the engine keeps the two kernels apart there)."""
+    from kernels import w4a16_mma as mma
+
+    saved = mma.ROPE_MAX_ROWS
+    mma.ROPE_MAX_ROWS = max(saved, x.shape[0])
+    try:
+        mma.w4a16_mma(x, w, norm=norm, rope=rope, warps=warps, fold=x.shape[0] <= 8)
+    finally:
+        mma.ROPE_MAX_ROWS = saved
+
+
 def decode_kernels(out_dir: Path | None) -> None:
     """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record: the step as served (PDL
     on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would count its
@@ -594,6 +664,9 @@ def main() -> None:
     p.add_argument(
         "--sweep-mma", action="store_true", help="only the fragment layout kernel's configs, GEMM by GEMM"
     )
+    p.add_argument(
+        "--rope", action="store_true", help="only the qkv GEMM ending in RoPE against it and rotary_kv_write"
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -605,6 +678,9 @@ def main() -> None:
         return
     if args.sweep_mma:
         sweep_mma(args.out_dir)
+        return
+    if args.rope:
+        rope_epilogue(args.out_dir)
         return
 
     import torch
