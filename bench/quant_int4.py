@@ -37,7 +37,7 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --sweep-mma: the fragment layout's kernel (kernels/w4a16_mma.py) GEMM by GEMM at 1-16 rows over warps, chunks a
   step, the zero fold and paired column blocks, against what its config() picks: quant_w4a16_mma_sweep_llama3-8b.
 - --rope: the qkv GEMM (taking its norm) ending in RoPE and the KV-cache write against the GEMM and then
-  rotary_kv_write, chained as a decode step chains them, at 1-16 rows and 4 or 8 warps (past 8 rows, where the
+  rotary_kv_write, chained as a decode step chains them, at 1-16 rows and 4, 8 or 16 warps (past 8 rows, where the
   engine keeps them apart, the fused kernel timed anyway): quant_w4a16_qkv_rope_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
@@ -575,10 +575,14 @@ def rope_epilogue(out_dir: Path | None) -> None:
             "qkv_us": time_us([partial(w4a16_mma, x, w["qkv"], norm=norm) for w in sets]),
             "qkv_then_rotary_us": time_us([partial(_qkv_then_rotary, x, w["qkv"], norm, rope) for w in sets]),
         }
-        for warps in (4, 8):
-            row[f"fused_w{warps}_us"] = time_us(
-                [partial(_rope_launch, x, w["qkv"], norm, rope, warps) for w in sets]
-            )
+        for warps in (4, 8, 16):  # 16: as many warps as one-block programs have, over half the programs
+            try:
+                row[f"fused_w{warps}_us"] = time_us(
+                    [partial(_rope_launch, x, w["qkv"], norm, rope, warps) for w in sets]
+                )
+            except Exception as e:  # a config that does not compile is reported, not fatal
+                print(f"rope M={m} {warps} warps: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                row[f"fused_w{warps}_us"] = float("nan")
         found[m] = row
         print(f"rope M={m}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
     one = found[1]
