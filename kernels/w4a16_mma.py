@@ -667,8 +667,7 @@ def w4a16_mma(
     norm: NormedInput | None = None,  # x is weight * the stream: the sums take 1 / rms
     add_to: torch.Tensor | None = None,  # (M, N): the stream, which the product is added into in place
     next_norm: NextNorm | None = None,  # with add_to: where the next norm's input goes
-    rope: RopeWrite
-    | None = None,  # qkv: RoPE and the KV-cache write in the epilogue; rope_applies(x, w, rope)
+    rope: RopeWrite | None = None,  # qkv: RoPE and the KV-cache write in its epilogue (rope_applies)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
     add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""

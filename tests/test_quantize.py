@@ -92,6 +92,33 @@ def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatc
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 
+def test_rope_rides_in_the_qkv_gemm_only_where_it_can(checkpoints, monkeypatch):
+    """The fused path hands RoPE and the KV-cache write to the qkv GEMM at 1-8 rows of a 16-bit or fp32 cache; an
+    fp8 cache (it stores quantized), 9 or more rows and PDSERVE_FUSED_ROTARY=0 keep rotary_kv_write."""
+    import kernels._backend as backend
+    from engine.attention_metadata import AttentionMetadata
+    from engine.layers.quant.int4 import Int4Method
+    from kernels.kv_quant import FP8_DTYPE
+
+    monkeypatch.setattr(Int4Method, "fuses_norms", lambda self, x: x.shape[0] <= 16)
+    llm = LLM(str(checkpoints["awq"]), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
+    attn = llm.engine.runner.model.model.layers[0].self_attn
+    shape = (2, 4, 16, attn.num_kv_heads, attn.head_dim)
+    cos_sin = torch.zeros(64, attn.head_dim)
+
+    def rope(rows: int, dtype: torch.dtype):
+        x = torch.zeros(rows, attn.qkv_proj.input_size)
+        one = torch.ones(1, dtype=torch.int32)
+        meta = AttentionMetadata(torch.zeros(rows, dtype=torch.long), one, one, one.view(1, 1), rows, rows)
+        cache = torch.zeros(shape).to(dtype)
+        return attn.rope_write(x, torch.zeros(rows, dtype=torch.long), cos_sin, cache, meta)
+
+    assert rope(1, torch.float32) is not None and rope(8, torch.bfloat16) is not None
+    assert rope(9, torch.float32) is None and rope(1, FP8_DTYPE) is None
+    monkeypatch.setattr(backend, "FUSED_ROTARY", False)
+    assert rope(1, torch.float32) is None
+
+
 def test_checkpoints_have_the_formats_tensors_and_config(checkpoints, tiny):
     for name, path in checkpoints.items():
         tensors = load_file(str(path / "model.safetensors"))
