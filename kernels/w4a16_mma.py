@@ -62,7 +62,7 @@ BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
 SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
 # qkv ending in RoPE and the KV-cache write: 8 warps a program of two column blocks, zeros folded. Past 8 rows
-# these programs were slower than the GEMM and rotary_kv_write apart (H200: 21.7 against 14.7 us at 16 rows)
+# these programs were slower than the GEMM and rotary_kv_write apart (H200: 21.6 against 14.7 us at 16 rows)
 ROPE_MAX_ROWS, ROPE_WARPS = 8, 8
 
 
