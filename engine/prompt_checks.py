@@ -54,6 +54,26 @@ def check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
             raise ValueError(f"{name} token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
 
 
+def check_fits_by_size(chars: int, max_token_chars: int, max_tokens: int | None, max_model_len: int) -> None:
+    """A prompt of `chars` characters holds at least ceil(chars / max_token_chars) tokens, as no token covers
+    more characters than that: refuse one that cannot fit from its size alone, before it is tokenized or
+    sent on. max_tokens None asks for all the room left; max_token_chars 0 is unknown (nothing refused)."""
+    if max_token_chars <= 0:
+        return
+    least = -(-chars // max_token_chars)
+    if max_tokens is None and least >= max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt alone is at least "
+            f"{least} tokens long ({chars} characters): shorten the prompt"
+        )
+    if max_tokens is not None and least + max_tokens > max_model_len:
+        raise ValueError(
+            f"this model's maximum context length is {max_model_len} tokens, but at least "
+            f"{least + max_tokens} were requested (at least {least} in the prompt, "
+            f"{max_tokens} to generate): shorten the prompt or lower max_tokens"
+        )
+
+
 def fit_max_tokens(num_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens a prompt of num_tokens may generate: max_tokens, or (None) all the room left."""
     room = max_model_len - num_tokens

@@ -30,7 +30,7 @@ from gateway.auth import BearerAuth
 from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from gateway.drain import Admission, Drain
 from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
-from gateway.limits import BodyLimit
+from gateway.limits import BodyLimit, OffLoopJSONRoute
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -41,7 +41,14 @@ from gateway.protocol import (
 )
 from gateway.rate_limit import TenantLimits, retry_after
 from gateway.responses import Choice, Formatter, TokenText, Totals
-from gateway.router_client import RouterStreams, build, chat_requests, completion_requests, tokenize_request
+from gateway.router_client import (
+    RouterStreams,
+    build,
+    chat_requests,
+    completion_requests,
+    refuse_unfit,
+    tokenize_request,
+)
 from gateway.tenants import CacheSalts, TenantKeys
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -168,6 +175,7 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
+            refuse_unfit(body, info)
             salt = self.salts.salt(record.tenant, body.cache_salt)
             for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
                 req.request_id, req.cache_salt = rid, salt
@@ -350,6 +358,7 @@ _VERSION = _version()
 def create_app(config: GatewayConfig) -> FastAPI:
     gw = Gateway(config)
     app = FastAPI(title="pdserve gateway", version=_VERSION, lifespan=gw.lifespan)
+    app.router.route_class = OffLoopJSONRoute
     app.state.gateway = gw
     install_handlers(app)
     served = add_compat(gw.metrics.registry, config.metrics_compat)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from engine.prompt_checks import check_fits_by_size
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -105,6 +106,21 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
     else:
         prompt.text = body.prompt
     return pb.TokenizeRequest(prompt=prompt, return_token_strs=body.return_token_strs)
+
+
+def refuse_unfit(body: ChatCompletionRequest | CompletionRequest, info: pb.ModelInfo) -> None:
+    """A prompt that cannot fit from its size alone gets the router's own refusal here, before its bytes
+    are copied into a router call: a few megabytes of prompt cost the gateway's event loop more to send
+    than to count."""
+    if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
+        sizes = [sum(len(m.text()) for m in body.messages)]
+    else:
+        sizes = [len(p) for p in body.prompts() if isinstance(p, str)]
+    for chars in sizes:
+        try:
+            check_fits_by_size(chars, info.max_token_chars, body.token_limit(), info.max_model_len)
+        except ValueError as exc:
+            raise APIError(400, str(exc), None, "context_length_exceeded") from exc
 
 
 def build(make: Callable[[], list[pb.GenerateRequest]]) -> list[pb.GenerateRequest]:

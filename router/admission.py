@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from engine.prompt_checks import (
+    check_fits_by_size,
     check_length,
     check_not_empty,
     check_param_token_ids,
@@ -63,18 +64,7 @@ async def _tokenize(
         raise ValueError("the request has no prompt: set text, chat or token_ids")
     if prompts is None:
         raise ValueError("this model has no tokenizer: send token_ids")
-    least, limit = prompts.min_tokens(request), info.max_model_len
-    if params.max_tokens is None and least >= limit:
-        raise ValueError(
-            f"this model's maximum context length is {limit} tokens, but the prompt alone is at least "
-            f"{least} tokens long ({prompt_chars(request)} characters): shorten the prompt"
-        )
-    if params.max_tokens is not None and least + params.max_tokens > limit:
-        raise ValueError(
-            f"this model's maximum context length is {limit} tokens, but at least "
-            f"{least + params.max_tokens} were requested (at least {least} in the prompt, "
-            f"{params.max_tokens} to generate): shorten the prompt or lower max_tokens"
-        )
+    check_fits_by_size(prompt_chars(request), prompts.max_token_chars, params.max_tokens, info.max_model_len)
     try:
         return await prompts.encode(request)
     except Overloaded:

@@ -5,7 +5,8 @@ Tokenizing runs in a small pool of threads of its own. The work queued or runnin
 nothing else is pending). A prompt beyond either is refused (`Overloaded`), so a burst of huge prompts cannot
 starve the router's polls and health answers or queue without bound, while a burst of ordinary ones queues. Before any of that, `min_tokens` bounds a
 prompt's length from its size alone: no token is longer than `max_token_chars` characters, so a prompt of
-C characters has at least ceil(C / max_token_chars) tokens, and one that cannot fit is refused unread.
+C characters has at least ceil(C / max_token_chars) tokens, and one that cannot fit is refused unread
+(`check_fits_by_size`; ModelInfo carries the bound, so the gateway refuses such a prompt before sending it).
 Detokenizing and token strings (the Router's Tokenize and Detokenize calls) share the pool and its bounds,
 each id counted as a character.
 """
@@ -70,9 +71,6 @@ class PromptEncoder:
         # queued or running; released when the thread is done, even for a cancelled wait
         self._pending = 0
         self._pending_chars = 0
-
-    def min_tokens(self, request: pb.GenerateRequest) -> int:
-        return -(-prompt_chars(request) // self.max_token_chars)
 
     async def encode(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids (ValueError for a prompt that cannot be encoded; Overloaded)."""

@@ -226,6 +226,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             max_model_len=reply.max_model_len,
             vocab_size=reply.vocab_size,
             block_size=reply.block_size,
+            max_token_chars=self.prompts.max_token_chars if self.prompts is not None else 0,
         )
 
     async def _pull(self, address: str) -> None:

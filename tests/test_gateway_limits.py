@@ -34,11 +34,14 @@ LIMIT = 64 * 1024
 
 
 class ScriptedRouter(pb_grpc.RouterServicer):
-    def __init__(self) -> None:
+    def __init__(self, max_token_chars: int = 0) -> None:
         self.seen: set[str] = set()  # prompts whose call reached the router
+        self.max_token_chars = max_token_chars
 
     def GetModelInfo(self, request, context):
-        return pb.ModelInfo(model=MODEL, max_model_len=1024, vocab_size=100, block_size=16)
+        info = pb.ModelInfo(model=MODEL, max_model_len=1024, vocab_size=100, block_size=16)
+        info.max_token_chars = self.max_token_chars
+        return info
 
     def Generate(self, request, context):
         prompt = request.text or request.chat.messages[-1].content
@@ -182,6 +185,44 @@ def test_body_at_the_limit_is_parsed(gateway):
     body = json.dumps(completion(prompt))
     assert len(body) <= LIMIT
     assert gateway.post("/v1/completions", json.loads(body)).status_code == 200
+
+
+def test_a_prompt_too_long_for_its_size_is_refused_before_the_router(tmp_path):
+    """With the router's bound of 4 characters a token, a prompt of C characters holds at least C / 4 tokens:
+    one that cannot fit gets the router's own 400 from the gateway and never reaches the router. Bodies
+    this large are parsed off the event loop, bad JSON included."""
+    scripted = ScriptedRouter(max_token_chars=4)
+    for address in serve_router(scripted, health_pb2.HealthCheckResponse.SERVING):
+        gw = start_gateway(address, tmp_path, "--max-request-bytes", str(4 * 2**20))
+        try:
+            fits = "tokens 1 0 " + "x" * 4000  # at least 1003 tokens, and 5 to generate: 1008 of 1024
+            assert gw.post("/v1/completions", completion(fits)).status_code == 200
+            too_long = "tokens 1 0 " + "y" * (300 * 1024)
+            r = gw.post("/v1/completions", completion(too_long))
+            assert r.status_code == 400, r.text
+            least = -(-len(too_long) // 4)
+            assert assert_openai_error(r.json(), "context_length_exceeded")["message"] == (
+                f"this model's maximum context length is 1024 tokens, but at least {least + 5} were requested "
+                f"(at least {least} in the prompt, 5 to generate): shorten the prompt or lower max_tokens"
+            )
+            turns = [{"role": "user", "content": "tokens 1 0 " + "z" * 3000} for _ in range(2)]
+            r = gw.post("/v1/chat/completions", {"model": MODEL, "messages": turns})  # up to the context
+            assert r.status_code == 400, r.text
+            message = assert_openai_error(r.json(), "context_length_exceeded")["message"]
+            assert message.endswith(
+                "the prompt alone is at least 1506 tokens long (6022 characters): shorten the prompt"
+            )
+            assert scripted.seen == {fits}
+            unterminated = b'{"model": "scripted", "prompt": "' + b"a" * (300 * 1024)
+            headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+            r = httpx.post(gw.url + "/v1/completions", content=unterminated, headers=headers, timeout=30)
+            assert r.status_code == 400, r.text
+            assert assert_openai_error(r.json(), "invalid_request")["message"].startswith(
+                "the body is not valid JSON"
+            )
+        finally:
+            gw.proc.terminate()
+            gw.proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("depth", [65, 1000, 9000])

@@ -814,7 +814,6 @@ def test_tokenizing_is_bounded_and_a_full_queue_refuses(bundled_model_dir) -> No
         asyncio.run(asyncio.wait_for(main(), 20))
     finally:
         encoder.close()
-    assert encoder.min_tokens(pb.GenerateRequest(text="x" * 1000)) == -(-1000 // encoder.max_token_chars)
 
 
 @pytest.mark.slow  # seconds of waiting on real servers and timeouts
