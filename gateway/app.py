@@ -171,11 +171,11 @@ class Gateway:
             if body.model != info.model:
                 msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
                 raise APIError(404, msg, "model", "model_not_found")
+            refuse_unfit(body, info)  # before a long prompt is copied into router calls
             if isinstance(body, ChatCompletionRequest):
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
-            refuse_unfit(body, info)
             salt = self.salts.salt(record.tenant, body.cache_salt)
             for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
                 req.request_id, req.cache_salt = rid, salt

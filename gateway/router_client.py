@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engine.prompt_checks import check_fits_by_size
+from engine.prompt_checks import check_fits_by_size, check_length, fit_max_tokens
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -109,18 +109,23 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
 
 
 def refuse_unfit(body: ChatCompletionRequest | CompletionRequest, info: pb.ModelInfo) -> None:
-    """A prompt that cannot fit from its size alone gets the router's own refusal here, before its bytes
-    are copied into a router call: a few megabytes of prompt cost the gateway's event loop more to send
-    than to count."""
-    if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
-        sizes = [sum(len(m.text()) for m in body.messages)]
-    else:
-        sizes = [len(p) for p in body.prompts() if isinstance(p, str)]
-    for chars in sizes:
-        try:
-            check_fits_by_size(chars, info.max_token_chars, body.token_limit(), info.max_model_len)
-        except ValueError as exc:
-            raise APIError(400, str(exc), None, "context_length_exceeded") from exc
+    """A prompt that cannot fit gets the router's own refusal here, from its characters (the router's bound of
+    characters a token) or its count of ids, before its bytes are copied into a router call: a few megabytes
+    of prompt cost the gateway's event loop more to build and send than to count."""
+    max_tokens = body.token_limit()
+    try:
+        if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
+            chars = sum(len(m.text()) for m in body.messages)
+            check_fits_by_size(chars, info.max_token_chars, max_tokens, info.max_model_len)
+            return
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                check_fits_by_size(len(prompt), info.max_token_chars, max_tokens, info.max_model_len)
+            else:
+                check_length(len(prompt), info.max_model_len)
+                fit_max_tokens(len(prompt), max_tokens, info.max_model_len)
+    except ValueError as exc:
+        raise APIError(400, str(exc), None, "context_length_exceeded") from exc
 
 
 def build(make: Callable[[], list[pb.GenerateRequest]]) -> list[pb.GenerateRequest]:

@@ -44,7 +44,10 @@ class ScriptedRouter(pb_grpc.RouterServicer):
         return info
 
     def Generate(self, request, context):
-        prompt = request.text or request.chat.messages[-1].content
+        if request.WhichOneof("prompt") == "token_ids":
+            prompt = f"tokens 1 0 ids {len(request.token_ids.ids)}"
+        else:
+            prompt = request.text or request.chat.messages[-1].content
         self.seen.add(prompt)
         words = prompt.split(" ", 3)
         if words[0] == "refuse":
@@ -212,7 +215,19 @@ def test_a_prompt_too_long_for_its_size_is_refused_before_the_router(tmp_path):
             assert message.endswith(
                 "the prompt alone is at least 1506 tokens long (6022 characters): shorten the prompt"
             )
-            assert scripted.seen == {fits}
+            ids = gw.post("/v1/completions", {"model": MODEL, "prompt": [7] * 1020, "max_tokens": 5})
+            assert ids.status_code == 400, ids.text
+            assert assert_openai_error(ids.json(), "context_length_exceeded")["message"] == (
+                "this model's maximum context length is 1024 tokens, but 1025 were requested (1020 in the prompt, "
+                "5 to generate): shorten the prompt or lower max_tokens"
+            )
+            many = gw.post("/v1/completions", {"model": MODEL, "prompt": [7] * 300_000, "max_tokens": 5})
+            assert assert_openai_error(many.json(), "context_length_exceeded")["message"] == (
+                "the prompt is 300000 tokens long, but max_model_len is 1024"
+            )
+            fitting_ids = gw.post("/v1/completions", {"model": MODEL, "prompt": [7] * 1019, "max_tokens": 5})
+            assert fitting_ids.status_code == 200, fitting_ids.text
+            assert scripted.seen == {fits, "tokens 1 0 ids 1019"}
             unterminated = b'{"model": "scripted", "prompt": "' + b"a" * (300 * 1024)
             headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
             r = httpx.post(gw.url + "/v1/completions", content=unterminated, headers=headers, timeout=30)
