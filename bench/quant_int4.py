@@ -39,6 +39,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --rope: the qkv GEMM (taking its norm) ending in RoPE and the KV-cache write against the GEMM and then
   rotary_kv_write, chained as a decode step chains them, at 1-16 rows and 4, 8 or 16 warps (past 8 rows, where the
   engine keeps them apart, the fused kernel timed anyway): quant_w4a16_qkv_rope_llama3-8b.
+- --sweep-regs: the fragment layout's kernel GEMM by GEMM at 1-8 rows, at config()'s pick and at 16 warps, with
+  ptxas's register cap free or held to 128-64 a thread (more warps an SM, or spills):
+  quant_w4a16_mma_regs_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -596,6 +599,86 @@ def rope_epilogue(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+REG_CAPS = (None, 128, 96, 80, 64)  # ptxas's registers a thread; None: its own choice
+
+
+def sweep_regs(out_dir: Path | None) -> None:
+    """The fragment layout's kernel GEMM by GEMM (gate_up ending in SwiGLU, as the engine runs it) at 1, 4 and 8 rows:
+    config()'s pick and 16 warps a program, each with ptxas's register cap left free or held to 128, 96, 80 or 64 a
+    thread, so that more warps share an SM (its loads' latency is what bounds it: docs/kernels.md) or spill. [us]
+    each, and each compiled variant's registers and spills: quant_w4a16_mma_regs_llama3-8b (the layer at one row,
+    the best cap per GEMM against config()'s pick as it runs)."""
+    import torch
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_mma import _w4a16_mma_kernel, config, swiglu_config, w4a16_mma
+
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    found: dict[str, dict[str, float | None]] = {}
+    as_run, best = 0.0, 0.0
+    for m in (1, 4, 8):
+        for name, (k, n) in LAYER.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            swiglu = name == "gate_up"
+            warps, unroll, fold, pair = swiglu_config(m) if swiglu else config(m, n, k, x.device)
+            row: dict[str, float | None] = {}
+            for w, u, p in ((warps, unroll, pair), (16, 1, False)):
+                for cap in REG_CAPS:
+                    label = f"W{w}U{u}{'P' if p else ''}R{cap or 'free'}"
+                    launch = partial(w4a16_mma, x, warps=w, unroll=u, fold=fold, pair=p, swiglu=swiglu,
+                                     max_registers=cap)  # fmt: skip
+                    try:
+                        row[label] = round(time_us([partial(launch, w=ws[name]) for ws in sets]), 2)
+                    except Exception as e:  # a config that does not compile or launch is reported, not fatal
+                        print(f"regs M={m} {name} {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        row[label] = None
+            timed = [v for v in row.values() if v is not None]
+            found[f"M={m} {name}"] = row
+            if m == 1:
+                as_run += row[f"W{warps}U{unroll}{'P' if pair else ''}Rfree"] or float("nan")
+                best += min(timed)
+            print(f"regs M={m} {name}: {row}", flush=True)
+    record(
+        "quant_w4a16_mma_regs_llama3-8b", best, "us", baseline=as_run,
+        baseline_name="config()'s pick per GEMM at one row, registers as ptxas chooses, summed over the layer (us)",
+        ratio=as_run / best, out_dir=out_dir, command=COMMAND + " --sweep-regs",
+        extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
+                       "replay; gate_up ending in SwiGLU), us per config: W warps, U chunks a step, P two column "
+                       "blocks a program, R ptxas's register cap a thread (free: its own choice); None: it did not "
+                       "compile or launch", "configs": found, "variants": _compiled_variants(_w4a16_mma_kernel)},
+    )  # fmt: skip
+
+
+def _compiled_variants(kernel: Any) -> list[dict[str, Any]]:
+    """Each compiled variant of a Triton / Gluon kernel: warps, register cap, registers and spills a thread, and
+    the constexprs that tell it apart (what this Triton exposes of them; absent fields are None)."""
+    out = []
+    for caches in getattr(kernel, "device_caches", {}).values():
+        for compiled in caches[0].values():
+            meta = compiled.metadata
+            try:
+                names = kernel.arg_names
+                consts = {
+                    (names[key[0]] if isinstance(key, tuple) else str(key)): value
+                    for key, value in compiled.src.constants.items()
+                    if isinstance(value, (bool, int))
+                }
+                consts = {
+                    key: consts[key]
+                    for key in ("W", "Q", "U", "BN", "SWIGLU", "PAIR", "FOLD")
+                    if key in consts
+                }
+            except Exception:  # what a Triton version exposes of its variants differs
+                consts = {}
+            out.append({
+                "warps": getattr(meta, "num_warps", None), "maxnreg": getattr(meta, "maxnreg", None),
+                "registers": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                **consts,
+            })  # fmt: skip
+    return out
+
+
 def _qkv_then_rotary(x: Any, w: Any, norm: Any, rope: Any) -> None:
     """The qkv GEMM taking its norm, then rotary_kv_write on its output: the unfused pair."""
     from kernels.rotary_kv_write import rotary_kv_write
@@ -671,6 +754,11 @@ def main() -> None:
     p.add_argument(
         "--rope", action="store_true", help="only the qkv GEMM ending in RoPE against it and rotary_kv_write"
     )
+    p.add_argument(
+        "--sweep-regs",
+        action="store_true",
+        help="only the fragment layout kernel at capped registers a thread",
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -685,6 +773,9 @@ def main() -> None:
         return
     if args.rope:
         rope_epilogue(args.out_dir)
+        return
+    if args.sweep_regs:
+        sweep_regs(args.out_dir)
         return
 
     import torch

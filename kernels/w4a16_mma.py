@@ -668,6 +668,8 @@ def w4a16_mma(
     add_to: torch.Tensor | None = None,  # (M, N): the stream, which the product is added into in place
     next_norm: NextNorm | None = None,  # with add_to: where the next norm's input goes
     rope: RopeWrite | None = None,  # qkv: RoPE and the KV-cache write in its epilogue (rope_applies)
+    max_registers: int
+    | None = None,  # ptxas's cap a thread (bench.quant_int4 --sweep-regs); None: the default
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
     add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""
@@ -718,6 +720,8 @@ def w4a16_mma(
     # an epilogue adding into the stream would take 8 warps of two chunks a step past 128 registers a thread and two
     # programs an SM; held to 128 they spill 16 bytes, outside the K loop
     regs = {"maxnreg": 128} if add_to is not None and warps == 8 and unroll == 2 and bn == 8 else {}
+    if max_registers is not None:
+        regs = {"maxnreg": max_registers}
     nxt = (next_norm.weight, next_norm.normed, next_norm.sumsq) if next_norm is not None else (out, out, out)
     _w4a16_mma_kernel[(grid,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, nxt[0], nxt[1],
