@@ -765,18 +765,16 @@ def main() -> None:
     if args.part:
         args.json.write_text(json.dumps(engine_part(args.part, args.kernels), indent=1))
         return
-    if args.kernels:
-        decode_kernels(args.out_dir)
-        return
-    if args.sweep_mma:
-        sweep_mma(args.out_dir)
-        return
-    if args.rope:
-        rope_epilogue(args.out_dir)
-        return
-    if args.sweep_regs:
-        sweep_regs(args.out_dir)
-        return
+    modes = {
+        "kernels": decode_kernels,
+        "sweep_mma": sweep_mma,
+        "rope": rope_epilogue,
+        "sweep_regs": sweep_regs,
+    }
+    for flag, run in modes.items():  # the modes that time something else than the GEMMs' records
+        if getattr(args, flag):
+            run(args.out_dir)
+            return
 
     import torch
 
