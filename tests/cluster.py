@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import httpx
 
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.roles import free_port
 
 
 class _Lines:
@@ -250,3 +252,23 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError):
         return None
+
+
+def start_gateway(router: str, *extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """`python -m gateway.cli` in front of `router`, once its /health answers 200: (process, base url)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "--router", router, "--port", str(port), *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the gateway did not become healthy")

@@ -180,8 +180,7 @@ def _counter(url: str, name: str) -> float:
 @pytest.fixture(scope="module")
 def served(bundled_model_dir):
     """The CPU stack: router, one prefill and one decode worker, the gateway; its URL."""
-    from tests.cluster import start_cluster
-    from tests.test_gateway import start_gateway
+    from tests.cluster import start_cluster, start_gateway
 
     cluster = start_cluster(1, 1, "tcp")
     try:

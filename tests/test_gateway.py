@@ -4,9 +4,7 @@ process, the official `openai` client (sync and async, streaming and not), trans
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
 
 import httpx
@@ -14,8 +12,7 @@ import openai
 import pytest
 import torch
 
-from serving.roles import free_port
-from tests.cluster import start_cluster
+from tests.cluster import start_cluster, start_gateway
 from tests.hf_reference import AllowOnly, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -37,25 +34,6 @@ class Stack:
     def post(self, path: str, body, key: str | None = KEY) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.post(self.url + path, json=body, headers=headers, timeout=120)
-
-
-def start_gateway(router: str, *extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "--router", router, "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the gateway did not become healthy")
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ class Stack:
 def stack(request, bundled_model_dir):
     import openai
 
-    from tests.test_gateway import start_gateway
+    from tests.cluster import start_gateway
 
     compat = ("--metrics-compat", "vllm") if request.param == "vllm" else ()
     cluster = start_cluster(1, 1, "tcp", "--metrics", *compat, "--speculative-config", SPEC)

@@ -7,8 +7,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from tests.chaos.tools import RedisServer, Stack, one_thread_per_engine
-from tests.cluster import start_cluster
-from tests.test_gateway import start_gateway
+from tests.cluster import start_cluster, start_gateway
 
 
 @pytest.fixture(scope="package")

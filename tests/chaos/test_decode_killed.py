@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from tests.chaos.tools import REQUEST_TIMEOUT_S, one_thread_per_engine, wait_until
-from tests.cluster import Cluster, health, start_cluster, worker_load
-from tests.test_gateway import start_gateway
+from tests.cluster import Cluster, health, start_cluster, start_gateway, worker_load
 
 pytestmark = pytest.mark.slow
 

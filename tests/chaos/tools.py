@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import httpx
 import redis
@@ -56,7 +57,9 @@ class Stack:
         last = hash_prompt_blocks(ids, 16, extra_keys(self.model))[blocks - 1]
         client = self.redis.client()
         try:
-            return set(client.smembers(b"pdserve:kv:h:" + last))
+            return cast(
+                set[bytes], set(client.smembers(b"pdserve:kv:h:" + last))
+            )  # no decode_responses: bytes
         finally:
             client.close()
 
