@@ -22,51 +22,37 @@ COMMAND = "python3 -m bench.oversized"
 
 
 def main() -> None:
-    import httpx
 
+    from engine.bundled import bundled_model_dir
     from tests.chaos.test_oversized import MB, huge_body, post_raw
-    from tests.chaos.tools import RedisServer, SteadyLoad, one_thread_per_engine, p99
-    from tests.cluster import start_cluster, start_gateway
+    from tests.chaos.tools import SteadyLoad, chaos_stack, p99
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--bursts", type=int, default=10)
     args = p.parse_args()
-    server = RedisServer()
-    server.start()
-    try:
-        with one_thread_per_engine():
-            cluster = start_cluster(2, 1, "tcp", "--redis-url", server.url, "--policy", "prefix_aware")
-        try:
-            proc, url = start_gateway(cluster.router)
-            try:
-                model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-                bodies = [huge_body(model, 20 * MB)] + [huge_body(model, 2 * MB) for _ in range(10)]
-                ratios, refusals = [], []
-                with SteadyLoad(url, model, workers=1) as load:
-                    load.wait_for(20, timeout=60)
-                    baseline = p99(load.outcomes)
-                    for i in range(args.bursts):
-                        start = time.monotonic()
-                        with ThreadPoolExecutor(len(bodies)) as pool:
-                            refused = list(pool.map(lambda b: post_raw(url, b), bodies))
-                        end = time.monotonic()
-                        load.wait_for(4)
-                        during = [
-                            o for o in load.outcomes
-                            if start <= o.start <= end or o.start <= start < o.start + o.seconds
-                        ]  # fmt: skip
-                        ratios.append(p99(during) / baseline)
-                        refusals.append(max(seconds for _, seconds, _ in refused))
-                        print(f"burst {i}: p99 ratio {ratios[-1]:.2f}, slowest refusal {refusals[-1]:.2f} s",
-                              flush=True)  # fmt: skip
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
-        finally:
-            cluster.stop()
-    finally:
-        server.stop()
+    with chaos_stack(bundled_model_dir()) as stack:
+        bodies = [huge_body(stack.model, 20 * MB)] + [huge_body(stack.model, 2 * MB) for _ in range(10)]
+        ratios, refusals = [], []
+        with SteadyLoad(stack.url, stack.model, workers=1) as load:
+            load.wait_for(20, timeout=60)
+            baseline = p99(load.outcomes)
+            for i in range(args.bursts):
+                start = time.monotonic()
+                with ThreadPoolExecutor(len(bodies)) as pool:
+                    refused = list(pool.map(lambda b: post_raw(stack.url, b), bodies))
+                end = time.monotonic()
+                load.wait_for(4)
+                during = [
+                    o
+                    for o in load.outcomes
+                    if start <= o.start <= end or o.start <= start < o.start + o.seconds
+                ]
+                ratios.append(p99(during) / baseline)
+                refusals.append(max(seconds for _, seconds, _ in refused))
+                print(
+                    f"burst {i}: p99 ratio {ratios[-1]:.2f}, slowest refusal {refusals[-1]:.2f} s", flush=True
+                )
     record(
         "gateway_oversized_burst_p99_ratio", max(ratios), "x", baseline=baseline,
         baseline_name="p99 of 20 steady requests before any burst (s)", ratio=max(ratios), goal="<= 2",

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import cast
 
 import httpx
@@ -21,7 +22,7 @@ import redis
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from engine.tokenizer import Tokenizer
 from serving.roles import free_port
-from tests.cluster import Cluster
+from tests.cluster import Cluster, start_cluster, start_gateway
 
 REQUEST_TIMEOUT_S = 5.0  # nothing may hang past this
 
@@ -62,6 +63,29 @@ class Stack:
             )  # no decode_responses: bytes
         finally:
             client.close()
+
+
+@contextmanager
+def chaos_stack(model_dir: Path) -> Iterator[Stack]:
+    """redis-server, `pdserve up` with two prefill workers and one decode worker sharing the index through
+    it, and the gateway, all stopped on the way out."""
+    server = RedisServer()
+    server.start()
+    try:
+        with one_thread_per_engine():
+            cluster = start_cluster(2, 1, "tcp", "--redis-url", server.url, "--policy", "prefix_aware")
+        try:
+            proc, url = start_gateway(cluster.router)
+            try:
+                model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                yield Stack(server, cluster, url, model, Tokenizer.from_dir(model_dir))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+        finally:
+            cluster.stop()
+    finally:
+        server.stop()
 
 
 @contextmanager
