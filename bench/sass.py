@@ -1,0 +1,177 @@
+"""The one-row-to-16-row W4A16 kernel (kernels/w4a16_mma.py) compiled for Hopper on a machine with no GPU: its
+registers, spills and the shape of its K loop, for reading the machine code a change makes before spending device
+time on it. Not a benchmark: nothing runs, nothing is timed.
+
+    python3 -m bench.sass --gemm qkv --rows 1                 # config()'s pick for Llama-3-8B's qkv at one row
+    python3 -m bench.sass --gemm down --rows 8 --kw unroll=1 --out-dir /tmp/sass   # a named config; keeps the SASS
+
+`w4a16_mma` is called as the engine calls it (on CPU tensors, its launch caught instead of run), and what it would
+launch is compiled by Triton for sm_90 with the arguments' 16-byte alignment, as a launch on a GPU specializes it.
+The loop's skeleton lists, in order, its global loads (with their widths), its MMAs, its register-to-register moves
+and its branches: a move at the end of the loop from a register that a load of the same iteration writes waits for
+that load, so the load is not ahead of its use after all. The device's Triton is the one that counts: with another
+version here the SASS differs in its details (`TRITON_VERSION` of the device image: 3.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+_DTYPES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "int32": "i32",
+    "uint8": "u8",
+    "int64": "i64",
+}
+
+
+def _value(text: str) -> Any:
+    """A --kw value: true / false, an int, else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def compile_gemm(gemm: str, rows: int, **kw: Any) -> Any:
+    """Triton's compiled kernel for w4a16_mma on one Llama-3-8B GEMM (gate_up ending in SwiGLU) at `rows` rows."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import kernels.w4a16_mma as mma
+    from bench.quant_int4 import LAYER, int4_layer
+
+    caught: dict[str, Any] = {}
+
+    class Catch:  # stands in for the kernel: keeps the launch's arguments
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                caught.update(args=args, kwargs=kwargs)
+
+            return launch
+
+    kernel = mma._w4a16_mma_kernel
+    saved = (mma._w4a16_mma_kernel, mma.applies, mma.num_sms)
+    mma._w4a16_mma_kernel, mma.applies, mma.num_sms = Catch(), (lambda x, w: True), (lambda device: 132)  # type: ignore[assignment]
+    try:
+        w = int4_layer("cpu", 0, fragments=True)[gemm]
+        x = torch.zeros(rows, LAYER[gemm][0], dtype=torch.bfloat16)
+        mma.w4a16_mma(x, w, pdl=True, swiglu=gemm == "gate_up", **kw)
+    finally:
+        mma._w4a16_mma_kernel, mma.applies, mma.num_sms = saved
+    args, kwargs = caught["args"], dict(caught["kwargs"])
+    names = kernel.arg_names
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, (name, a) in enumerate(zip(names, args)):
+        if isinstance(a, torch.Tensor):
+            signature[name] = "*" + _DTYPES[str(a.dtype).removeprefix("torch.")]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, bool):
+            signature[name] = "i1"
+        elif isinstance(a, int):
+            signature[name] = "i32"
+            if a % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    options = {"num_warps": kwargs.pop("num_warps")}
+    if "maxnreg" in kwargs:
+        options["maxnreg"] = kwargs.pop("maxnreg")
+    kwargs.pop("launch_pdl", None)
+    constexprs = {}
+    for name in names[len(args) :]:
+        signature[name] = "constexpr"
+        constexprs[(names.index(name),)] = kwargs[name]
+    src = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_of(cubin: bytes, work: Path) -> tuple[str, str]:
+    """(SASS, resource usage) of a cubin, by the nvdisasm and cuobjdump that come with Triton."""
+    path = work / "kernel.cubin"
+    path.write_bytes(cubin)
+    sass = subprocess.run(
+        [_tool("nvdisasm"), "-c", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    usage = subprocess.run(
+        [_tool("cuobjdump"), "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    return sass, " ".join(line.strip() for line in usage.splitlines() if "REG:" in line)
+
+
+def loop_skeleton(sass: str) -> list[str]:
+    """The innermost loop's loads, MMAs (runs of them counted), moves and branches, in order: the first block
+    that a backward branch returns to."""
+    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line)}
+    loop = None
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i:
+            loop = (labels[target.group(1)], i)
+            break
+    if loop is None:
+        return ["(no backward branch)"]
+    out: list[str] = []
+    mmas = 0
+    for line in lines[loop[0] : loop[1] + 1]:
+        if "MMA" in line:
+            mmas += 1
+            continue
+        if re.search(r"\bLDG|\bLDS|\bBRA|\bBAR|IMAD\.MOV\.U32 R\d+, RZ, RZ, R\d+|\bMOV R", line):
+            if mmas:
+                out.append(f"  {mmas} MMA")
+                mmas = 0
+            out.append("  " + line.rstrip(" ;"))
+    if mmas:
+        out.append(f"  {mmas} MMA")
+    return out
+
+
+def main() -> None:
+    import tempfile
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gemm", choices=("qkv", "o", "gate_up", "down"), default="qkv")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--kw", nargs="*", default=[], help="w4a16_mma keywords, key=value (warps=8 unroll=1 ...)")
+    p.add_argument("--out-dir", type=Path, default=None, help="where the SASS and PTX are kept")
+    args = p.parse_args()
+    kw = {k: _value(v) for k, v in (item.split("=", 1) for item in args.kw)}
+    compiled = compile_gemm(args.gemm, args.rows, **kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        sass, usage = sass_of(compiled.asm["cubin"], Path(tmp))
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{args.gemm}_m{args.rows}"
+        (args.out_dir / f"{stem}.sass").write_text(sass)
+        (args.out_dir / f"{stem}.ptx").write_text(compiled.asm["ptx"])
+    named = " " + " ".join(args.kw) if args.kw else ""
+    print(f"{args.gemm} at {args.rows} rows{named}: {usage}")
+    print("K loop:")
+    print("\n".join(loop_skeleton(sass)))
+
+
+if __name__ == "__main__":
+    main()
