@@ -42,8 +42,6 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --sweep-regs: the fragment layout's kernel GEMM by GEMM at 1-8 rows, at config()'s pick and at 16 warps, with
   ptxas's register cap free or held to 128-64 a thread (more warps an SM, or spills):
   quant_w4a16_mma_regs_llama3-8b.
-- --pingpong: the same kernel GEMM by GEMM at 1-16 rows with its K loop two steps an iteration (pingpong=True)
-  against the default loop, and the int4 engine with each (PDSERVE_W4A16_PINGPONG): quant_w4a16_pingpong_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -652,58 +650,6 @@ def sweep_regs(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
-def pingpong(out_dir: Path | None) -> None:
-    """The fragment layout's kernel GEMM by GEMM (gate_up ending in SwiGLU) at 1, 4, 8 and 16 rows in config()'s
-    pick, its K loop as by default and two steps an iteration (pingpong=True; where config() takes two chunks a
-    step, also at one chunk a step), with each variant's registers; then the int4 engine's batch-1 decode with
-    PDSERVE_W4A16_PINGPONG=1 against the default, alternating, twice each: quant_w4a16_pingpong_llama3-8b (the
-    layer at one row, the faster two-step form per GEMM, against the default loop). [us]"""
-    import torch
-
-    from bench.kernels import time_us
-    from bench.record import record
-    from kernels.w4a16_mma import _w4a16_mma_kernel, config, swiglu_config, w4a16_mma
-
-    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
-    found: dict[str, dict[str, float]] = {}
-    default_one, best_one = 0.0, 0.0
-    for m in (1, 4, 8, 16):
-        for name, (k, n) in LAYER.items():
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            swiglu = name == "gate_up"
-            warps, unroll, _, _ = swiglu_config(m) if swiglu else config(m, n, k, x.device)
-            forms: dict[str, dict[str, Any]] = {
-                "default": {"pingpong": False},
-                "two_step": {"pingpong": True},
-            }
-            if unroll == 2:
-                forms["two_step_one_chunk"] = {"pingpong": True, "warps": warps, "unroll": 1}
-            row = {}
-            for label, kw in forms.items():
-                launches = [partial(w4a16_mma, x, ws[name], swiglu=swiglu, **kw) for ws in sets]
-                row[label] = round(time_us(launches), 2)
-            found[f"M={m} {name}"] = row
-            if m == 1:
-                default_one += row["default"]
-                best_one += min(v for key, v in row.items() if key != "default")
-            print(f"pingpong M={m} {name}: {row}", flush=True)
-    engine: dict[str, list[float]] = {}
-    for _ in range(2):
-        for knob in ("0", "1"):
-            part = child("awq", 400, PDSERVE_W4A16_PINGPONG=knob)
-            engine.setdefault(f"pingpong={knob}", []).append(part.get("tok_s", float("nan")))
-            print(f"engine awq PDSERVE_W4A16_PINGPONG={knob}: {part.get('tok_s')} tok/s", flush=True)
-    record(
-        "quant_w4a16_pingpong_llama3-8b", best_one, "us", baseline=default_one,
-        baseline_name="the default K loop per GEMM at one row, summed over the layer (us)",
-        ratio=default_one / best_one, out_dir=out_dir, command=COMMAND + " --pingpong",
-        extra={"what": "the fragment layout's W4A16 kernel per Llama-3-8B GEMM (group 128, six weight sets, graph "
-                       "replay; gate_up ending in SwiGLU) in config()'s pick, its K loop by default and two steps "
-                       "an iteration (us); the int4 engine's batch-1 decode (tok/s) with each, alternating",
-               "configs": found, "engine_tok_s": engine, "variants": _compiled_variants(_w4a16_mma_kernel)},
-    )  # fmt: skip
-
-
 def _compiled_variants(kernel: Any) -> list[dict[str, Any]]:
     """Each compiled variant of a Triton / Gluon kernel: warps, register cap, registers and spills a thread, and
     the constexprs that tell it apart (what this Triton exposes of them; absent fields are None)."""
@@ -813,11 +759,6 @@ def main() -> None:
         action="store_true",
         help="only the fragment layout kernel at capped registers a thread",
     )
-    p.add_argument(
-        "--pingpong",
-        action="store_true",
-        help="only the kernel's K loop two steps an iteration against its default",
-    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -829,7 +770,6 @@ def main() -> None:
         "sweep_mma": sweep_mma,
         "rope": rope_epilogue,
         "sweep_regs": sweep_regs,
-        "pingpong": pingpong,
     }
     for flag, run in modes.items():  # the modes that time something else than the GEMMs' records
         if getattr(args, flag):

@@ -33,9 +33,6 @@ FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
 # PDSERVE_FUSED_ROTARY=0 keeps RoPE and the KV-cache write in their own kernel where the int4 qkv GEMM carrying
 # the norm could end in them (engine/model.py, kernels/w4a16_mma.py)
 FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "1").strip() != "0"
-# PDSERVE_W4A16_PINGPONG=1 runs the int4 tensor-core kernel's K loop two steps an iteration, each loading into the
-# registers the other just read (kernels/w4a16_mma.py): an A-B of `python3 -m bench.quant_int4 --pingpong`
-W4A16_PINGPONG: bool = os.environ.get("PDSERVE_W4A16_PINGPONG", "0").strip() == "1"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -35,13 +35,6 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   waits (griddepcontrol.wait) for the kernel before, whose output x is. The kernels before a decoder layer's
   GEMMs let it start on their entry, so the GEMM's programs are resident and its weights in flight while those
   run.
-- The K loop (bench/sass.py shows its machine code): by default each step asks for the next step's loads and
-  then computes this one; ptxas ends the loop by copying the loaded registers into the ones the next step reads,
-  and each copy waits for its load, so a warp has one step's loads in flight at a time. `pingpong=True`
-  (PDSERVE_W4A16_PINGPONG=1) runs two steps an iteration instead, each loading into the registers the other just
-  read, the second step's compute behind a branch that keeps ptxas from sinking the loads below it: no copies,
-  two steps' loads in flight, more registers (qkv 95 against 80 at one row, gate_up 144 against 128, o and down
-  at two chunks a step 176 against 97). It sums the same chunks in the same order.
 There is no interpreter for Gluon: the CPU path dequantizes the same layout (int4_dequant, tested under the
 interpreter) and the GPU tests hold this kernel to the dequantize-then-matmul reference.
 """
@@ -393,7 +386,7 @@ def _w4a16_mma_kernel(
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
     SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
     NBP: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, PING: gl.constexpr, MMA: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr,
@@ -443,62 +436,30 @@ def _w4a16_mma_kernel(
         rstd, R, R_u = _after_wait(
             sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
         )
-        if PING:  # two steps an iteration, each loading into the registers the other just read
-            for ch in range(0, n_chunks, 2 * W):
-                Pb, Bb, sb, zb0, zb1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
-                    P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+        for ch in range(0, n_chunks, W):
+            P = Pa
+            B = Ba
+            s = sa
+            z0 = za0
+            z1 = za1
+            if TWO:
+                Pu = Ua
+                su = ta
+                y0 = ya0
+                y1 = ya1
+            Pa, Ba, sa, za0, za1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            if TWO:
+                ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+                Ua = gl.load(ptrs, mask=mask, other=0)
+                ta, ya0, ya1 = _side(
+                    s_ptr, z_ptr, cu, ch + W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
                 )  # fmt: skip
-                if TWO:
-                    ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-                    Ub = gl.load(ptrs, mask=mask, other=0)
-                    tb, yb0, yb1 = _side(
-                        s_ptr, z_ptr, cu, ch + W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
-                    )  # fmt: skip
-                total += _chunk(Pa, Ba, sa, za0, za1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                if TWO:
-                    total_u += _chunk(Ua, Ba, ta, ya0, ya1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                Pa, Ba, sa, za0, za1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 2 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP,
-                    FOLD, P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                if TWO:
-                    ptrs, mask = _words(qw_ptr, cu, ch + 2 * W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-                    Ua = gl.load(ptrs, mask=mask, other=0)
-                    ta, ya0, ya1 = _side(
-                        s_ptr, z_ptr, cu, ch + 2 * W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
-                    )  # fmt: skip
-                if ch + W < n_chunks:  # a branch: the loads above stay ahead of this compute
-                    total += _chunk(Pb, Bb, sb, zb0, zb1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                    if TWO:
-                        total_u += _chunk(
-                            Ub, Bb, tb, yb0, yb1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA
-                        )
-        else:
-            for ch in range(0, n_chunks, W):
-                P = Pa
-                B = Ba
-                s = sa
-                z0 = za0
-                z1 = za1
-                if TWO:
-                    Pu = Ua
-                    su = ta
-                    y0 = ya0
-                    y1 = ya1
-                Pa, Ba, sa, za0, za1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
-                    P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                if TWO:
-                    ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
-                    Ua = gl.load(ptrs, mask=mask, other=0)
-                    ta, ya0, ya1 = _side(
-                        s_ptr, z_ptr, cu, ch + W, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3
-                    )  # fmt: skip
-                total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                if TWO:
-                    total_u += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            if TWO:
+                total_u += _chunk(Pu, B, su, y0, y1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     else:  # two chunks a step, the next two loaded before these are used
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
@@ -510,51 +471,27 @@ def _w4a16_mma_kernel(
         rstd, R, R_u = _after_wait(
             sumsq_ptr, out_ptr, c, M, N, K, stride_om, eps, NORM, ADD, PAIR, NB, NBP, O0, O1, Q0, Q1, BN
         )
-        if PING:  # the same, two chunks a step
-            for ch in range(0, n_chunks, 4 * W):
-                Pc, Bc, sc, zc0, zc1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 2 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP,
-                    FOLD, P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                Pd, Bd, sd, zd0, zd1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 3 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP,
-                    FOLD, P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                total += _chunk(Pa, Ba, sa, za0, za1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                total += _chunk(Pb, Bb, sb, zb0, zb1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                Pa, Ba, sa, za0, za1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 4 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP,
-                    FOLD, P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                Pb, Bb, sb, zb0, zb1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 5 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP,
-                    FOLD, P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                if ch + 2 * W < n_chunks:  # a branch: the loads above stay ahead of this compute
-                    total += _chunk(Pc, Bc, sc, zc0, zc1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                    total += _chunk(Pd, Bd, sd, zd0, zd1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-        else:
-            for ch in range(0, n_chunks, 2 * W):
-                P = Pa
-                B = Ba
-                s = sa
-                z0 = za0
-                z1 = za1
-                P2_ = Pb
-                B2_ = Bb
-                s2 = sb
-                z20 = zb0
-                z21 = zb1
-                Pa, Ba, sa, za0, za1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 2 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
-                    P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                Pb, Bb, sb, zb0, zb1 = _load_chunk(
-                    qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 3 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
-                    P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
-                )  # fmt: skip
-                total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
-                total += _chunk(P2_, B2_, s2, z20, z21, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+        for ch in range(0, n_chunks, 2 * W):
+            P = Pa
+            B = Ba
+            s = sa
+            z0 = za0
+            z1 = za1
+            P2_ = Pb
+            B2_ = Bb
+            s2 = sb
+            z20 = zb0
+            z21 = zb1
+            Pa, Ba, sa, za0, za1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 2 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            Pb, Bb, sb, zb0, zb1 = _load_chunk(
+                qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 3 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
+                P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
+            )  # fmt: skip
+            total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
+            total += _chunk(P2_, B2_, s2, z20, z21, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     out = gl.sum(total, axis=0)  # (16, BN): the warps' K ranges summed
     if SWIGLU:  # gate and up rounded as the GEMM writes them, silu(gate) as SiLU-and-mul rounds it
         N_OUT = N // 2
@@ -733,7 +670,6 @@ def w4a16_mma(
     rope: RopeWrite | None = None,  # qkv: RoPE and the KV-cache write in its epilogue (rope_applies)
     max_registers: int
     | None = None,  # ptxas's cap a thread (bench.quant_int4 --sweep-regs); None: the default
-    pingpong: bool | None = None,  # the K loop two steps an iteration (default: PDSERVE_W4A16_PINGPONG)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
     add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""
@@ -799,7 +735,7 @@ def w4a16_mma(
         NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, ROPE=rope is not None,
         HALF=rope.head_dim // 2 if rope is not None else 0,
         BLOCK_SIZE=rope.kv_cache.shape[2] if rope is not None else 1, PDL=pdl,
-        EARLY=bn == 8, PING=_backend.W4A16_PINGPONG if pingpong is None else pingpong, launch_pdl=pdl,
+        EARLY=bn == 8, launch_pdl=pdl,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),

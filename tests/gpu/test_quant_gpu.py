@@ -85,30 +85,6 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
                 assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
 
 
-@pytest.mark.parametrize("warps,unroll", [(4, 1), (8, 1), (8, 2)])
-def test_the_two_step_loop_computes_what_the_default_loop_does(warps, unroll):
-    """pingpong=True sums the same chunks in the same order as the default K loop: the same output to a rounding
-    (two compiled variants may contract multiply-adds apart), at 1-16 rows, folded or not, over K ranges of 32,
-    17 (an odd count of steps, warps partly idle) and 112 chunks; SwiGLU and two blocks a program too."""
-    eps = torch.finfo(torch.bfloat16).eps
-    for i, (k, n, group) in enumerate([(4096, 1024, 128), (1088, 224, 64), (14336, 4096, 128)]):
-        w = to_fragments(random_int4(k, n, group, offsets=i == 1, seed=i))
-        for m in (1, 5, 16):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            calls = [dict(warps=warps, unroll=unroll, fold=fold, pair=False) for fold in (True, False)]
-            if unroll == 1:
-                calls += [dict(warps=warps, unroll=1, fold=True, pair=True), dict(warps=warps, swiglu=True)]
-            for kw in calls:
-                default = w4a16_mma(x, w, pingpong=False, **kw)
-                two = w4a16_mma(x, w, pingpong=True, **kw)
-                scale = eps * default.float().abs().max().item()
-                torch.testing.assert_close(two, default, rtol=eps, atol=scale, msg=f"{m} {k} {n} {kw}")
-                ref = w4a16_gemm_reference(x.float(), w)
-                if kw.get("swiglu"):
-                    ref = silu_and_mul_reference(ref)
-                assert rel_err(two, ref) < ERR[torch.bfloat16], (m, k, n, kw)
-
-
 @pytest.mark.parametrize("warps", [4, 8])
 def test_paired_column_blocks_match_reference(warps):
     """A program taking two adjacent column blocks (pair) is exact at 1-16 rows, folded or not, with offsets,
