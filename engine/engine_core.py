@@ -134,10 +134,11 @@ class EngineCore:
     def _warm_up_kernels(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Compile at start-up the kernel variants that serving would otherwise compile on first use, a second
         or more each, stalling that step: the eager steps that mix decode rows with a prompt chunk (decode
-        attention unsplit and split, a chunk after cached context) and the sampler's filters, penalties and
-        logprobs. (The decode graphs compiled theirs when captured, the memory profile the plain prefill's;
-        arguments that change with the batch are not specialized on: kernels/_backend.py.) The steps run over
-        block 0, which holds nothing yet: what they write there is never read."""
+        attention unsplit and split, a chunk after cached context) and the sampler: filters, penalties, logprobs,
+        and the argmax of a step whose rows are all greedy. (The decode graphs compiled theirs when captured, the
+        memory profile the plain prefill's; arguments that change with the batch are not specialized on:
+        kernels/_backend.py.) The steps run over block 0, which holds nothing yet: what they write there is never
+        read."""
         from engine.scheduler import ScheduledSeq
         from kernels.paged_decode_attention import MIN_PARTITION
         from kernels.top_p_cutoff import MIN_ROWS
@@ -167,6 +168,7 @@ class EngineCore:
         room = min(max_num_seqs, max_num_batched_tokens - len(chunk.token_ids)) - 2
         filtered = [row(f"short-{i}", short, filters) for i in range(max(1, min(MIN_ROWS, room)))]
         steps = [[*filtered, row("short-greedy", short, greedy), chunk]]
+        steps += [[row("all-greedy", short, greedy), chunk]]  # no knobs: the sampler's greedy argmax alone
         steps += [[row(f"long-{n}", n, top_k), chunk] for n in sorted(set(lengths))]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))
