@@ -51,7 +51,7 @@ if wanted bench_disagg; then
 fi
 # int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
 mkdir -p "$OUT/q"
-step tests_quant 420 python3 -m pytest tests/gpu/test_quant_gpu.py -q -rfE -p no:cacheprovider
+step tests_quant 420 python3 -m pytest tests/gpu/test_quant_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider
 step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # the tensor-core kernel's configs GEMM by GEMM (what kernels/w4a16_mma.config picks from), and a decode step's time
 step sweep_mma 300 python3 -m bench.quant_int4 --sweep-mma --out-dir "$OUT/q"
