@@ -103,6 +103,10 @@ def _paged_prefill_kernel(
     tl.store(out_ptr + tok[:, None] * stride_o_tok + head * stride_o_head + dims[None, :], out, mask=io_mask)
 
 
+# query lengths that between them reach every tile pick_config picks (the engine's start-up warms each)
+TILE_QUERY_LENS = (16, 32, 64, 128)
+
+
 def pick_config(max_query_len: int, head_dim: int, dtype: torch.dtype) -> dict:
     if dtype == torch.float32:  # 4-byte tiles: smaller, so they fit in shared memory
         return {"block_m": 64 if max_query_len > 32 else 32, "block_n": 32, "num_warps": 4, "num_stages": 2}

@@ -70,3 +70,32 @@ def test_seeded_sampling_with_speculation_on_cuda_is_the_plain_draw(tiny, batch)
     llm = engine(tiny, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     assert run(llm, batch, params) == plain
     assert llm.engine.scheduler.spec_stats.num_drafts > 10
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1, "adaptive": False},
+    ],
+    ids=lambda s: s["method"],
+)
+def test_speculation_compiles_no_kernel_after_start_up(tiny, batch, spec):
+    """Start-up compiles every kernel variant that speculative serving needs (engine/engine_core.py:
+    _warm_up_kernels), also with a given pool size, which skips the memory profile: greedy and sampled rows,
+    drafting, verification and 60-80-token prompts beside them compile nothing more."""
+    from kernels import _backend as backend
+
+    llm = engine(tiny, speculative_config=spec)
+    before = backend.compiled_variants()
+    assert before is not None
+    params = [
+        SamplingParams(temperature=0, max_tokens=m)
+        if i % 2
+        else SamplingParams(temperature=0.8, max_tokens=m, seed=i)
+        for i, m in enumerate(MAX_TOKENS)
+    ]
+    run(llm, batch, params)
+    run(llm, batch, [SamplingParams(temperature=0, max_tokens=m) for m in MAX_TOKENS])  # every row greedy
+    assert llm.engine.scheduler.spec_stats.num_drafts > 10
+    assert backend.compiled_since(before) == {}
