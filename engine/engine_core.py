@@ -135,8 +135,8 @@ class EngineCore:
         """Compile at start-up the kernel variants that serving would otherwise compile on first use, a second
         or more each, stalling that step: the eager steps that mix decode rows with a prompt chunk (decode
         attention unsplit and split, a chunk after cached context), prompt chunks of every prefill tile, and the
-        sampler: filters, penalties, logprobs, and the argmax of a step whose rows are all greedy. (The decode graphs compiled theirs when captured, the
-        memory profile the plain prefill's; arguments that change with the batch are not specialized on:
+        sampler: filters, penalties, logprobs, and the argmax of a step whose rows are all greedy. (The decode
+        graphs compiled theirs when captured; arguments that change with the batch are not specialized on:
         kernels/_backend.py.) The steps run over block 0, which holds nothing yet: what they write there is never
         read."""
         from engine.scheduler import ScheduledSeq
@@ -175,8 +175,8 @@ class EngineCore:
         # prompt chunks alone: one of each prefill tile's query lengths, and one of an SM's worth of tokens (from
         # there kernels/rotary_kv_write.py gives a program all of a token's kv heads), as far as the limits allow.
         # The memory profile would run the longest, but a given pool size (num_gpu_blocks_override) skips it
-        room = min(max_num_batched_tokens, longest - cached)
-        sizes = sorted({min(n, room) for n in (*TILE_QUERY_LENS, num_sms(self.device))})
+        most = min(max_num_batched_tokens, longest - cached)
+        sizes = sorted({min(n, most) for n in (*TILE_QUERY_LENS, num_sms(self.device))})
         steps += [[row(f"prompt-{n}", cached + n, greedy, tokens=n)] for n in sizes if n > 0]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))
