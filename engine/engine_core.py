@@ -134,8 +134,9 @@ class EngineCore:
     def _warm_up_kernels(self, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Compile at start-up the kernel variants that serving would otherwise compile on first use, a second
         or more each, stalling that step: the eager steps that mix decode rows with a prompt chunk (decode
-        attention unsplit and split, a chunk after cached context), prompt chunks of every prefill tile, and the
-        sampler: filters, penalties, logprobs, and the argmax of a step whose rows are all greedy. (The decode
+        attention unsplit and split, a chunk after cached context), prompt chunks of every prefill tile, the
+        sampler: filters, penalties, logprobs, and the argmax of a step whose rows are all greedy, and a draft
+        model's catch-up chunks and drafting passes at its own shapes. (The decode
         graphs compiled theirs when captured; arguments that change with the batch are not specialized on:
         kernels/_backend.py.) The steps run over block 0, which holds nothing yet: what they write there is never
         read."""
@@ -180,6 +181,10 @@ class EngineCore:
         steps += [[row(f"prompt-{n}", cached + n, greedy, tokens=n)] for n in sizes if n > 0]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))
+        # a draft model's own shapes: its catch-up chunks and its drafting passes
+        if self.runner.draft is not None:
+            chunks = [(0, n) for n in sizes] + [(cached, n) for n in sizes]
+            self.runner.draft.warm_up(chunks, sorted({short, *lengths}), sorted({1, max_num_seqs}))
         logger.info("kernels warmed up for mixed steps and sampling in %.2f s", time.perf_counter() - t0)
 
     def _profile_step_cost(self, proposer: Proposer, tokens_per_row: int, sched_cfg: SchedulerConfig) -> None:

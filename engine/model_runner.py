@@ -483,6 +483,26 @@ class DraftModel:
             for table, start, tokens in chunk:
                 self.held.mark(table, start, start + len(tokens))
 
+    @torch.inference_mode()
+    def warm_up(self, chunks: list[tuple[int, int]], decode_lens: list[int], rows: list[int]) -> None:
+        """Compile at start-up the kernel variants that drafting runs at this model's own shapes: catch-up
+        chunks, (start, tokens) each, and drafting passes of each count of one-token rows at each sequence
+        length, with their greedy argmax. They run over block 0, which holds nothing yet, and mark nothing
+        held."""
+        size = self.block_size
+        for start, n in chunks:
+            if 0 < n <= self.max_chunk_tokens and start + n <= self.max_model_len:
+                self._forward([([0] * -(-(start + n) // size), start, [0] * n)])
+        for seq_len in decode_lens:
+            if not 0 < seq_len <= self.max_model_len:
+                continue
+            table = [0] * -(-seq_len // size)
+            for n in rows:
+                meta = AttentionMetadata.build([1] * n, [seq_len] * n, [table] * n, size, self.device)
+                ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                pos = torch.full((n,), seq_len - 1, dtype=torch.long, device=self.device)
+                greedy_argmax(self.logits(ids, pos, meta))
+
     def _forward(self, chunk: list[tuple[list[int], int, list[int]]]) -> None:
         ids = upload(
             torch.tensor([t for _, _, tokens in chunk for t in tokens], dtype=torch.long), self.device

@@ -72,20 +72,33 @@ def test_seeded_sampling_with_speculation_on_cuda_is_the_plain_draw(tiny, batch)
     assert llm.engine.scheduler.spec_stats.num_drafts > 10
 
 
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A draft of other shapes than the target's (head_dim 32 against 16, one kv head), the same tokenizer."""
+    return tiny_random_model_dir(
+        tmp_path_factory.mktemp("spec-gpu-draft"), "llama3_scaled", seed=3, num_attention_heads=2,
+        num_key_value_heads=1,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "spec",
     [
         {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
         {"method": "self_draft", "num_speculative_tokens": 3, "num_draft_layers": 1, "adaptive": False},
+        {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
     ],
     ids=lambda s: s["method"],
 )
-def test_speculation_compiles_no_kernel_after_start_up(tiny, batch, spec):
+def test_speculation_compiles_no_kernel_after_start_up(tiny, small_draft, batch, spec):
     """Start-up compiles every kernel variant that speculative serving needs (engine/engine_core.py:
     _warm_up_kernels), also with a given pool size, which skips the memory profile: greedy and sampled rows,
-    drafting, verification and 60-80-token prompts beside them compile nothing more."""
+    drafting (a draft model's at its own shapes), verification and 60-80-token prompts beside them compile
+    nothing more."""
     from kernels import _backend as backend
 
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": str(small_draft)}
     llm = engine(tiny, speculative_config=spec)
     before = backend.compiled_variants()
     assert before is not None
