@@ -141,9 +141,9 @@ class EngineCore:
         kernels/_backend.py.) The steps run over block 0, which holds nothing yet: what they write there is never
         read."""
         from engine.scheduler import ScheduledSeq
-        from kernels._backend import num_sms
         from kernels.paged_decode_attention import MIN_PARTITION
         from kernels.paged_prefill_attention import TILE_QUERY_LENS
+        from kernels.rotary_kv_write import all_kv_heads_from
         from kernels.top_p_cutoff import MIN_ROWS
 
         t0 = time.perf_counter()
@@ -173,11 +173,11 @@ class EngineCore:
         steps = [[*filtered, row("short-greedy", short, greedy), chunk]]
         steps += [[row("all-greedy", short, greedy), chunk]]  # no knobs: the sampler's greedy argmax alone
         steps += [[row(f"long-{n}", n, top_k), chunk] for n in sorted(set(lengths))]
-        # prompt chunks alone: one of each prefill tile's query lengths, and one of an SM's worth of tokens (from
-        # there kernels/rotary_kv_write.py gives a program all of a token's kv heads), as far as the limits allow.
-        # The memory profile would run the longest, but a given pool size (num_gpu_blocks_override) skips it
+        # prompt chunks alone: one of each prefill tile's query lengths, and one long enough that the rotary write
+        # gives a program all of a token's kv heads, as far as the limits allow. The memory profile would run the
+        # longest, but a given pool size (num_gpu_blocks_override) skips it
         most = min(max_num_batched_tokens, longest - cached)
-        sizes = sorted({min(n, most) for n in (*TILE_QUERY_LENS, num_sms(self.device))})
+        sizes = sorted({min(n, most) for n in (*TILE_QUERY_LENS, all_kv_heads_from(self.device))})
         steps += [[row(f"prompt-{n}", cached + n, greedy, tokens=n)] for n in sizes if n > 0]
         for items in steps:
             self.runner.run(SchedulerOutput(items, sum(len(it.token_ids) for it in items), []))

@@ -27,6 +27,12 @@ from kernels.kv_quant import load_scales, scale_args, store_quantized
 from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 
+def all_kv_heads_from(device: torch.device) -> int:
+    """The token count from which a program writes all of a token's kv heads (fewer tokens: one head a program,
+    so that the grid still fills the SMs)."""
+    return _backend.num_sms(device)
+
+
 @triton.jit
 def _rotate_store(src, dst, mask, cos, sin, HALF: tl.constexpr, scale, FP8: tl.constexpr):
     """Rows of neox halves at src (pointers to the first half) -> rotated rows at dst (FP8: quantized)."""
@@ -157,7 +163,7 @@ def rotary_kv_write_triton(
     if num_tokens == 0:
         return q_out
     if kv_heads_per_program is None:
-        kv_heads_per_program = 1 if num_tokens < _backend.num_sms(q.device) else num_kv_heads
+        kv_heads_per_program = 1 if num_tokens < all_kv_heads_from(q.device) else num_kv_heads
     per_prog = min(kv_heads_per_program, num_kv_heads)
     group = num_heads // num_kv_heads
     block_q, block_kv = triton.next_power_of_2(per_prog * group), triton.next_power_of_2(per_prog)
