@@ -487,15 +487,15 @@ class DraftModel:
     def warm_up(self, chunks: list[tuple[int, int]], decode_lens: list[int], rows: list[int]) -> None:
         """Compile at start-up the kernel variants that drafting runs at this model's own shapes: catch-up
         chunks, (start, tokens) each, and drafting passes of each count of one-token rows at each sequence
-        length, with their greedy argmax. They run over block 0, which holds nothing yet, and mark nothing
-        held."""
-        size = self.block_size
+        length, with their greedy argmax, each held to this model's limits. They run over block 0, which holds
+        nothing yet, and mark nothing held."""
+        size, longest = self.block_size, self.max_model_len
         for start, n in chunks:
-            if 0 < n <= self.max_chunk_tokens and start + n <= self.max_model_len:
+            start = min(start, longest // 2)
+            n = min(n, self.max_chunk_tokens, longest - start)
+            if n > 0:
                 self._forward([([0] * -(-(start + n) // size), start, [0] * n)])
-        for seq_len in decode_lens:
-            if not 0 < seq_len <= self.max_model_len:
-                continue
+        for seq_len in sorted({min(n, longest) for n in decode_lens}):
             table = [0] * -(-seq_len // size)
             for n in rows:
                 meta = AttentionMetadata.build([1] * n, [seq_len] * n, [table] * n, size, self.device)
