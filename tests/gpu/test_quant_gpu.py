@@ -19,7 +19,7 @@ from kernels.rotary_kv_write import rotary_kv_write
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
 from kernels.w4a16_mma import ROPE_WARPS, NextNorm, NormedInput, RopeWrite, w4a16_mma, w4a16_mma_reference
-from tests.hf_reference import hf_greedy, tiny_random_model_dir
+from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
 ERR = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative to the output's norm
@@ -109,7 +109,7 @@ SWIGLU_SHAPES = [(4096, 28672, 128), (576, 3072, 32), (1024, 224, 64), (1024, 20
     "layout,m,k,n,group",
     [("rows", 1, *s) for s in SWIGLU_SHAPES]
     + [
-        ("fragments", m, *s) for m in (1, 8, 16) for s in SWIGLU_SHAPES if s[2] % 64 == 0
+        ("fragments", m, *s) for m in (1, 8, 16, 40) for s in SWIGLU_SHAPES if s[2] % 64 == 0
     ],  # groups of 64 rows or more
 )
 def test_w4a16_swiglu_equals_the_gemm_then_silu_and_mul(layout, m, k, n, group, dtype):
@@ -235,6 +235,11 @@ def test_fused_gemm_refuses_what_does_not_fit():
     wrong = NextNorm(torch.ones(256, device="cuda"), torch.empty(2, 256, device="cuda"), torch.empty(2, 16))
     with pytest.raises(ValueError, match="next norm's weight"):
         w4a16_mma(x, w, add_to=torch.zeros(2, 256, device="cuda", dtype=torch.bfloat16), next_norm=wrong)
+    with pytest.raises(ValueError, match="out: .* expected"):
+        w4a16_mma(x, w, out=torch.empty(2, 128, device="cuda", dtype=torch.bfloat16))
+    into = torch.full((4, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert w4a16_mma(x, w, out=into[1:3]).data_ptr() == into[1:3].data_ptr()  # rows of a larger output
+    assert into[[0, 3]].isnan().all() and torch.equal(into[1:3], w4a16_mma(x, w))
     pos, slots = (
         torch.zeros(2, dtype=torch.long, device="cuda"),
         torch.zeros(2, dtype=torch.long, device="cuda"),
@@ -301,6 +306,25 @@ def tiny_v304(tmp_path_factory):
 PROMPTS = [[5, 6, 7, 8, 9], [20, 30, 40], [100, 3, 250, 17, 9, 64, 2], list(range(3, 120, 3))]
 
 
+# nats: where a bf16 engine may part from transformers' fp32 greedy path, the gap between the reference's own choice
+# and the engine's under the reference (bf16's roundings of the activations move logits by about this much)
+BF16_TIE = 0.05
+
+
+def assert_greedy_as_reference(got: list[list[int]], want: list[list[int]], dense_dir) -> None:
+    """A bf16 engine's greedy tokens against transformers' fp32 ones on the same weights: each prompt's are equal,
+    or part only where the reference itself ranks the engine's token within BF16_TIE nats of its own (after that
+    the two follow different paths, and the rest is not compared)."""
+    for prompt, g, w in zip(PROMPTS, got, want, strict=True):
+        if g == w:
+            continue
+        i = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        assert i < min(len(g), len(w)), (prompt, g, w)
+        lp = torch.log_softmax(hf_logits(dense_dir, prompt + w[:i])[-1], -1)
+        gap = (lp[w[i]] - lp[g[i]]).item()
+        assert gap < BF16_TIE, (prompt, i, g[i], w[i], gap)
+
+
 def served(path, dtype="float32", **kwargs) -> list[list[int]]:
     llm = LLM(str(path), device="cuda", dtype=dtype, max_model_len=256, gpu_memory_utilization=0.05, **kwargs)
     outs = llm.generate(
@@ -349,14 +373,15 @@ def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, arch):
     """bf16 over int4 in the fragment layout (group 64): at 1-16 rows each decoder layer's norms ride in its GEMMs
-    (engine/model.py: forward_fused, checked to run, in CUDA graphs), and greedy output equals transformers' on the
-    dequantized weights (fp32) and the engine's with the norms in kernels of their own."""
+    (engine/model.py: forward_fused, checked to run, in CUDA graphs), and greedy output, with the norms there and in
+    kernels of their own, is transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
     from engine.model import LlamaModel
 
     model = tiny_random_model_dir(tmp_path, arch)
     ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
                                    max_tokens=512))  # fmt: skip
-    want = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS))
+    dense = dequantized_copy(ckpt, tmp_path / "dense")
+    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
     calls: list[int] = []
     real = LlamaModel.forward_fused
     monkeypatch.setattr(LlamaModel, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
@@ -366,20 +391,22 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
     before = len(calls)
     unfused = served(ckpt, dtype="bfloat16")
     assert len(calls) == before
-    assert fused == want and unfused == want
+    assert_greedy_as_reference(fused, want, dense)
+    assert_greedy_as_reference(unfused, want, dense)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_rope_in_the_int4_qkv_gemm_serves_as_transformers(tmp_path, monkeypatch, arch):
     """Heads of 32 dims: at 1-8 rows the qkv GEMM also ends in RoPE and the KV-cache write (checked to run, in
-    CUDA graphs), and greedy output equals transformers' on the dequantized weights and the engine's with
-    rotary_kv_write in its own kernel (PDSERVE_FUSED_ROTARY=0)."""
+    CUDA graphs), and greedy output, with it and with rotary_kv_write in its own kernel (PDSERVE_FUSED_ROTARY=0), is
+    transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
     import kernels.w4a16_mma as mma
 
     model = tiny_random_model_dir(tmp_path, arch, num_attention_heads=2, num_key_value_heads=1)
     ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
                                    max_tokens=512))  # fmt: skip
-    want = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS))
+    dense = dequantized_copy(ckpt, tmp_path / "dense")
+    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
     ropes: list[int] = []
     real = mma.w4a16_mma
     monkeypatch.setattr(
@@ -391,7 +418,8 @@ def test_rope_in_the_int4_qkv_gemm_serves_as_transformers(tmp_path, monkeypatch,
     ropes.clear()
     unfused = served(ckpt, dtype="bfloat16")
     assert ropes and not any(ropes)
-    assert fused == want and unfused == want
+    assert_greedy_as_reference(fused, want, dense)
+    assert_greedy_as_reference(unfused, want, dense)
 
 
 def test_triton_and_torch_paths_agree_on_a_quantized_model(tiny, tmp_path, monkeypatch):
