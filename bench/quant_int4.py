@@ -42,6 +42,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --sweep-regs: the fragment layout's kernel GEMM by GEMM at 1-8 rows, at config()'s pick and at 16 warps, with
   ptxas's register cap free or held to 128-64 a thread (more warps an SM, or spills):
   quant_w4a16_mma_regs_llama3-8b.
+- --chunked: 17-128 rows, the layer's GEMMs as the engine runs them on fragment-laid weights: the tensor-core
+  kernel 16 rows a launch against dequantize + cuBLAS and against bf16: quant_w4a16_rows_chunked_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -703,6 +705,68 @@ def _rope_launch(x: Any, w: Any, norm: Any, rope: Any, warps: int) -> None:
         mma.ROPE_MAX_ROWS = saved
 
 
+CHUNKED_M = (17, 24, 32, 40, 48, 64, 80, 96, 128)
+
+
+def rows_chunked(out_dir: Path | None) -> None:
+    """17-128 rows (decode batches past the kernel's 16): a Llama-3-8B layer's GEMMs as the engine runs them
+    (gate_up ending in SwiGLU) on fragment-laid weights, the tensor-core kernel 16 rows a launch against
+    dequantize + cuBLAS (then SiLU-and-mul) and against bf16, over six weight sets: quant_w4a16_rows_chunked_llama3-8b
+    (value: the layer at 32 rows), which sets kernels/w4a16_gemm.py's CHUNKED_MAX_M."""
+    import torch
+    import torch.nn.functional as F
+
+    import kernels.w4a16_gemm as gemm
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.int4_dequant import int4_dequant
+    from kernels.silu_and_mul import silu_and_mul
+
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    dense = [{n: torch.randn(k_n[1], k_n[0], device="cuda", dtype=torch.bfloat16) for n, k_n in LAYER.items()}
+             for _ in range(SETS)]  # fmt: skip
+
+    def int4(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+        return gemm.w4a16_swiglu(x, w) if name == "gate_up" else gemm.w4a16_gemm(x, w)
+
+    def dequantized(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+        out = F.linear(x, int4_dequant(w, x.dtype))
+        return silu_and_mul(out) if name == "gate_up" else out
+
+    def bf16(x: torch.Tensor, d: torch.Tensor, name: str) -> torch.Tensor:
+        out = F.linear(x, d)
+        return silu_and_mul(out) if name == "gate_up" else out
+
+    found: dict[int, dict[str, float]] = {}
+    saved = gemm.CHUNKED_MAX_M
+    gemm.CHUNKED_MAX_M = max(CHUNKED_M)
+    try:
+        for m in CHUNKED_M:
+            xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+            row = {
+                "chunked_us": time_us([partial(int4, xs[n], w[n], n) for w in sets for n in LAYER]) * len(LAYER),
+                "dequant_cublas_us": time_us(
+                    [partial(dequantized, xs[n], w[n], n) for w in sets for n in LAYER], min_calls=8
+                ) * len(LAYER),
+                "bf16_us": time_us([partial(bf16, xs[n], d[n], n) for d in dense for n in LAYER]) * len(LAYER),
+            }  # fmt: skip
+            found[m] = row
+            print(f"rows {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    finally:
+        gemm.CHUNKED_MAX_M = saved
+    wins = [m for m in CHUNKED_M if found[m]["chunked_us"] < found[m]["dequant_cublas_us"]]
+    at = found[32]
+    record(
+        "quant_w4a16_rows_chunked_llama3-8b", at["chunked_us"], "us", baseline=at["dequant_cublas_us"],
+        baseline_name="dequantize + cuBLAS, the path past CHUNKED_MAX_M, at 32 rows (us)",
+        ratio=at["dequant_cublas_us"] / at["chunked_us"], out_dir=out_dir, command=COMMAND + " --chunked",
+        extra={"what": "a Llama-3-8B layer's four GEMMs (gate_up ending in SwiGLU; group 128, six weight sets, "
+                       "graph replay) at 17-128 rows: the tensor-core kernel 16 rows a launch, dequantize + cuBLAS, "
+                       "and bf16 cuBLAS, layer us", "by_rows": found,
+               "last_m_where_chunked_wins": max(wins) if wins else None, "chunked_max_m_in_code": saved},
+    )  # fmt: skip
+
+
 def decode_kernels(out_dir: Path | None) -> None:
     """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record: the step as served (PDL
     on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would count its
@@ -759,6 +823,11 @@ def main() -> None:
         action="store_true",
         help="only the fragment layout kernel at capped registers a thread",
     )
+    p.add_argument(
+        "--chunked",
+        action="store_true",
+        help="only 17-128 rows: 16 rows a launch against dequantize + cuBLAS",
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -770,6 +839,7 @@ def main() -> None:
         "sweep_mma": sweep_mma,
         "rope": rope_epilogue,
         "sweep_regs": sweep_regs,
+        "chunked": rows_chunked,
     }
     for flag, run in modes.items():  # the modes that time something else than the GEMMs' records
         if getattr(args, flag):

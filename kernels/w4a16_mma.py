@@ -670,6 +670,7 @@ def w4a16_mma(
     rope: RopeWrite | None = None,  # qkv: RoPE and the KV-cache write in its epilogue (rope_applies)
     max_registers: int
     | None = None,  # ptxas's cap a thread (bench.quant_int4 --sweep-regs); None: the default
+    out: torch.Tensor | None = None,  # where the product goes ((M, N) or with swiglu (M, N / 2), x's dtype)
 ) -> torch.Tensor:
     """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
     add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""
@@ -708,9 +709,13 @@ def w4a16_mma(
     if x.stride(1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     if add_to is not None:
+        if out is not None:
+            raise ValueError("add_to is the output itself: no out beside it")
         out = add_to
-    else:
+    elif out is None:
         out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
+    else:
+        _expect(out, (m, n // 2 if swiglu else n), x.dtype, "out", rows_strided=True)
     grid = n // (2 * BLOCK_COLS) if swiglu or rope is not None else blocks // (2 if pair else 1)
     warps = default[0] if warps is None else warps
     unroll = 1 if swiglu or pair or rope is not None else default[1] if unroll is None else unroll
@@ -780,9 +785,14 @@ def check_fused(
     _expect(next_norm.sumsq, (m, n // BLOCK_COLS), torch.float32, "the next norm's sumsq")
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
-    if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
-        raise ValueError(f"{what}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}, contiguous")
+def _expect(
+    t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, what: str, rows_strided: bool = False
+) -> None:
+    """A clear error unless t has this shape and dtype and is contiguous (rows_strided: its last dimension is)."""
+    laid = t.stride(-1) == 1 if rows_strided else t.is_contiguous()
+    if t.shape != shape or t.dtype != dtype or not laid:
+        contiguous = "rows contiguous" if rows_strided else "contiguous"
+        raise ValueError(f"{what}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}, {contiguous}")
 
 
 def w4a16_mma_reference(
