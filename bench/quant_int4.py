@@ -729,13 +729,12 @@ def rows_chunked(out_dir: Path | None) -> None:
     def int4(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
         return gemm.w4a16_swiglu(x, w) if name == "gate_up" else gemm.w4a16_gemm(x, w)
 
-    def dequantized(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
-        out = F.linear(x, int4_dequant(w, x.dtype))
-        return silu_and_mul(out) if name == "gate_up" else out
-
     def bf16(x: torch.Tensor, d: torch.Tensor, name: str) -> torch.Tensor:
         out = F.linear(x, d)
         return silu_and_mul(out) if name == "gate_up" else out
+
+    def dequantized(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+        return bf16(x, int4_dequant(w, x.dtype), name)
 
     found: dict[int, dict[str, float]] = {}
     saved = gemm.CHUNKED_MAX_M
