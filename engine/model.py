@@ -142,7 +142,8 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
-        """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (1-16 rows of int4)."""
+        """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (int4, up to
+        kernels/w4a16_mma.py's MAX_ROWS rows)."""
         attn, mlp = self.self_attn, self.mlp
         return all(p.fuses_norms(x) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 

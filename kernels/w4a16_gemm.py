@@ -2,9 +2,8 @@
 has the layout), activations bf16, fp16 or fp32.
 
 Weights in the fragment layout (groups of a multiple of 64 rows, loaded on a GPU: kernels/int4_dequant.py) take
-kernels/w4a16_mma.py at 1-16 rows of 16-bit x, up to CHUNKED_MAX_M rows as launches of 16 rows each (decode batches
-past 16), else dequantize + the dense GEMM. For the rows layout, paths by the
-number of rows M:
+kernels/w4a16_mma.py at up to its MAX_ROWS (64) rows of 16-bit x, else dequantize + the dense GEMM. For the
+rows layout, paths by the number of rows M:
 - M = 1 (batch-1 decode), any activations and groups: the CUDA-core kernel below, with 512-row K tiles of 16
   output columns: each column's tile is a 256-byte run of its K-contiguous words, and the tiles alone fill
   the GPU, so no split-K. On the H200 this reads 0.42 of the copy bandwidth, 128-row tiles with split-K
@@ -70,11 +69,6 @@ BLOCK_K = 128  # input rows per K tile: 16 packed rows, tl.dot depth 16 per nibb
 # the tiled kernel takes 469 us at M = 32 against 272 for dequantize + cuBLAS, and falls further behind with M
 # (3,082 against 326 at M = 256), so only the split-K rows (M <= 16) take the kernel
 DEQUANT_MIN_M = 17
-# fragment-laid weights take the tensor-core kernel (kernels/w4a16_mma.py) up to this many rows, 16 rows a launch
-# (each launch reads the weights again); past it dequantizing once is faster. A Llama-3-8B layer on an H100
-# (bench/quant_int4.py --chunked): 135 against 371 us at 17 rows, 155 against 372 at 32, 301 against 373 at 64,
-# even at 80, 453 against 377 at 96
-CHUNKED_MAX_M = 64
 NUM_LOCKS = 1 << 14  # split-K tile counters per device
 PROGRAMS_PER_SM = 4  # split-K aims at this many programs per SM
 # the swapped kernel's tile, warps, stages and split-K target
@@ -628,33 +622,13 @@ def w4a16_gemm_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | No
     return F.linear(x, int4_dequant_reference(w, x.dtype), bias)
 
 
-def _in_row_chunks(
-    x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, swiglu: bool
-) -> torch.Tensor | None:
-    """x's rows through kernels/w4a16_mma.py, MAX_ROWS at a time and the rest in one launch, into one output,
-    where the kernel takes x and w and x has at most CHUNKED_MAX_M rows; None elsewhere."""
-    m = x.shape[0]
-    step = w4a16_mma.MAX_ROWS
-    if m > CHUNKED_MAX_M or not w4a16_mma.applies(x[:step], w):
-        return None
-    if swiglu and not w4a16_mma.swiglu_applies(x[:step], w):
-        return None
-    out = torch.empty(m, w.out_features // 2 if swiglu else w.out_features, dtype=x.dtype, device=x.device)
-    for i in range(0, m, step):
-        w4a16_mma.w4a16_mma(x[i : i + step], w, bias, swiglu=swiglu, out=out[i : i + step])
-    return out
-
-
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) -> (M, N): below DEQUANT_MIN_M rows on the Triton path the kernel the layout takes (fragments:
-    kernels/w4a16_mma.py, on a GPU with 16-bit x; up to CHUNKED_MAX_M rows in launches of 16), else the dense
-    weight's GEMM."""
+    """(M, K) -> (M, N): the kernel the layout takes, fragments (kernels/w4a16_mma.py, on a GPU with 16-bit x of
+    up to its MAX_ROWS rows) or rows (below DEQUANT_MIN_M rows on the Triton path), else the dense weight's
+    GEMM."""
     if w.layout == "fragments":
-        if w4a16_mma.applies(x, w) and x.shape[0] < DEQUANT_MIN_M:
+        if w4a16_mma.applies(x, w):
             return w4a16_mma.w4a16_mma(x, w, bias)
-        chunked = _in_row_chunks(x, w, bias, swiglu=False)
-        if chunked is not None:
-            return chunked
     elif _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
         return w4a16_gemm_triton(x, w, bias)
     return F.linear(x, int4_dequant(w, x.dtype), bias)
@@ -662,14 +636,10 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
 
 def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel (the GEMM's epilogue) for up
-    to 16 rows in the fragment layout on a GPU (up to CHUNKED_MAX_M rows, 16 a launch) and for one row in the rows
-    layout on the Triton path, else the GEMM and then the activation."""
+    to w4a16_mma.MAX_ROWS rows in the fragment layout on a GPU and for one row in the rows layout on the Triton
+    path, else the GEMM and then the activation."""
     if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w):
         return w4a16_mma.w4a16_mma(x, w, bias, swiglu=True)
-    if w.layout == "fragments":
-        chunked = _in_row_chunks(x, w, bias, swiglu=True)
-        if chunked is not None:
-            return chunked
     if _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
         cfg = replace(
             default_config(1, w.out_features, w.in_features, x.device),

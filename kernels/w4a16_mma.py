@@ -1,5 +1,5 @@
-"""W4A16 GEMM for 1 to 16 rows on the tensor cores: mma.sync m16n8k16 over int4 weights laid in the MMA's own
-fragment order (`layout="fragments"`, kernels/int4_dequant.py), written in Gluon, Triton's explicit-layout
+"""W4A16 GEMM for 1 to 64 rows (MAX_ROWS) on the tensor cores: mma.sync m16n8k16 over int4 weights laid in the
+MMA's own fragment order (`layout="fragments"`, kernels/int4_dequant.py), written in Gluon, Triton's explicit-layout
 dialect, so that no value crosses lanes or shared memory between its load and its MMA.
 
 - Weights: output columns in blocks of 16, K in chunks of Q * 64 rows (Q = 2 for groups a multiple of 128, else
@@ -12,7 +12,9 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   zeros are folded into the A registers by one bf16x2 / f16x2 FMA each, (magic + q) - (magic + z) = q - z
   exactly: s * sum (q - z) x. Otherwise (offsets, or 9-16 rows, where the fold's registers cost more) a second
   MMA against ones sums x: s * sum (magic + q) x - s (magic + z) sum x, or - (magic s - m) sum x for offsets.
-- A program owns 16 output columns; its W warps split K as the MMA layout's leading dimension, ask for all a
+- A program owns 16 output columns of up to 16 rows of x (PROGRAM_ROWS); past 16 rows a column block has one
+  program per 16 rows, adjacent in the grid, so that they run side by side and its words come from DRAM once.
+  Its W warps split K as the MMA layout's leading dimension, ask for all a
   chunk reads (words, scales, zeros, x) one step ahead, U chunks a step, and meet in one reduction at the end
   (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
   the rows layout (kernels/w4a16_gemm.py).
@@ -57,10 +59,13 @@ from kernels.fused_add_rmsnorm import norm_input_reference
 from kernels.int4_dequant import Int4Weight
 from kernels.pdl import pdl as pdl_on
 
-MAX_ROWS = 16  # rows of x one launch takes: the MMA's 8 columns, or two of them
+PROGRAM_ROWS = 16  # rows of x a program takes: the MMA's 8 columns, or two of them
+# rows of x one launch takes, PROGRAM_ROWS a program: a column block's programs are adjacent in the grid, so they
+# run side by side and read its words once from DRAM between them. Past it, dequantizing once and cuBLAS is faster
+# (bench/quant_int4.py --chunked)
+MAX_ROWS = 64
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
-SWIGLU_MAX_ROWS = MAX_ROWS  # gate_up ending in SwiGLU: its two accumulators, gate's and up's
 # qkv ending in RoPE and the KV-cache write: 8 warps a program of two column blocks, zeros folded. Past 8 rows
 # these programs were slower than the GEMM and rotary_kv_write apart (H200: 21.6 against 14.7 us at 16 rows)
 ROPE_MAX_ROWS, ROPE_WARPS = 8, 8
@@ -379,14 +384,14 @@ def _after_wait(
 @gluon.jit
 def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, g_ptr, y_ptr, sumsq_ptr, part_ptr, M, N, K, stride_xw,
-    stride_om, eps,
+    stride_om, eps, R,
     pos_ptr, cs_ptr, cache_ptr, slot_ptr, stride_cs, max_pos, num_heads, num_kv_heads,
     stride_c_kv, stride_c_block, stride_c_off, stride_c_head,
     GROUP: gl.constexpr, ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
     SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
     NBP: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, MMA: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, SPLIT_ROWS: gl.constexpr, MMA: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr,
@@ -397,6 +402,15 @@ def _w4a16_mma_kernel(
     if PDL and EARLY:  # the next kernel may start now (else when this one's programs end)
         _launch_dependents()
     c = gl.program_id(0)
+    if SPLIT_ROWS:  # rows r * BN.. of x for program c // R's columns: a block's R programs run side by side
+        row0 = (c % R) * BN
+        c = c // R
+        x_ptr += row0 * (2 * stride_xw)
+        out_ptr += row0 * stride_om
+        sumsq_ptr += row0 * NB
+        y_ptr += row0 * N
+        part_ptr += row0 * (N // 16)
+        M -= row0
     if PAIR:  # column blocks 2c and 2c + 1
         c = c * 2
     if ROPE:  # a head's first-half block j and its second-half block j + HALF / 16: program (head, j)
@@ -575,9 +589,9 @@ def applies(x: torch.Tensor, w: Int4Weight) -> bool:
 
 
 def swiglu_applies(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether gate_up's GEMM can end in SwiGLU here: at most SWIGLU_MAX_ROWS rows, and gate and up each in whole
+    """Whether gate_up's GEMM can end in SwiGLU here: at most MAX_ROWS rows, and gate and up each in whole
     column blocks (a program takes gate block c and up block c + N / 32 together)."""
-    return applies(x, w) and x.shape[0] <= SWIGLU_MAX_ROWS and w.out_features % (2 * BLOCK_COLS) == 0
+    return applies(x, w) and x.shape[0] <= MAX_ROWS and w.out_features % (2 * BLOCK_COLS) == 0
 
 
 def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool, bool]:
@@ -672,18 +686,19 @@ def w4a16_mma(
     | None = None,  # ptxas's cap a thread (bench.quant_int4 --sweep-regs); None: the default
     out: torch.Tensor | None = None,  # where the product goes ((M, N) or with swiglu (M, N / 2), x's dtype)
 ) -> torch.Tensor:
-    """(M <= 16, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
-    add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed."""
+    """(M <= MAX_ROWS, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
+    add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed. Past
+    PROGRAM_ROWS rows each column block's program runs once per PROGRAM_ROWS rows, in one launch."""
     m, k = x.shape
     n = w.out_features
     if not applies(x, w):
         raise ValueError(f"w4a16_mma takes fragment-laid weights and 1..{MAX_ROWS} rows of 16-bit x on a GPU")
     if swiglu and not swiglu_applies(x, w):
-        raise ValueError(
-            f"swiglu takes 1..{SWIGLU_MAX_ROWS} rows and (gate | up) halves of whole column blocks"
-        )
+        raise ValueError(f"swiglu takes 1..{MAX_ROWS} rows and (gate | up) halves of whole column blocks")
     blocks = triton.cdiv(n, BLOCK_COLS)
-    default = swiglu_config(m) if swiglu else config(m, n, k, x.device)
+    row_chunks = triton.cdiv(m, PROGRAM_ROWS)
+    pm = min(m, PROGRAM_ROWS)
+    default = swiglu_config(pm) if swiglu else config(pm, n, k, x.device)
     if rope is not None:
         default = (ROPE_WARPS, 1, True, False)
     named = warps is not None or unroll is not None or fold is not None
@@ -716,12 +731,14 @@ def w4a16_mma(
         out = torch.empty(m, n // 2 if swiglu else n, dtype=x.dtype, device=x.device)
     else:
         _expect(out, (m, n // 2 if swiglu else n), x.dtype, "out", rows_strided=True)
-    grid = n // (2 * BLOCK_COLS) if swiglu or rope is not None else blocks // (2 if pair else 1)
+    grid = (
+        n // (2 * BLOCK_COLS) if swiglu or rope is not None else blocks // (2 if pair else 1)
+    ) * row_chunks
     warps = default[0] if warps is None else warps
     unroll = 1 if swiglu or pair or rope is not None else default[1] if unroll is None else unroll
     fold = default[2] if fold is None else fold
     pdl = pdl_on(x) if pdl is None else pdl
-    bn = 8 if m <= 8 else 16
+    bn = 8 if m <= 8 else PROGRAM_ROWS
     # an epilogue adding into the stream would take 8 warps of two chunks a step past 128 registers a thread and two
     # programs an SM; held to 128 they spill 16 bytes, outside the K loop
     regs = {"maxnreg": 128} if add_to is not None and warps == 8 and unroll == 2 and bn == 8 else {}
@@ -731,7 +748,7 @@ def w4a16_mma(
     _w4a16_mma_kernel[(grid,)](
         x, w.qweight, w.scales, w.zeros, bias if bias is not None else out, out, nxt[0], nxt[1],
         norm.sumsq if norm is not None else out, nxt[2],
-        m, n, k, x.stride(0) // 2, out.stride(0), norm.eps if norm is not None else 0.0,
+        m, n, k, x.stride(0) // 2, out.stride(0), norm.eps if norm is not None else 0.0, row_chunks,
         *_rope_args(rope, out),
         GROUP=w.group_size, ZERO_IS_OFFSET=w.zero_is_offset,
         FOLD=fold and not w.zero_is_offset, FP16=x.dtype == torch.float16,
@@ -740,7 +757,7 @@ def w4a16_mma(
         NBP=triton.next_power_of_2(k // BLOCK_COLS) if norm is not None else 1, ROPE=rope is not None,
         HALF=rope.head_dim // 2 if rope is not None else 0,
         BLOCK_SIZE=rope.kv_cache.shape[2] if rope is not None else 1, PDL=pdl,
-        EARLY=bn == 8, launch_pdl=pdl,
+        EARLY=bn == 8, SPLIT_ROWS=row_chunks > 1, launch_pdl=pdl,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),

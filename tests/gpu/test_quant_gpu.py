@@ -18,7 +18,16 @@ from kernels.kv_quant import FP8_DTYPE
 from kernels.rotary_kv_write import rotary_kv_write
 from kernels.silu_and_mul import silu_and_mul, silu_and_mul_reference
 from kernels.w4a16_gemm import DEQUANT_MIN_M, _locks, w4a16_gemm, w4a16_gemm_reference, w4a16_swiglu
-from kernels.w4a16_mma import ROPE_WARPS, NextNorm, NormedInput, RopeWrite, w4a16_mma, w4a16_mma_reference
+from kernels.w4a16_mma import (
+    MAX_ROWS,
+    PROGRAM_ROWS,
+    ROPE_WARPS,
+    NextNorm,
+    NormedInput,
+    RopeWrite,
+    w4a16_mma,
+    w4a16_mma_reference,
+)
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -223,6 +232,58 @@ def test_rope_and_kv_write_ride_in_the_qkv_gemm(heads, kv_heads, head_dim, k, dt
         ref = w4a16_mma_reference(x, w, bias, norm=norm, rope=RopeWrite(positions, cos_sin, ref_cache, slots,
                                                                          heads, kv_heads))  # fmt: skip
         assert rel_err(fused, ref) < ERR[dtype] and rel_err(cache, ref_cache.float()) < ERR[dtype], (m, n)
+
+
+@pytest.mark.parametrize("k,n,group", [(4096, 6144, 128), (14336, 4096, 128), (1088, 224, 64)])
+def test_rows_past_a_program_run_in_one_launch(k, n, group):
+    """Past PROGRAM_ROWS rows a column block's programs take 16 rows each, side by side in one launch: bit for bit
+    the kernel 16 rows a launch, plain, with a norm, adding into the stream and ending in SwiGLU; a last program
+    of fewer rows (40 = 16 + 16 + 8) matches the reference; past MAX_ROWS the kernel refuses."""
+    m = 3 * PROGRAM_ROWS
+    w = to_fragments(random_int4(k, n, group, offsets=n == 224, seed=k))
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    parts = [slice(i, i + PROGRAM_ROWS) for i in range(0, m, PROGRAM_ROWS)]
+    assert torch.equal(w4a16_mma(x, w, bias), torch.cat([w4a16_mma(x[p], w, bias) for p in parts]))
+    h = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    g = (1 + 0.2 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+    sumsq = norm_input(h, g)[1]
+    xn = (g.float() * h.float()).to(torch.bfloat16)
+    normed = w4a16_mma(xn, w, norm=NormedInput(sumsq, 1e-5))
+    each = [w4a16_mma(xn[p], w, norm=NormedInput(sumsq[p].contiguous(), 1e-5)) for p in parts]
+    assert torch.equal(normed, torch.cat(each))
+    assert torch.equal(
+        w4a16_mma(xn, w, swiglu=True), torch.cat([w4a16_mma(xn[p], w, swiglu=True) for p in parts])
+    )
+    stream = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    gn = (1 + 0.2 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+
+    def next_norm() -> NextNorm:
+        return NextNorm(
+            gn, torch.empty(m, n, device="cuda", dtype=torch.bfloat16), torch.empty(m, n // 16, device="cuda")
+        )
+
+    whole, one = stream.clone(), next_norm()
+    w4a16_mma(x, w, bias, add_to=whole, next_norm=one)
+    apart, each_norm = stream.clone(), next_norm()
+    for p in parts:
+        w4a16_mma(
+            x[p], w, bias, add_to=apart[p], next_norm=NextNorm(gn, each_norm.normed[p], each_norm.sumsq[p])
+        )
+    assert torch.equal(whole, apart) and torch.equal(one.normed, each_norm.normed)
+    assert torch.equal(one.sumsq, each_norm.sumsq)
+    x40 = x[:40]
+    assert (
+        rel_err(w4a16_mma(x40, w, bias), w4a16_gemm_reference(x40.float(), w, bias.float()))
+        < ERR[torch.bfloat16]
+    )
+    ref = w4a16_mma_reference(xn[:40], w, None, norm=NormedInput(sumsq[:40].contiguous(), 1e-5))
+    assert (
+        rel_err(w4a16_mma(xn[:40], w, norm=NormedInput(sumsq[:40].contiguous(), 1e-5)), ref)
+        < ERR[torch.bfloat16]
+    )
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
+        w4a16_mma(torch.randn(MAX_ROWS + 1, k, device="cuda").to(torch.bfloat16), w)
 
 
 def test_fused_gemm_refuses_what_does_not_fit():
