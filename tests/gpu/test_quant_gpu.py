@@ -433,8 +433,9 @@ def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, arch):
-    """bf16 over int4 in the fragment layout (group 64): at 1-16 rows each decoder layer's norms ride in its GEMMs
-    (engine/model.py: forward_fused, checked to run, in CUDA graphs), and greedy output, with the norms there and in
+    """bf16 over int4 in the fragment layout (group 64): at 1-64 rows each decoder layer's norms ride in its GEMMs
+    (engine/model.py: forward_fused, checked to run, in CUDA graphs and in the prompts' 55-row prefill), and greedy
+    output, with the norms there and in
     kernels of their own, is transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
     from engine.model import LlamaModel
 
