@@ -444,11 +444,14 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
                                    max_tokens=512))  # fmt: skip
     dense = dequantized_copy(ckpt, tmp_path / "dense")
     want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
-    calls: list[int] = []
+    calls: list[int] = []  # each fused forward's rows
     real = LlamaModel.forward_fused
-    monkeypatch.setattr(LlamaModel, "forward_fused", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        LlamaModel, "forward_fused", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a)
+    )
     fused = served(ckpt, dtype="bfloat16")
     assert calls, "the norms did not ride in the GEMMs"
+    assert max(calls) == sum(map(len, PROMPTS)), calls  # the prefill of all four prompts, 55 rows
     monkeypatch.setattr(backend, "FUSED_NORMS", False)
     before = len(calls)
     unfused = served(ckpt, dtype="bfloat16")
