@@ -43,7 +43,10 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   ptxas's register cap free or held to 128-64 a thread (more warps an SM, or spills):
   quant_w4a16_mma_regs_llama3-8b.
 - --chunked: 17-128 rows, the layer's GEMMs as the engine runs them on fragment-laid weights: the tensor-core
-  kernel 16 rows a launch against dequantize + cuBLAS and against bf16: quant_w4a16_rows_chunked_llama3-8b.
+  kernel in one launch and 16 rows a launch against dequantize + cuBLAS and against bf16:
+  quant_w4a16_rows_chunked_llama3-8b.
+- --batched: the int4 (AWQ) and bf16 engines' decode at batches of 16, 32 and 64:
+  quant_int4_decode_batched_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -430,9 +433,10 @@ def kernels_per_step(generate_ids) -> list[tuple[str, float, float]]:
     return sorted((r for r in rows if r[1] > 0.05), key=lambda r: -r[1])
 
 
-def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
-    """One engine's batch-1 decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head
-    dense, as AWQ keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true)."""
+def engine_part(part: str, kernels: bool = False, batch: int = 1) -> dict[str, Any]:
+    """One engine's decode and its weights (child process): bf16 ("none"), AWQ ("awq": its LM head dense, as AWQ
+    keeps it) or GPTQ with the LM head quantized too ("gptq_head": lm_head=true); `batch` fresh prompts at once
+    (tok_s is then each sequence's rate)."""
     import torch
 
     from bench.latency import decode_tps, prompt
@@ -455,17 +459,17 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     logging.getLogger("engine.model_runner").addHandler(Keep())
     logging.getLogger("engine.model_runner").setLevel(logging.INFO)
     t0 = time.perf_counter()
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=quantization, max_num_seqs=16,
-              enable_prefix_caching=False, gpu_memory_utilization=0.9)  # fmt: skip
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", quantization=quantization,
+              max_num_seqs=max(16, batch), enable_prefix_caching=False, gpu_memory_utilization=0.9)  # fmt: skip
     startup = time.perf_counter() - t0
     model = llm.engine.runner.model
     seeds = iter(range(10**6))
 
     def generate(n: int) -> float:
-        ids = prompt(128256, next(seeds))
+        ids = [{"prompt_token_ids": prompt(128256, next(seeds))} for _ in range(batch)]
         torch.cuda.synchronize()
         t = time.perf_counter()
-        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - t
 
     linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "_proj." in n)
@@ -488,13 +492,16 @@ def engine_part(part: str, kernels: bool = False) -> dict[str, Any]:
     }
 
 
-def child(quantization: str, timeout: float, kernels: bool = False, **knobs: str) -> dict[str, Any]:
+def child(
+    quantization: str, timeout: float, kernels: bool = False, batch: int = 1, **knobs: str
+) -> dict[str, Any]:
     """One engine part in a process of its own, with kernel knobs (kernels/_backend.py) set in its environment:
     PDSERVE_PDL="0" launches every kernel plainly, PDSERVE_FUSED_NORMS="0" keeps the norms in kernels of their
     own."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "bench.quant_int4", "--part", quantization, "--json", f.name]
         cmd += ["--kernels"] if kernels else []
+        cmd += ["--batch", str(batch)]
         env = {**os.environ, **knobs}
         proc = subprocess.run(cmd, timeout=timeout, cwd=Path(__file__).resolve().parent.parent, env=env)
         if proc.returncode != 0:
@@ -779,6 +786,38 @@ def rows_chunked(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+DECODE_BATCHES = (16, 32, 64)
+
+
+def decode_batched(out_dir: Path | None) -> None:
+    """The int4 (AWQ) and bf16 engines' decode at batches of 16-64 fresh prompts (128 tokens each), each engine in
+    a process of its own: quant_int4_decode_batched_llama3-8b (value: tokens a second at batch 32)."""
+    from bench.record import record
+
+    found = {
+        b: {"int4": child("awq", 400, batch=b), "bf16": child("none", 400, batch=b)} for b in DECODE_BATCHES
+    }
+    for b, parts in found.items():
+        if any("error" in part for part in parts.values()):
+            print(b, parts, flush=True)
+            return
+        for part in parts.values():
+            part["batch_tok_s"] = part["tok_s"] * b
+        print(f"batch {b}: int4 {parts['int4']['batch_tok_s']:.0f} tok/s, bf16 {parts['bf16']['batch_tok_s']:.0f}",
+              flush=True)  # fmt: skip
+    at = found[32]
+    record(
+        "quant_int4_decode_batched_llama3-8b", at["int4"]["batch_tok_s"], "tok/s",
+        baseline=at["bf16"]["batch_tok_s"], baseline_name="bf16 engine at batch 32, same run (tok/s)",
+        ratio=at["int4"]["batch_tok_s"] / at["bf16"]["batch_tok_s"], out_dir=out_dir,
+        command=COMMAND + " --batched",
+        extra={"what": "decode tokens a second of all sequences at batches 16 / 32 / 64 (AWQ int4, LM head bf16; "
+                       "graphs on), int4 and bf16",
+               "by_batch": {b: {k: v["batch_tok_s"] for k, v in parts.items()} for b, parts in found.items()},
+               "ratio_by_batch": {b: p["int4"]["batch_tok_s"] / p["bf16"]["batch_tok_s"] for b, p in found.items()}},
+    )  # fmt: skip
+
+
 def decode_kernels(out_dir: Path | None) -> None:
     """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record: the step as served (PDL
     on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would count its
@@ -786,7 +825,7 @@ def decode_kernels(out_dir: Path | None) -> None:
     from bench.record import record
 
     found = {
-        (q, pdl): child(q, 400, kernels=True, **({} if pdl else {"PDSERVE_PDL": "0"}))
+        (q, pdl): child(q, 400, True, 1, **({} if pdl else {"PDSERVE_PDL": "0"}))
         for q in ("awq", "none")
         for pdl in (True, False)
     }
@@ -838,13 +877,17 @@ def main() -> None:
     p.add_argument(
         "--chunked",
         action="store_true",
-        help="only 17-128 rows: 16 rows a launch against dequantize + cuBLAS",
+        help="only 17-128 rows: one launch and 16 rows a launch against dequantize + cuBLAS",
+    )
+    p.add_argument(
+        "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-64"
     )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
-        args.json.write_text(json.dumps(engine_part(args.part, args.kernels), indent=1))
+        args.json.write_text(json.dumps(engine_part(args.part, args.kernels, args.batch), indent=1))
         return
     modes = {
         "kernels": decode_kernels,
@@ -852,6 +895,7 @@ def main() -> None:
         "rope": rope_epilogue,
         "sweep_regs": sweep_regs,
         "chunked": rows_chunked,
+        "batched": decode_batched,
     }
     for flag, run in modes.items():  # the modes that time something else than the GEMMs' records
         if getattr(args, flag):
