@@ -129,15 +129,31 @@ def test_a_step_waits_for_nothing_before_during(tiny, params):
     assert steps == 4 and modes == [2] * 4  # one prefill and three decode steps, each hook with "error" on
 
 
-def test_serving_compiles_no_kernel_after_start_up():
+@pytest.mark.parametrize("int4", [False, True], ids=["bf16", "awq_int4"])
+def test_serving_compiles_no_kernel_after_start_up(int4, tmp_path):
     """Start-up compiles every kernel variant that serving needs (engine/engine_core.py: _warm_up_kernels;
     kernels/_backend.py): a ragged workload of mixed steps (prompt chunks beside decode rows, contexts short
-    and past 16 decode splits), greedy and sampled rows with every filter, compiles nothing more. A variant
-    compiled mid-run stalls its step by a second or more."""
+    and past 16 decode splits), greedy and sampled rows with every filter, compiles nothing more, with bf16
+    weights and with AWQ int4 ones (group 64: the fragment layout's kernels, their norms, RoPE and SwiGLU at
+    1-64 rows, dequantizing past them). A variant compiled mid-run stalls its step by a second or more."""
+    model = "SmolLM2-135M"
+    if int4:  # dummy int4 weights in SmolLM2's shapes
+        import json
+
+        from engine.model_config import dummy_config
+
+        quant = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+        config = {**dummy_config(model).to_hf_dict(), "quantization_config": quant}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        model = str(tmp_path)
     llm = LLM(
-        "SmolLM2-135M", load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=6144,
+        model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=6144,
         max_num_batched_tokens=512, max_num_seqs=128, gpu_memory_utilization=0.3, enable_prefix_caching=False,
     )  # fmt: skip
+    if int4:
+        assert llm.engine.runner.model.model.layers[0].fuses_norms(
+            torch.zeros(64, 576, device="cuda", dtype=torch.bfloat16)
+        )
     before = backend.compiled_variants()
     assert before is not None and before["_paged_decode_kernel"]
     g = torch.Generator().manual_seed(0)
