@@ -61,8 +61,8 @@ from kernels.pdl import pdl as pdl_on
 
 PROGRAM_ROWS = 16  # rows of x a program takes: the MMA's 8 columns, or two of them
 # rows of x one launch takes, PROGRAM_ROWS a program: a column block's programs are adjacent in the grid, so they
-# run side by side and read its words once from DRAM between them. Past it, dequantizing once and cuBLAS is faster
-# (bench/quant_int4.py --chunked)
+# run side by side and read its words once from DRAM between them. Past it, dequantizing once for cuBLAS is as fast
+# or faster (H200, a Llama-3-8B layer, bench/quant_int4.py --chunked: 231 against 279 us at 64 rows, even at 80)
 MAX_ROWS = 64
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
