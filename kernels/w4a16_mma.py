@@ -14,9 +14,8 @@ dialect, so that no value crosses lanes or shared memory between its load and it
   MMA against ones sums x: s * sum (magic + q) x - s (magic + z) sum x, or - (magic s - m) sum x for offsets.
 - A program owns 16 output columns of up to 16 rows of x (PROGRAM_ROWS); past 16 rows a column block has one
   program per 16 rows, adjacent in the grid, so that they run side by side and its words come from DRAM once.
-  Its W warps split K as the MMA layout's leading dimension, ask for all a
-  chunk reads (words, scales, zeros, x) one step ahead, U chunks a step, and meet in one reduction at the end
-  (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
+  Its W warps split K as the MMA layout's leading dimension, ask for all a chunk reads (words, scales, zeros, x)
+  one step ahead, U chunks a step, and meet in one reduction at the end (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
   the rows layout (kernels/w4a16_gemm.py).
 - SwiGLU (swiglu=True): for gate_up's (gate | up) columns a program owns gate block c and up block c + N / 32,
   one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round. The same two-block
