@@ -96,14 +96,18 @@ class LayerRunner:
 
 
 @torch.no_grad()
-def perplexity(model: LlamaForCausalLM, ids: list[int], seq_len: int = 512) -> float:
-    """exp(mean next-token cross entropy) over consecutive pieces of seq_len tokens, each scored alone."""
+def perplexity(
+    model: LlamaForCausalLM, ids: list[int], seq_len: int = 512, kv_dtype: torch.dtype | None = None
+) -> float:
+    """exp(mean next-token cross entropy) over consecutive pieces of seq_len tokens, each scored alone.
+    `kv_dtype`: the scratch KV cache's (default the model's; fp8 uses the scales set on the model's layers)."""
     total, count = 0.0, 0
     for piece in token_sequences(ids, min(seq_len, model.config.max_position_embeddings)):
         if len(piece) < 2:
             continue
         runner = LayerRunner(model, [piece])
-        kv = runner.kv.unsqueeze(0).expand(model.config.num_hidden_layers, *runner.kv.shape).contiguous()
+        kv = runner.kv.unsqueeze(0).expand(model.config.num_hidden_layers, *runner.kv.shape)
+        kv = kv.to(kv_dtype or kv.dtype).contiguous()
         hidden = model(runner.ids, runner.positions, runner.meta, kv)
         logits = model.compute_logits(hidden[:-1])  # (n - 1, vocab) fp32
         target = runner.ids[1:]
