@@ -2,11 +2,12 @@
 # Everything the GPU machine is for, in bounded steps: tests/gpu, then the kernel, KV-transfer and TTFT
 # benchmarks. Records and logs go to $OUT (default ./device-out), packed into one results.tgz as well,
 # since the device tool returns only a few files per call. Run from the repo root:
-#   bash bench/run_on_device.sh                       every step (about 15 minutes: more than one device call)
+#   bash bench/run_on_device.sh          the default steps (about 15 minutes: more than one device call)
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
-# Steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg bench_latency bench_throughput
-# tests_kv_memory bench_kv_memory; not in the default list: tests_quant bench_quant sweep_mma kernels_quant rope_quant regs_quant chunked_quant batched_quant (int4 weights), profile (Nsight Compute's
-# counters for bench/profile_kernels.py), and on a machine with 2 GPUs tests_tp bench_tp
+# Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
+# when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
+# kernels_quant rope_quant regs_quant chunked_quant batched_quant (int4 weights); profile (Nsight Compute's
+# counters for bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u

@@ -5,11 +5,11 @@ agree, every role waits for what it calls, and the image holds every package the
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 import yaml
 
 from serving.cli import build_parser
