@@ -7,6 +7,7 @@ processes."""
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from typing import Any
@@ -406,6 +407,17 @@ def test_peer_closed_sees_eof_without_consuming_a_message() -> None:
     ch.close()
 
 
+def _in_condition_wait(thread: threading.Thread) -> bool:
+    """Whether `thread` is inside a Condition.wait_for (its predicate runs under the lock, so a cancel
+    from another thread lands while it waits, not before)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "wait_for" and frame.f_code.co_filename == threading.__file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_a_wait_ends_at_once_when_another_thread_cancels_the_request(pair: Any) -> None:
     """wait() on a request that another thread cancels returns when it is cancelled, saying so, instead of
     sleeping to its timeout and then calling the request unknown; for a granted one, cancelled without
@@ -428,7 +440,10 @@ def test_a_wait_ends_at_once_when_another_thread_cancels_the_request(pair: Any) 
     threads = [threading.Thread(target=waiter, args=(rid,)) for rid in ("announced", "granted")]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while not all(_in_condition_wait(t) for t in threads):  # both inside receiver.wait before the cancels
+        assert time.monotonic() < deadline, "the waiters never reached wait()"
+        time.sleep(0.005)
     assert receiver.cancel("announced") is True
     assert receiver.cancel("granted", wait=False) is False
     for t in threads:

@@ -796,15 +796,21 @@ def test_tokenizing_is_bounded_and_a_full_queue_refuses(bundled_model_dir) -> No
 
     encoder._encode = slow  # type: ignore[method-assign]
 
+    async def pending(n: int) -> None:
+        deadline = time.monotonic() + 5
+        while encoder._pending != n:
+            assert time.monotonic() < deadline, f"{encoder._pending} pending, not {n}"
+            await asyncio.sleep(0.001)
+
     async def main() -> None:
         req = pb.GenerateRequest(text="hello there")
         first = asyncio.ensure_future(encoder.encode(req))
         second = asyncio.ensure_future(encoder.encode(req))  # queued behind the first (one thread)
-        await asyncio.sleep(0.05)
+        await pending(2)
         with pytest.raises(Overloaded):
             await encoder.encode(req)
         second.cancel()  # a client that went away: its slot is freed at once, it never runs
-        await asyncio.sleep(0.05)
+        await pending(1)
         third = asyncio.ensure_future(encoder.encode(req))
         release.set()
         assert await first == await third == encoder.tokenizer.encode("hello there")
