@@ -15,7 +15,7 @@ next-token distribution along the fp32 outputs (teacher-forced). "fp8" is the en
 share checks the simulation against the engine's; the others say what another 8-bit format would keep.
 Records: kv_fp8_agreement_smollm2 (share of prompts, scales 1.0; baseline = bf16-rounded K and V's share)
 and kv_fp8_ppl_smollm2 (perplexity, scales 1.0; baseline = the fp32 cache's), in bench/results/ or --out-dir.
-CPU only, about 10 minutes on 2 cores.
+CPU only, about 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
