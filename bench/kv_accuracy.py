@@ -111,6 +111,13 @@ def _fp8_token_search(x: torch.Tensor, steps: int = 32) -> torch.Tensor:
     return torch.gather(y, -2, best[..., None, None].expand(*best.shape, 1, x.shape[-1])).squeeze(-2)
 
 
+def _fp8_token(x: torch.Tensor) -> torch.Tensor:
+    from kernels.kv_quant import FP8_MAX
+
+    s = _token_scale(x, FP8_MAX)
+    return _fp8(x / s, 1.0) * s
+
+
 def _int8_token(x: torch.Tensor) -> torch.Tensor:
     s = _token_scale(x, 127.0)
     return (x / s).round().clamp(-127, 127) * s
@@ -119,7 +126,7 @@ def _int8_token(x: torch.Tensor) -> torch.Tensor:
 ENCODINGS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "fp8": lambda x: _fp8(x, 1.0),  # the engine's: e4m3, one scale per layer (1.0 by default)
     "bf16": lambda x: x.to(torch.bfloat16).to(x.dtype),
-    "fp8_token": lambda x: _fp8(x / (s := _token_scale(x, 448.0)), 1.0) * s,
+    "fp8_token": _fp8_token,
     "fp8_token_search": _fp8_token_search,
     "int8_token": _int8_token,
 }
@@ -169,19 +176,22 @@ def engine_run(questions: list[str], spread: tuple[float, ...] = (), **kw: Any) 
 @contextmanager
 def encoded_kv(model: Any, encode: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """transformers' Llama with every K (after RoPE) and V rounded by `encode` as it is computed, so the
-    cache holds and every later query reads the rounded values, as a KV cache in that encoding would."""
+    cache holds and every later query reads the rounded values, as a KV cache in that encoding would.
+    `encode` sees one head's vector in the last dimension."""
     import transformers.models.llama.modeling_llama as llama
 
     rope = llama.apply_rotary_pos_emb
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def encode_v(_module: Any, _inputs: Any, out: torch.Tensor) -> torch.Tensor:  # (..., kv_heads * head_dim)
+        return encode(out.unflatten(-1, (-1, head_dim))).flatten(-2)
 
     def rope_then_encode(q: torch.Tensor, k: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         q, k = rope(q, k, *args, **kwargs)
         return q, encode(k)
 
-    hooks = [
-        layer.self_attn.v_proj.register_forward_hook(lambda _m, _i, out: encode(out))
-        for layer in model.model.layers
-    ]
+    hooks = [layer.self_attn.v_proj.register_forward_hook(encode_v) for layer in model.model.layers]
     llama.apply_rotary_pos_emb = rope_then_encode
     try:
         yield

@@ -64,8 +64,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, running: async
 async def sigterm_during_streams(
     proc: subprocess.Popen, url: str, max_tokens: int, streaming: int
 ) -> list[list[str]]:
-    """Send STREAMS streaming requests at once; SIGTERM the stack once `streaming` of them stream (the
-    others wait for their first token: in flight as well, as the gateway's drain line says)."""
+    """Send STREAMS streaming requests at once; SIGTERM the stack once `streaming` of them stream."""
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=STREAMS)) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
         running: asyncio.Queue = asyncio.Queue()
@@ -90,7 +89,9 @@ def test_sigterm_lets_every_stream_finish(tmp_path):
     log = tmp_path / "stack.log"
     proc, url = start_stack(log)  # the default drain timeout, 30 s
     try:
-        results = asyncio.run(sigterm_during_streams(proc, url, max_tokens=6, streaming=1))
+        # SIGTERM once every stream has its first token, so that all are in flight at the gateway however
+        # slowly they arrived; 32 tokens leave the first to arrive far from done by then
+        results = asyncio.run(sigterm_during_streams(proc, url, max_tokens=32, streaming=STREAMS))
         assert proc.wait(timeout=120) == 0
     finally:
         if proc.poll() is None:
