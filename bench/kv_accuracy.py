@@ -250,7 +250,6 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=len(QUESTIONS), help=f"the first N of {len(QUESTIONS)}")
     p.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
     args = p.parse_args()
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     from bench.record import record
 
     questions = QUESTIONS[: args.prompts]
