@@ -143,7 +143,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (int4, up to
-        kernels/w4a16_mma.py's MAX_ROWS rows)."""
+        kernels/w4a16_mma.py's MAX_ROWS rows, short of the rows kernels/w4a16_wgmma.py takes)."""
         attn, mlp = self.self_attn, self.mlp
         return all(p.fuses_norms(x) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 

@@ -2,7 +2,9 @@
 has the layout), activations bf16, fp16 or fp32.
 
 Weights in the fragment layout (groups of a multiple of 64 rows, loaded on a GPU: kernels/int4_dequant.py) take
-kernels/w4a16_mma.py at up to its MAX_ROWS (64) rows of 16-bit x, else dequantize + the dense GEMM. For the
+kernels/w4a16_wgmma.py at its MIN_ROWS..MAX_ROWS (33..256) rows of 16-bit x on Hopper (integer zeros; with
+PDSERVE_WGMMA=1),
+kernels/w4a16_mma.py at up to its MAX_ROWS (64) rows otherwise, else dequantize + the dense GEMM. For the
 rows layout, paths by the number of rows M:
 - M = 1 (batch-1 decode), any activations and groups: the CUDA-core kernel below, with 512-row K tiles of 16
   output columns: each column's tile is a 256-byte run of its K-contiguous words, and the tiles alone fill
@@ -60,7 +62,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import _backend, w4a16_mma
+from kernels import _backend, w4a16_mma, w4a16_wgmma
 from kernels.int4_dequant import Int4Weight, int4_dequant, int4_dequant_reference, int4_values
 from kernels.silu_and_mul import silu_and_mul, silu_mul
 
@@ -623,10 +625,12 @@ def w4a16_gemm_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | No
 
 
 def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, K) -> (M, N): the kernel the layout takes, fragments (kernels/w4a16_mma.py, on a GPU with 16-bit x of
-    up to its MAX_ROWS rows) or rows (below DEQUANT_MIN_M rows on the Triton path), else the dense weight's
-    GEMM."""
+    """(M, K) -> (M, N): the kernel the layout takes, fragments (kernels/w4a16_wgmma.py where chosen,
+    kernels/w4a16_mma.py at up to its MAX_ROWS rows of 16-bit x on a GPU) or rows (below DEQUANT_MIN_M rows on
+    the Triton path), else the dense weight's GEMM."""
     if w.layout == "fragments":
+        if w4a16_wgmma.chosen(x, w):
+            return w4a16_wgmma.w4a16_wgmma(x, w, bias)
         if w4a16_mma.applies(x, w):
             return w4a16_mma.w4a16_mma(x, w, bias)
     elif _backend.use_triton(x) and x.shape[0] < DEQUANT_MIN_M:
@@ -636,9 +640,9 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
 
 def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel (the GEMM's epilogue) for up
-    to w4a16_mma.MAX_ROWS rows in the fragment layout on a GPU and for one row in the rows layout on the Triton
-    path, else the GEMM and then the activation."""
-    if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w):
+    to w4a16_mma.MAX_ROWS rows in the fragment layout on a GPU (but the rows kernels/w4a16_wgmma.py takes) and for
+    one row in the rows layout on the Triton path, else the GEMM and then the activation."""
+    if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w) and not w4a16_wgmma.chosen(x, w):
         return w4a16_mma.w4a16_mma(x, w, bias, swiglu=True)
     if _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
         cfg = replace(

@@ -341,6 +341,27 @@ def test_fragment_layout_reads_the_mma_fragments_k_order():
             assert (c, qd, lane, v, nib) == want
 
 
+@pytest.mark.parametrize("group", [64, 128])
+def test_wgmma_kernel_gathers_x_into_the_a_operands_k_order(group):
+    """kernels/w4a16_wgmma.py hands a warp's dequantized words to wgmma as its A operand in register order
+    (row 8 r0 + g, position ((q * 4 + v) * 2 + r1) * 4 + t) * 2 + h of the chunk, for nibble 4 h + 2 r1 + r0 of word
+    v of lane 4 g + t in quad q) and gathers x by chunk_order: every position holds the weight of the column of x
+    that chunk_order names there, for all of a layer's columns."""
+    from kernels.int4_dequant import to_fragments, unpack_rows
+    from kernels.w4a16_wgmma import chunk_order
+
+    k, n = 512, 48
+    w = random_int4(k, n, group)
+    f = to_fragments(w)
+    blocks, quads = f.qweight.shape[0], f.chunk // 64
+    nib = (f.qweight.unsqueeze(-1) >> torch.arange(0, 32, 4, dtype=torch.int32)) & 0xF
+    nib = nib.view(blocks, k // f.chunk, quads, 8, 4, 4, 2, 2, 2)  # (c, ch, q, g, t, v, h, r1, r0)
+    a = nib.permute(0, 8, 3, 1, 2, 5, 7, 4, 6).reshape(blocks * 16, k)  # (c r0 g, ch q v r1 t h)
+    order = chunk_order(k, f.chunk, torch.device("cpu"))
+    assert sorted(order.tolist()) == list(range(k))
+    assert torch.equal(a[:n], unpack_rows(w.qweight).t()[:, order].to(a.dtype))
+
+
 def test_fragment_layout_refuses_what_it_cannot_hold():
     from kernels.int4_dequant import fragment_chunk, to_fragments
 

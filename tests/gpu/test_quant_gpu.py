@@ -28,6 +28,9 @@ from kernels.w4a16_mma import (
     w4a16_mma,
     w4a16_mma_reference,
 )
+from kernels.w4a16_wgmma import MAX_ROWS as WGMMA_MAX_ROWS
+from kernels.w4a16_wgmma import MIN_ROWS as WGMMA_MIN_ROWS
+from kernels.w4a16_wgmma import w4a16_wgmma
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
 
@@ -92,6 +95,48 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
                 out = w4a16_mma(x, w, None, warps, unroll, fold, pdl, pair=False)
                 ref = w4a16_gemm_reference(x.float(), w)
                 assert rel_err(out, ref) < ERR[torch.bfloat16], (m, k, n, fold)
+
+
+@pytest.mark.parametrize(
+    "k,n,group,dtype",
+    [(4096, 6144, 128, torch.bfloat16), (4096, 1040, 64, torch.float16), (14336, 4096, 128, torch.bfloat16),
+     (1024, 272, 128, torch.float16)],
+)  # fmt: skip
+def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, monkeypatch):
+    """The wgmma kernel at its fewest and most rows and between, with act order and a bias, at config()'s pick and
+    at settings it may pick elsewhere (two warpgroups, 64 or 128 rows a program, K split 1-3 ways, a deeper ring):
+    each is the dequantized weights' product. Column counts that leave the last program's blocks partly empty
+    (1040, 272) read zeros there."""
+    configs = [
+        {},
+        {"block_m": 64, "warpgroups": 2, "split": 1},
+        {"block_m": 128, "warpgroups": 1, "split": 3, "stages": 4},
+    ]
+    for i, m in enumerate((WGMMA_MIN_ROWS, 64, 100, 200, WGMMA_MAX_ROWS)):
+        w = to_fragments(random_int4(k, n, group, perm=i % 2 == 1, seed=i))
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        bias = torch.randn(n, device="cuda").to(dtype) if i % 2 else None
+        ref = w4a16_gemm_reference(x.float(), w, None if bias is None else bias.float())
+        for cfg in configs:
+            out = w4a16_wgmma(x, w, bias, **cfg)
+            assert out.dtype == dtype and rel_err(out, ref) < ERR[dtype], (m, k, n, cfg)
+        assert torch.equal(
+            w4a16_gemm(x, w, bias), w4a16_wgmma(x, w, bias)
+        )  # the dispatch takes it at these rows
+
+
+def test_wgmma_kernel_refuses_what_it_does_not_take():
+    """Rows outside its range, offsets for zeros and the rows layout get a clear error, not a wrong product."""
+    w = random_int4(1024, 256, 128)
+    f = to_fragments(w)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    for xx, ww in (
+        (x[: WGMMA_MIN_ROWS - 1], f),
+        (x, w),
+        (x, to_fragments(random_int4(1024, 256, 128, offsets=True))),
+    ):
+        with pytest.raises(ValueError, match="w4a16_wgmma takes"):
+            w4a16_wgmma(xx, ww)
 
 
 @pytest.mark.parametrize("warps", [4, 8])
@@ -334,9 +379,14 @@ def test_dequantize_kernels_are_exact():
     assert torch.equal(int8_dequant_triton(w8, torch.float32), int8_dequant_reference(w8))
 
 
-@pytest.mark.parametrize("layout", ["rows", "fragments"])
-@pytest.mark.parametrize("m", [1, 4, 16])
-def test_small_m_kernels_replay_from_a_cuda_graph(m, layout):
+@pytest.mark.parametrize(
+    "m,layout", [(1, "rows"), (4, "rows"), (16, "rows"), (1, "fragments"), (4, "fragments"), (16, "fragments"),
+                 (64, "fragments"), (200, "fragments")],
+)  # fmt: skip
+def test_small_m_kernels_replay_from_a_cuda_graph(m, layout, monkeypatch):
+    """Split-K's counters and the wgmma kernel's descriptors and K-order gather (64 and 200 rows, PDSERVE_WGMMA=1)
+    replay from a graph with new x each time."""
+    monkeypatch.setattr(backend, "WGMMA", True)
     w = random_int4(14336, 4096, 128, seed=m)
     if layout == "fragments":
         w = to_fragments(w)
@@ -458,6 +508,35 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
     assert len(calls) == before
     assert_greedy_as_reference(fused, want, dense)
     assert_greedy_as_reference(unfused, want, dense)
+
+
+def test_wgmma_kernel_serves_as_transformers(tmp_path, monkeypatch):
+    """bf16 over int4 in the fragment layout (group 64) with PDSERVE_WGMMA=1: the prompts' 55-row prefill runs on
+    the wgmma kernel, with the layers' norms in kernels of their own (not forward_fused), and greedy output is
+    transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
+    import kernels.w4a16_wgmma as wgmma
+    from engine.model import LlamaModel
+
+    model = tiny_random_model_dir(tmp_path, "llama")
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
+                                   max_tokens=512))  # fmt: skip
+    dense = dequantized_copy(ckpt, tmp_path / "dense")
+    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    rows: list[int] = []
+    real = wgmma.w4a16_wgmma
+    monkeypatch.setattr(
+        wgmma, "w4a16_wgmma", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw)
+    )
+    fused: list[int] = []
+    real_fused = LlamaModel.forward_fused
+    monkeypatch.setattr(
+        LlamaModel, "forward_fused", lambda self, *a: fused.append(a[0].shape[0]) or real_fused(self, *a)
+    )
+    monkeypatch.setattr(backend, "WGMMA", True)
+    got = served(ckpt, dtype="bfloat16")
+    assert sum(map(len, PROMPTS)) in rows, rows
+    assert sum(map(len, PROMPTS)) not in fused, fused
+    assert_greedy_as_reference(got, want, dense)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

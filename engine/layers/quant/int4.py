@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.layers.linear import LinearBase
 from engine.layers.quant.base import LinearMethod
-from kernels import _backend, w4a16_mma
+from kernels import _backend, w4a16_mma, w4a16_wgmma
 from kernels.int4_dequant import Int4Weight, fragment_chunk, int4_dequant_reference, to_fragments
 from kernels.w4a16_gemm import w4a16_gemm, w4a16_swiglu
 
@@ -59,10 +59,13 @@ class Int4Method(LinearMethod):
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether the GEMM can carry a norm or a residual add at x (kernels/w4a16_mma.py): fragment-laid weights
-        without an act-order permutation, x on the tensor-core kernel's rows (up to its MAX_ROWS),
-        PDSERVE_FUSED_NORMS not 0."""
+        without an act-order permutation, x on the mma.sync kernel's rows (up to its MAX_ROWS) but not the
+        wgmma kernel's where chosen (kernels/w4a16_wgmma.py, faster there with the norms apart), PDSERVE_FUSED_NORMS not 0."""
         w = self.weight
-        return _backend.FUSED_NORMS and w is not None and w.perm is None and w4a16_mma.applies(x, w)
+        return (
+            _backend.FUSED_NORMS and w is not None and w.perm is None and w4a16_mma.applies(x, w)
+            and not w4a16_wgmma.chosen(x, w)
+        )  # fmt: skip
 
     def fuses_rope(self, x: torch.Tensor, rope: w4a16_mma.RopeWrite) -> bool:
         """Whether the fused GEMM can end in RoPE and the KV-cache write: on the GPU kernel's path, 1-8 rows, a
