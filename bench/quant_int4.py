@@ -42,9 +42,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --sweep-regs: the fragment layout's kernel GEMM by GEMM at 1-8 rows, at config()'s pick and at 16 warps, with
   ptxas's register cap free or held to 128-64 a thread (more warps an SM, or spills):
   quant_w4a16_mma_regs_llama3-8b.
-- --chunked: 17-128 rows, the layer's GEMMs as the engine runs them on fragment-laid weights: the tensor-core
-  kernel in one launch and 16 rows a launch against dequantize + cuBLAS and against bf16:
-  quant_w4a16_rows_chunked_llama3-8b.
+- --chunked: 17-384 rows, the layer's GEMMs on fragment-laid weights as dispatched, against the mma.sync kernel in
+  one launch, the wgmma kernel, dequantize + cuBLAS and bf16: quant_w4a16_rows_chunked_llama3-8b.
 - --batched: the int4 (AWQ) and bf16 engines' decode at batches of 16, 32 and 64:
   quant_int4_decode_batched_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
@@ -712,22 +711,25 @@ def _rope_launch(x: Any, w: Any, norm: Any, rope: Any, warps: int) -> None:
         mma.ROPE_MAX_ROWS = saved
 
 
-CHUNKED_M = (17, 24, 32, 40, 48, 64, 80, 96, 128)
+CHUNKED_M = (17, 32, 33, 48, 64, 128, 256, 384)
 
 
 def rows_chunked(out_dir: Path | None) -> None:
-    """17-128 rows (decode batches past a program's 16): a Llama-3-8B layer's GEMMs as the engine runs them (gate_up
-    ending in SwiGLU) on fragment-laid weights, the tensor-core kernel in one launch (a column block's programs
-    side by side) against 16 rows a launch, dequantize + cuBLAS (then SiLU-and-mul) and bf16, over six weight
-    sets: quant_w4a16_rows_chunked_llama3-8b (value: the layer at 32 rows), which sets kernels/w4a16_mma.py's
-    MAX_ROWS."""
+    """17-256 rows (decode batches past a program's 16, small prefills): a Llama-3-8B layer's GEMMs on fragment-laid
+    weights (gate_up ending in SwiGLU) as the engine runs them (kernels/w4a16_gemm.py's dispatch), against the
+    mma.sync kernel in one launch (kernels/w4a16_mma.py: a column block's 16-row programs side by side), the wgmma
+    kernel (kernels/w4a16_wgmma.py, then SiLU-and-mul), dequantize + cuBLAS (then SiLU-and-mul) and bf16, over six
+    weight sets: quant_w4a16_rows_chunked_llama3-8b (value: the layer as dispatched at 64 rows, against bf16), which
+    sets the rows each kernel takes (w4a16_mma.MAX_ROWS, w4a16_wgmma.MIN_ROWS and MAX_ROWS)."""
     import torch
     import torch.nn.functional as F
 
     import kernels.w4a16_gemm as gemm
     import kernels.w4a16_mma as mma
+    import kernels.w4a16_wgmma as wgmma
     from bench.kernels import time_us
     from bench.record import record
+    from kernels import _backend
     from kernels.int4_dequant import int4_dequant
     from kernels.silu_and_mul import silu_and_mul
 
@@ -735,15 +737,15 @@ def rows_chunked(out_dir: Path | None) -> None:
     dense = [{n: torch.randn(k_n[1], k_n[0], device="cuda", dtype=torch.bfloat16) for n, k_n in LAYER.items()}
              for _ in range(SETS)]  # fmt: skip
 
-    def int4(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+    def dispatched(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
         return gemm.w4a16_swiglu(x, w) if name == "gate_up" else gemm.w4a16_gemm(x, w)
 
-    def launches_of_16(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
-        swiglu = name == "gate_up"
-        out = torch.empty(x.shape[0], w.out_features // (2 if swiglu else 1), dtype=x.dtype, device=x.device)
-        for i in range(0, x.shape[0], mma.PROGRAM_ROWS):
-            mma.w4a16_mma(x[i : i + mma.PROGRAM_ROWS], w, swiglu=swiglu, out=out[i : i + mma.PROGRAM_ROWS])
-        return out
+    def mma_one_launch(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+        return mma.w4a16_mma(x, w, swiglu=name == "gate_up")
+
+    def on_wgmma(x: torch.Tensor, w: Any, name: str) -> torch.Tensor:
+        out = wgmma.w4a16_wgmma(x, w)
+        return silu_and_mul(out) if name == "gate_up" else out
 
     def bf16(x: torch.Tensor, d: torch.Tensor, name: str) -> torch.Tensor:
         out = F.linear(x, d)
@@ -756,33 +758,31 @@ def rows_chunked(out_dir: Path | None) -> None:
         return time_us([partial(f, xs[n], w[n], n) for w in weights for n in LAYER], **kw) * len(LAYER)
 
     found: dict[int, dict[str, float]] = {}
-    saved = mma.MAX_ROWS
-    mma.MAX_ROWS = max(CHUNKED_M)
-    try:
-        for m in CHUNKED_M:
-            xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
-
-            row = {
-                "one_launch_us": layer_us(int4, xs, sets),
-                "launches_of_16_us": layer_us(launches_of_16, xs, sets),
-                "dequant_cublas_us": layer_us(dequantized, xs, sets, min_calls=8),
-                "bf16_us": layer_us(bf16, xs, dense),
-            }
-            found[m] = row
-            print(f"rows {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
-    finally:
-        mma.MAX_ROWS = saved
-    wins = [m for m in CHUNKED_M if found[m]["one_launch_us"] < found[m]["dequant_cublas_us"]]
-    at = found[32]
+    saved = mma.MAX_ROWS, wgmma.MIN_ROWS, wgmma.MAX_ROWS
+    for m in CHUNKED_M:
+        xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+        row = {"dispatched_us": layer_us(dispatched, xs, sets)}
+        mma.MAX_ROWS, wgmma.MIN_ROWS, wgmma.MAX_ROWS = max(CHUNKED_M), 1, max(CHUNKED_M)
+        try:
+            if m <= 128:
+                row["mma_one_launch_us"] = layer_us(mma_one_launch, xs, sets)
+            row["wgmma_us"] = layer_us(on_wgmma, xs, sets)
+        finally:
+            mma.MAX_ROWS, wgmma.MIN_ROWS, wgmma.MAX_ROWS = saved
+        row["dequant_cublas_us"] = layer_us(dequantized, xs, sets, min_calls=8)
+        row["bf16_us"] = layer_us(bf16, xs, dense)
+        found[m] = row
+        print(f"rows {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    at = found[64]
     record(
-        "quant_w4a16_rows_chunked_llama3-8b", at["one_launch_us"], "us", baseline=at["dequant_cublas_us"],
-        baseline_name="dequantize + cuBLAS, the path past MAX_ROWS, at 32 rows (us)",
-        ratio=at["dequant_cublas_us"] / at["one_launch_us"], out_dir=out_dir, command=COMMAND + " --chunked",
-        extra={"what": "a Llama-3-8B layer's four GEMMs (gate_up ending in SwiGLU; group 128, six weight sets, "
-                       "graph replay) at 17-128 rows: the tensor-core kernel in one launch (16 rows a program), the "
-                       "same kernel 16 rows a launch, dequantize + cuBLAS, and bf16 cuBLAS, layer us",
-               "by_rows": found, "last_m_where_one_launch_wins": max(wins) if wins else None,
-               "max_rows_in_code": saved},
+        "quant_w4a16_rows_chunked_llama3-8b", at["dispatched_us"], "us", baseline=at["bf16_us"],
+        baseline_name="bf16 cuBLAS at 64 rows, same run (us)", ratio=at["bf16_us"] / at["dispatched_us"],
+        out_dir=out_dir, command=COMMAND + " --chunked",
+        extra={"what": "a Llama-3-8B layer's four GEMMs (gate_up ending in SwiGLU; group 128, six weight sets, graph "
+                       "replay) at 17-256 rows, layer us: as dispatched, the mma.sync kernel in one launch (16 rows a "
+                       "program), the wgmma kernel, dequantize + cuBLAS, and bf16 cuBLAS; ratio = bf16 / dispatched",
+               "by_rows": found, "rows_in_code": {"mma_max": saved[0], "wgmma_min": saved[1], "wgmma_max": saved[2]},
+               "wgmma_dispatched": _backend.WGMMA},
     )  # fmt: skip
 
 
@@ -877,7 +877,7 @@ def main() -> None:
     p.add_argument(
         "--chunked",
         action="store_true",
-        help="only 17-128 rows: one launch and 16 rows a launch against dequantize + cuBLAS",
+        help="only 17-384 rows: the mma.sync and wgmma kernels against dequantize + cuBLAS and bf16",
     )
     p.add_argument(
         "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-64"
