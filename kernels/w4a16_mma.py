@@ -171,6 +171,50 @@ def _load_chunk(
 
 
 @gluon.jit
+def _halves(P):
+    """The words P joined as (..., r1, r0, h): nibble r at bits 0..3 and r + 4 at 16..19, once per 16-bit half."""
+    J = gl.join(gl.join(P, P >> 8), gl.join(P >> 4, P >> 12))
+    return gl.join(J, J)
+
+
+@gluon.jit
+def _a_order(A, W: gl.constexpr, Q: gl.constexpr):
+    """16-bit values (W, Q, 4, 8, 4, r1, r0, h) of one chunk as the A fragments' (W, 16, Q * 64): (w, r0 g,
+    q v r1 t h)."""
+    return gl.reshape(gl.permute(A, (0, 6, 3, 1, 2, 5, 4, 7)), (W, 16, Q * 64))
+
+
+@gluon.jit
+def folded_a(P, z0, z1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.constexpr):
+    """One chunk's words (W, Q, 4, 8, 4) as (W, 16, Q * 64) q - z in the 16-bit type, in the A fragments' order: the
+    nibbles under the magic exponent, the zeros of columns g and g + 8 of each block (z0, z1: (W, 1, 1, 8, 1)) taken
+    off by one FMA a register, (magic + q) - (magic + z) exactly. kernels/w4a16_wgmma.py takes it too."""
+    J = _halves(P)
+    NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
+    za = z0.to(gl.int32) + NEG
+    zb = z1.to(gl.int32) + NEG
+    za = za | (za << 16)
+    zb = zb | (zb << 16)
+    za, _ = gl.broadcast(za, P)
+    zb, _ = gl.broadcast(zb, P)
+    Z = gl.join(gl.join(za, za), gl.join(zb, zb))
+    Z = gl.join(Z, Z)
+    if FP16:
+        A = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
+            "fma.rn.f16x2 $0, t, one, $3; }",
+            "=r,r,r,r,r", [J, Z], dtype=gl.float16, is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        A = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
+            "fma.rn.bf16x2 $0, t, one, $3; }",
+            "=r,r,r,r,r", [J, Z], dtype=gl.bfloat16, is_pure=True, pack=2,
+        )  # fmt: skip
+    return _a_order(A, W, Q)
+
+
+@gluon.jit
 def _chunk(
     P, B, s, z0, z1, ones,
     ZERO_IS_OFFSET: gl.constexpr, FOLD: gl.constexpr, FP16: gl.constexpr,
@@ -181,50 +225,29 @@ def _chunk(
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     BK: gl.constexpr = Q * 64
     MAGIC: gl.constexpr = 1024.0 if FP16 else 128.0
-    # (..., r1, r0): nibble r at bits 0..3 and r + 4 at 16..19
-    J = gl.join(gl.join(P, P >> 8), gl.join(P >> 4, P >> 12))
-    J = gl.join(J, J)  # (..., h): the word once per 16-bit half
     if FOLD:  # integer zeros: (magic + q) - (magic + z) = q - z, exact, one FMA per register
-        NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
-        za = z0.to(gl.int32) + NEG
-        zb = z1.to(gl.int32) + NEG
-        za = za | (za << 16)
-        zb = zb | (zb << 16)
-        za, _ = gl.broadcast(za, P)
-        zb, _ = gl.broadcast(zb, P)
-        Z = gl.join(gl.join(za, za), gl.join(zb, zb))
-        Z = gl.join(Z, Z)
+        A = folded_a(P, z0, z1, FP16, W, Q)
+    else:  # magic + q: 1024 + q in fp16, 128 + q in bf16
+        J = _halves(P)
         if FP16:
             A = gl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
-                "fma.rn.f16x2 $0, t, one, $3; }",
-                "=r,r,r,r,r", [J, Z], dtype=gl.float16, is_pure=True, pack=2,
-            )  # fmt: skip
+                "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
+                "=r,r,r",
+                [J],
+                dtype=gl.float16,
+                is_pure=True,
+                pack=2,
+            )
         else:
             A = gl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
-                "fma.rn.bf16x2 $0, t, one, $3; }",
-                "=r,r,r,r,r", [J, Z], dtype=gl.bfloat16, is_pure=True, pack=2,
-            )  # fmt: skip
-    elif FP16:  # magic + q: 1024 + q in fp16, 128 + q in bf16
-        A = gl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xEA;",
-            "=r,r,r",
-            [J],
-            dtype=gl.float16,
-            is_pure=True,
-            pack=2,
-        )
-    else:
-        A = gl.inline_asm_elementwise(
-            "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
-            "=r,r,r",
-            [J],
-            dtype=gl.bfloat16,
-            is_pure=True,
-            pack=2,
-        )
-    A = gl.reshape(gl.permute(A, (0, 6, 3, 1, 2, 5, 4, 7)), (W, 16, BK))  # (w, r0 g, q v r1 t h)
+                "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xEA;",
+                "=r,r,r",
+                [J],
+                dtype=gl.bfloat16,
+                is_pure=True,
+                pack=2,
+            )
+        A = _a_order(A, W, Q)
     A = gl.convert_layout(A, A_L, assert_trivial=True)
     Bj = gl.reshape(gl.join(B, B), (W, Q * 4, 2, 4, BN, 2))
     if FP16:  # the int32 pairs read as two 16-bit values each

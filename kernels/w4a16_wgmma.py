@@ -34,7 +34,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels import _backend
 from kernels._backend import num_sms
 from kernels.int4_dequant import Int4Weight
-from kernels.w4a16_mma import _index, _slices
+from kernels.w4a16_mma import _index, _slices, folded_a
 
 # rows of x this kernel takes: below, kernels/w4a16_mma.py is faster (one or two 16-row programs a column block);
 # above, dequantizing once for cuBLAS is (bench.quant_int4 --chunked)
@@ -45,32 +45,9 @@ STAGES = 3  # chunks in flight a program: more cost programs an SM their shared 
 @gluon.jit
 def _dequant(P, z0, z1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, A_L: gl.constexpr):
     """(W * 16, Q * 64) A operand of q - z in the 16-bit type from one chunk's words (W, Q, 4, 8, 4) and the zeros
-    of columns g and g + 8 of each block (W, 1, 1, 8, 1)."""
-    BK: gl.constexpr = Q * 64
-    J = gl.join(gl.join(P, P >> 8), gl.join(P >> 4, P >> 12))  # nibble r at bits 0..3 and r + 4 at 16..19
-    J = gl.join(J, J)
-    NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
-    za = z0.to(gl.int32) + NEG
-    zb = z1.to(gl.int32) + NEG
-    za = za | (za << 16)
-    zb = zb | (zb << 16)
-    za, _ = gl.broadcast(za, P)
-    zb, _ = gl.broadcast(zb, P)
-    Z = gl.join(gl.join(za, za), gl.join(zb, zb))
-    Z = gl.join(Z, Z)
-    if FP16:
-        A = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA; "
-            "fma.rn.f16x2 $0, t, one, $3; }",
-            "=r,r,r,r,r", [J, Z], dtype=gl.float16, is_pure=True, pack=2,
-        )  # fmt: skip
-    else:
-        A = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3F803F80; lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA; "
-            "fma.rn.bf16x2 $0, t, one, $3; }",
-            "=r,r,r,r,r", [J, Z], dtype=gl.bfloat16, is_pure=True, pack=2,
-        )  # fmt: skip
-    A = gl.reshape(gl.permute(A, (0, 6, 3, 1, 2, 5, 4, 7)), (W * 16, BK))  # (w r0 g, q v r1 t h)
+    of columns g and g + 8 of each block (W, 1, 1, 8, 1): the mma.sync kernel's fragments, its W warps' 16 rows
+    stacked as wgmma's 64 (or 128)."""
+    A = gl.reshape(folded_a(P, z0, z1, FP16, W, Q), (W * 16, Q * 64))
     return gl.convert_layout(A, A_L, assert_trivial=True)
 
 
