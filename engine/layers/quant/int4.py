@@ -60,7 +60,8 @@ class Int4Method(LinearMethod):
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether the GEMM can carry a norm or a residual add at x (kernels/w4a16_mma.py): fragment-laid weights
         without an act-order permutation, x on the mma.sync kernel's rows (up to its MAX_ROWS) but not the
-        wgmma kernel's where chosen (kernels/w4a16_wgmma.py, faster there with the norms apart), PDSERVE_FUSED_NORMS not 0."""
+        wgmma kernel's where chosen (kernels/w4a16_wgmma.py, faster there with the norms apart),
+        PDSERVE_FUSED_NORMS not 0."""
         w = self.weight
         return (
             _backend.FUSED_NORMS and w is not None and w.perm is None and w4a16_mma.applies(x, w)
