@@ -6,7 +6,7 @@ First the engine (CPU, fp32 model) with an fp8 cache, scales 1.0 and calibrated,
 - perplexity on the shipped held-out text (engine/quantize/data/heldout.txt) in 512-token pieces, every
   query attending to K and V as the cache holds them; again at other uniform scales (SPREAD), since which
   values round which way moves with the scale, and perplexity with it;
-- greedy agreement over QUESTIONS (the first 10 are tests/test_kv_fp8_engine.py's): the share of chat prompts
+- greedy agreement over QUESTIONS (tests/test_kv_fp8_engine.py takes the first 10): the share of chat prompts
   whose first 16 tokens are equal, and the mean |logprob difference| of the chosen tokens before the first
   difference.
 Then transformers (fp32) with each token's K (after RoPE) and V rounded once, as a cache in each encoding

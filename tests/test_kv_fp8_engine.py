@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from bench.kv_accuracy import QUESTIONS as CHAT_QUESTIONS
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for sleeping better.",
-    "Explain what a black hole is in one paragraph.",
-    "Write a haiku about autumn leaves.",
-    "How do I reverse a list in Python?",
-    "What are the primary colors?",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-    "What is the difference between weather and climate?",
-    "Suggest a name for a friendly robot.",
-]
+QUESTIONS = CHAT_QUESTIONS[:10]  # the first 10 of the 50 that bench/kv_accuracy.py measures agreement over
 TOKENS = 16
 
 
