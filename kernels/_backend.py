@@ -33,10 +33,10 @@ FUSED_NORMS: bool = os.environ.get("PDSERVE_FUSED_NORMS", "1").strip() != "0"
 # PDSERVE_FUSED_ROTARY=0 keeps RoPE and the KV-cache write in their own kernel where the int4 qkv GEMM carrying
 # the norm could end in them (engine/model.py, kernels/w4a16_mma.py)
 FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "1").strip() != "0"
-# PDSERVE_WGMMA=1 sends 33-256 rows of 16-bit x against fragment-laid int4 weights on Hopper to the wgmma kernel
-# (kernels/w4a16_wgmma.py) instead of the mma.sync kernel (up to 64 rows) or dequantizing for cuBLAS. Off by
-# default until tests/gpu has held its final form to the reference on the device
-WGMMA: bool = os.environ.get("PDSERVE_WGMMA", "0").strip() == "1"
+# PDSERVE_WGMMA=0 keeps 33-256 rows of 16-bit x against fragment-laid int4 weights on Hopper off the wgmma kernel
+# (kernels/w4a16_wgmma.py), on the mma.sync kernel (up to 64 rows) or dequantizing for cuBLAS: the A-B of
+# `python3 -m bench.quant_int4 --chunked` and `--batched`
+WGMMA: bool = os.environ.get("PDSERVE_WGMMA", "1").strip() != "0"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -2,8 +2,8 @@
 has the layout), activations bf16, fp16 or fp32.
 
 Weights in the fragment layout (groups of a multiple of 64 rows, loaded on a GPU: kernels/int4_dequant.py) take
-kernels/w4a16_wgmma.py at its MIN_ROWS..MAX_ROWS (33..256) rows of 16-bit x on Hopper (integer zeros; with
-PDSERVE_WGMMA=1), kernels/w4a16_mma.py at up to its MAX_ROWS (64) rows otherwise, else dequantize + the dense
+kernels/w4a16_wgmma.py at its MIN_ROWS..MAX_ROWS (33..256) rows of 16-bit x on Hopper (integer zeros; unless
+PDSERVE_WGMMA=0), kernels/w4a16_mma.py at up to its MAX_ROWS (64) rows otherwise, else dequantize + the dense
 GEMM. For the rows layout, paths by the number of rows M:
 - M = 1 (batch-1 decode), any activations and groups: the CUDA-core kernel below, with 512-row K tiles of 16
   output columns: each column's tile is a 256-byte run of its K-contiguous words, and the tiles alone fill

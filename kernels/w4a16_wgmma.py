@@ -78,8 +78,8 @@ def chunk_order(k: int, chunk: int, device: torch.device) -> torch.Tensor:
 
 
 def chosen(x: torch.Tensor, w: Int4Weight) -> bool:
-    """Whether the dispatch (kernels/w4a16_gemm.py, the engine's fused path) sends x to this kernel: PDSERVE_WGMMA=1
-    and it applies."""
+    """Whether the dispatch (kernels/w4a16_gemm.py, the engine's fused path) sends x to this kernel: it applies and
+    PDSERVE_WGMMA is not 0."""
     return _backend.WGMMA and applies(x, w)
 
 

@@ -384,7 +384,7 @@ def test_dequantize_kernels_are_exact():
                  (64, "fragments"), (200, "fragments")],
 )  # fmt: skip
 def test_small_m_kernels_replay_from_a_cuda_graph(m, layout, monkeypatch):
-    """Split-K's counters and the wgmma kernel's descriptors and K-order gather (64 and 200 rows, PDSERVE_WGMMA=1)
+    """Split-K's counters and the wgmma kernel's descriptors and K-order gather (64 and 200 rows, on Hopper)
     replay from a graph with new x each time."""
     monkeypatch.setattr(backend, "WGMMA", True)
     w = random_int4(14336, 4096, 128, seed=m)
@@ -444,6 +444,16 @@ def served(path, dtype="float32", **kwargs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def awq_group64(tmp_path, arch="llama", **model_kw):
+    """(checkpoint, its dequantized copy, transformers' greedy output on that copy): AWQ at group 64 of a tiny random
+    model, which loaded layers hold in the fragment layout on the GPU."""
+    model = tiny_random_model_dir(tmp_path, arch, **model_kw)
+    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
+                                   max_tokens=512))  # fmt: skip
+    dense = dequantized_copy(ckpt, tmp_path / "dense")
+    return ckpt, dense, hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+
+
 @pytest.mark.parametrize(
     "method,extra",
     [
@@ -483,17 +493,14 @@ def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, arch):
-    """bf16 over int4 in the fragment layout (group 64): at 1-64 rows each decoder layer's norms ride in its GEMMs
-    (engine/model.py: forward_fused, checked to run, in CUDA graphs and in the prompts' 55-row prefill), and greedy
-    output, with the norms there and in
-    kernels of their own, is transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
+    """bf16 over int4 in the fragment layout (group 64), the wgmma kernel off (PDSERVE_WGMMA=0): at 1-64 rows each
+    decoder layer's norms ride in its GEMMs (engine/model.py: forward_fused, checked to run, in CUDA graphs and in the
+    prompts' 55-row prefill), and greedy output, with the norms there and in kernels of their own, is transformers' on
+    the dequantized weights (fp32) up to bf16's near-ties."""
     from engine.model import LlamaModel
 
-    model = tiny_random_model_dir(tmp_path, arch)
-    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
-                                   max_tokens=512))  # fmt: skip
-    dense = dequantized_copy(ckpt, tmp_path / "dense")
-    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    ckpt, dense, want = awq_group64(tmp_path, arch)
+    monkeypatch.setattr(backend, "WGMMA", False)  # else on Hopper it takes the 55 rows, with the norms apart
     calls: list[int] = []  # each fused forward's rows
     real = LlamaModel.forward_fused
     monkeypatch.setattr(
@@ -511,17 +518,13 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
 
 
 def test_wgmma_kernel_serves_as_transformers(tmp_path, monkeypatch):
-    """bf16 over int4 in the fragment layout (group 64) with PDSERVE_WGMMA=1: the prompts' 55-row prefill runs on
+    """bf16 over int4 in the fragment layout (group 64), on Hopper: the prompts' 55-row prefill runs on
     the wgmma kernel, with the layers' norms in kernels of their own (not forward_fused), and greedy output is
     transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
     import kernels.w4a16_wgmma as wgmma
     from engine.model import LlamaModel
 
-    model = tiny_random_model_dir(tmp_path, "llama")
-    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
-                                   max_tokens=512))  # fmt: skip
-    dense = dequantized_copy(ckpt, tmp_path / "dense")
-    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    ckpt, dense, want = awq_group64(tmp_path)
     rows: list[int] = []
     real = wgmma.w4a16_wgmma
     monkeypatch.setattr(
@@ -546,11 +549,7 @@ def test_rope_in_the_int4_qkv_gemm_serves_as_transformers(tmp_path, monkeypatch,
     transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
     import kernels.w4a16_mma as mma
 
-    model = tiny_random_model_dir(tmp_path, arch, num_attention_heads=2, num_key_value_heads=1)
-    ckpt = quantize(QuantizeConfig(str(model), str(tmp_path / "awq"), method="awq", group_size=64,
-                                   max_tokens=512))  # fmt: skip
-    dense = dequantized_copy(ckpt, tmp_path / "dense")
-    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    ckpt, dense, want = awq_group64(tmp_path, arch, num_attention_heads=2, num_key_value_heads=1)
     ropes: list[int] = []
     real = mma.w4a16_mma
     monkeypatch.setattr(
