@@ -715,7 +715,7 @@ CHUNKED_M = (17, 32, 33, 48, 64, 128, 256, 384)
 
 
 def rows_chunked(out_dir: Path | None) -> None:
-    """17-256 rows (decode batches past a program's 16, small prefills): a Llama-3-8B layer's GEMMs on fragment-laid
+    """17-384 rows (decode batches past a program's 16, small prefills): a Llama-3-8B layer's GEMMs on fragment-laid
     weights (gate_up ending in SwiGLU) as the engine runs them (kernels/w4a16_gemm.py's dispatch), against the
     mma.sync kernel in one launch (kernels/w4a16_mma.py: a column block's 16-row programs side by side), the wgmma
     kernel (kernels/w4a16_wgmma.py, then SiLU-and-mul), dequantize + cuBLAS (then SiLU-and-mul) and bf16, over six
@@ -779,7 +779,7 @@ def rows_chunked(out_dir: Path | None) -> None:
         baseline_name="bf16 cuBLAS at 64 rows, same run (us)", ratio=at["bf16_us"] / at["dispatched_us"],
         out_dir=out_dir, command=COMMAND + " --chunked",
         extra={"what": "a Llama-3-8B layer's four GEMMs (gate_up ending in SwiGLU; group 128, six weight sets, graph "
-                       "replay) at 17-256 rows, layer us: as dispatched, the mma.sync kernel in one launch (16 rows a "
+                       "replay) at 17-384 rows, layer us: as dispatched, the mma.sync kernel in one launch (16 rows a "
                        "program), the wgmma kernel, dequantize + cuBLAS, and bf16 cuBLAS; ratio = bf16 / dispatched",
                "by_rows": found, "rows_in_code": {"mma_max": saved[0], "wgmma_min": saved[1], "wgmma_max": saved[2]},
                "wgmma_dispatched": _backend.WGMMA},
