@@ -44,8 +44,8 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   quant_w4a16_mma_regs_llama3-8b.
 - --chunked: 17-384 rows, the layer's GEMMs on fragment-laid weights as dispatched, against the mma.sync kernel in
   one launch, the wgmma kernel, dequantize + cuBLAS and bf16: quant_w4a16_rows_chunked_llama3-8b.
-- --batched: the int4 (AWQ) and bf16 engines' decode at batches of 16, 32 and 64:
-  quant_int4_decode_batched_llama3-8b.
+- --batched: the int4 (AWQ) and bf16 engines' decode at batches of 16, 32, 64 and 128, and int4 with the wgmma
+  kernel off at 64 and 128: quant_int4_decode_batched_llama3-8b.
 - --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
   kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
   1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
@@ -786,33 +786,39 @@ def rows_chunked(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
-DECODE_BATCHES = (16, 32, 64)
+DECODE_BATCHES = (16, 32, 64, 128)
+WGMMA_OFF_BATCHES = (64, 128)  # int4 again with PDSERVE_WGMMA=0: the wgmma kernel's A-B where it runs
 
 
 def decode_batched(out_dir: Path | None) -> None:
-    """The int4 (AWQ) and bf16 engines' decode at batches of 16-64 fresh prompts (128 tokens each), each engine in
-    a process of its own: quant_int4_decode_batched_llama3-8b (value: tokens a second at batch 32)."""
+    """The int4 (AWQ) and bf16 engines' decode at batches of 16-128 fresh prompts (128 tokens each), each engine in
+    a process of its own, and int4 with the wgmma kernel off at 64 and 128: quant_int4_decode_batched_llama3-8b
+    (value: tokens a second at batch 32)."""
     from bench.record import record
 
     found = {
-        b: {"int4": child("awq", 400, batch=b), "bf16": child("none", 400, batch=b)} for b in DECODE_BATCHES
-    }
+        b: {"int4": child("awq", 400, batch=b), "bf16": child("none", 400, batch=b),
+            **({"int4_wgmma_off": child("awq", 400, batch=b, PDSERVE_WGMMA="0")} if b in WGMMA_OFF_BATCHES else {})}
+        for b in DECODE_BATCHES
+    }  # fmt: skip
     for b, parts in found.items():
         if any("error" in part for part in parts.values()):
             print(b, parts, flush=True)
             return
         for part in parts.values():
             part["batch_tok_s"] = part["tok_s"] * b
-        print(f"batch {b}: int4 {parts['int4']['batch_tok_s']:.0f} tok/s, bf16 {parts['bf16']['batch_tok_s']:.0f}",
-              flush=True)  # fmt: skip
+        print(
+            f"batch {b}, tok/s: " + ", ".join(f"{k} {v['batch_tok_s']:.0f}" for k, v in parts.items()),
+            flush=True,
+        )
     at = found[32]
     record(
         "quant_int4_decode_batched_llama3-8b", at["int4"]["batch_tok_s"], "tok/s",
         baseline=at["bf16"]["batch_tok_s"], baseline_name="bf16 engine at batch 32, same run (tok/s)",
         ratio=at["int4"]["batch_tok_s"] / at["bf16"]["batch_tok_s"], out_dir=out_dir,
         command=COMMAND + " --batched",
-        extra={"what": "decode tokens a second of all sequences at batches 16 / 32 / 64 (AWQ int4, LM head bf16; "
-                       "graphs on), int4 and bf16",
+        extra={"what": "decode tokens a second of all sequences at batches 16 / 32 / 64 / 128 (AWQ int4, LM head "
+                       "bf16; graphs on), int4 and bf16, and int4 with PDSERVE_WGMMA=0 at 64 and 128",
                "by_batch": {b: {k: v["batch_tok_s"] for k, v in parts.items()} for b, parts in found.items()},
                "ratio_by_batch": {b: p["int4"]["batch_tok_s"] / p["bf16"]["batch_tok_s"] for b, p in found.items()}},
     )  # fmt: skip
@@ -880,7 +886,7 @@ def main() -> None:
         help="only 17-384 rows: the mma.sync and wgmma kernels against dequantize + cuBLAS and bf16",
     )
     p.add_argument(
-        "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-64"
+        "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-128"
     )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
