@@ -3,19 +3,21 @@ the same fragment-laid int4 weights as kernels/w4a16_mma.py (kernels/int4_dequan
 
 The product is taken transposed, out^T = W x^T, so that the dequantized weights are the MMA's A operand, which
 wgmma takes from registers, and x's rows are its N (B comes only from shared memory):
-- A program has WG warpgroups and owns 64 * WG output columns: warp w takes column block pid * 4 * WG + w, whose
-  words (16 bytes a lane a 64-row quad) are already the A fragments of its 16 rows. The nibbles go under the
-  16-bit magic exponent and the zero comes off by one FMA a register (q - z, exact), as in kernels/w4a16_mma.py;
-  a word is dequantized once for all BM rows of x of the program, where the mma.sync kernel does it once per 16.
+- A program has WG warpgroups, each owning MB tiles of 64 output columns: in tile t, warp w takes a column block whose
+  words (16 bytes a lane a 64-row quad) are already the A fragments of its 16 rows. The nibbles go under the 16-bit
+  magic exponent, the zero comes off by one FMA a register (q - z, exact), and the scale goes on in two more
+  (_scaled_a), so each weight is the dense layer's 16-bit weight, rounded once; a word is dequantized once for all BM
+  rows of x of the program, where the mma.sync kernel does it once per 16.
 - The TMA unit streams each chunk (64 or 128 of K) of x's (BM, chunk) tile and of the program's words into a ring
   of STAGES slots, one mbarrier a slot; the words go through registers (one 16-byte shared load a lane a quad)
   and x's tile is the wgmma's K-major B. Inside a chunk the fragment layout permutes K; x is gathered into that
   order once a call (`chunk_order`, composed with GPTQ's act-order permutation), so its tiles are plain boxes.
-- Each chunk's product is taken fresh and scaled per column (a chunk lies in one group), added into fp32 sums. A
-  slot is refilled once every warp is past it (one CTA barrier a chunk).
+- The MMAs accumulate in place, one fp32 accumulator a tile, issued asynchronously so that the second tile's
+  dequant runs under the first's MMA. A slot is refilled once every warp is past it (one CTA barrier a chunk).
 - Split-K where the column tiles alone leave SMs idle: each split writes fp32 partials, and _sum_splits adds them
   in split order (deterministic), adds the bias and writes x's dtype.
-Measured against the mma.sync kernel, dequantize + cuBLAS and bf16 by `python3 -m bench.quant_int4 --chunked`.
+Measured against the mma.sync kernel, dequantize + cuBLAS and bf16 by `python3 -m bench.quant_int4 --chunked`; its
+configs by `--sweep-wgmma`.
 """
 
 from __future__ import annotations
@@ -28,26 +30,89 @@ import triton
 import triton.experimental.gluon as gluon
 import triton.experimental.gluon.language as gl
 import triton.language as tl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _backend
 from kernels._backend import num_sms
 from kernels.int4_dequant import Int4Weight
-from kernels.w4a16_mma import _index, _slices, folded_a
+from kernels.w4a16_mma import _a_order, _halves, _index, _slices
 
 # rows of x this kernel takes: below, kernels/w4a16_mma.py is faster (one or two 16-row programs a column block);
 # above, dequantizing once for cuBLAS is (bench.quant_int4 --chunked)
 MIN_ROWS, MAX_ROWS = 33, 256
-STAGES = 3  # chunks in flight a program: more cost programs an SM their shared memory
+
+
+def _scaled_asm(kind: str, one: int, magic: int) -> str:
+    """(q - z) * s per register of two 16-bit values: the nibbles of $1 under the magic exponent, less the zero's $3
+    by one FMA (exact), times the scale's rest $5 (exact), then one FMA with the rounded scale $7 (_scaled_a)."""
+    return (
+        f"{{ .reg .b32 t, one, nz, d; mov.b32 one, {one:#010x}; mov.b32 nz, 0x80008000; "
+        f"lop3.b32 t, $1, 0x000F000F, {magic:#010x}, 0xEA; fma.rn.{kind} t, t, one, $3; "
+        f"fma.rn.{kind} d, t, $5, nz; fma.rn.{kind} $0, t, $7, d; }}"
+    )
+
+
+_SCALED_F16 = gl.constexpr(_scaled_asm("f16x2", 0x3C003C00, 0x64006400))
+_SCALED_BF16 = gl.constexpr(_scaled_asm("bf16x2", 0x3F803F80, 0x43004300))
+_SCALED_IO = gl.constexpr("=r,r,r,r,r,r,r,r,r")
 
 
 @gluon.jit
-def _dequant(P, z0, z1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, A_L: gl.constexpr):
-    """(W * 16, Q * 64) A operand of q - z in the 16-bit type from one chunk's words (W, Q, 4, 8, 4) and the zeros
-    of columns g and g + 8 of each block (W, 1, 1, 8, 1): the mma.sync kernel's fragments, its W warps' 16 rows
-    stacked as wgmma's 64 (or 128)."""
-    A = gl.reshape(folded_a(P, z0, z1, FP16, W, Q), (W * 16, Q * 64))
+def _split_scale(s, FP16: gl.constexpr):
+    """A scale as (hi, lo) in x's 16-bit type, each repeated in both halves of an int32: hi the scale rounded, lo the
+    rest, exact for fp16 or bf16 scales (at most 3 bits are left), so that (q - z) * lo is exact too."""
+    DT: gl.constexpr = gl.float16 if FP16 else gl.bfloat16
+    hi = s.to(DT)
+    lo = (s - hi.to(gl.float32)).to(DT)
+    h = hi.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    l16 = lo.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return h | (h << 16), l16 | (l16 << 16)
+
+
+@gluon.jit
+def _pairs(a, b, P):
+    """Per-column values a (column g of each block) and b (g + 8), broadcast and joined as the words' halves are."""
+    a, _ = gl.broadcast(a, P)
+    b, _ = gl.broadcast(b, P)
+    Z = gl.join(gl.join(a, a), gl.join(b, b))
+    return gl.join(Z, Z)
+
+
+@gluon.jit
+def _scaled_a(words, z0, z1, s0, s1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, PL: gl.constexpr,
+              A_L: gl.constexpr):  # fmt: skip
+    """(W * 16, Q * 64) A operand of (q - z) * s in the 16-bit type, rounded once as the dense weights are, from one
+    chunk's words (W, Q * 128) and the zeros and scales of columns g and g + 8 of each block (W, 1, 1, 8, 1): the
+    mma.sync kernel's fragments, its W warps' 16 rows stacked as wgmma's 64 (or 128). Per register: the nibbles under
+    the magic exponent, (magic + q) - (magic + z) by one FMA (exact), times the scale's rest (exact), then one FMA
+    with the rounded scale, so the product is rounded once."""
+    P = gl.permute(gl.reshape(words, (W, Q, 8, 4, 4)), (0, 1, 4, 2, 3))
+    P = gl.convert_layout(P, PL, assert_trivial=True)
+    J = _halves(P)
+    NEG: gl.constexpr = 0xE400 if FP16 else 0xC300  # -(magic) in the 16-bit type; + z in its low bits
+    za = z0.to(gl.int32) + NEG
+    zb = z1.to(gl.int32) + NEG
+    Z = _pairs(za | (za << 16), zb | (zb << 16), P)
+    h0, l0 = _split_scale(s0, FP16)
+    h1, l1 = _split_scale(s1, FP16)
+    SH = _pairs(h0, h1, P)
+    SL = _pairs(l0, l1, P)
+    if FP16:
+        A = gl.inline_asm_elementwise(
+            _SCALED_F16, _SCALED_IO, [J, Z, SL, SH], dtype=gl.float16, is_pure=True, pack=2
+        )
+    else:
+        A = gl.inline_asm_elementwise(
+            _SCALED_BF16, _SCALED_IO, [J, Z, SL, SH], dtype=gl.bfloat16, is_pure=True, pack=2
+        )
+    A = gl.reshape(_a_order(A, W, Q), (W * 16, Q * 64))
     return gl.convert_layout(A, A_L, assert_trivial=True)
 
 
@@ -93,25 +158,62 @@ def applies(x: torch.Tensor, w: Int4Weight) -> bool:
     )  # fmt: skip
 
 
-def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int]:
-    """(rows of x a program, warpgroups a program, K splits) from a sweep of a Llama-3-8B layer at 32-256 rows (H100):
-    64 rows a program up to 64, else 128; two warpgroups (128 columns, x's tile read once for both) where one-group
-    programs of one row tile would be two waves or more (gate_up); K split so that about two programs share each SM,
-    each split at least 4 chunks."""
+def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(rows of x a program, warpgroups a program, 64-column tiles a warpgroup, K splits) from a sweep of a Llama-3-8B
+    layer's GEMMs at 64-256 rows (H200, `bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128; one
+    warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
+    first's MMA; two warpgroups or 256 rows a program were slower); K split so that about two programs share each SM,
+    each split at least 4 chunks. Within 2% of the best config per GEMM at every row count swept."""
     bm = 64 if m <= 64 else 128
     sms = num_sms(device)
-    wg = 2 if m <= 64 and triton.cdiv(n, 64) >= 2 * sms else 1
-    tiles = triton.cdiv(n, 64 * wg) * triton.cdiv(m, bm)
+    tiles = triton.cdiv(n, 128) * triton.cdiv(m, bm)
     split = max(1, min(k // chunk // 4, round(2 * sms / tiles)))
-    return bm, wg, split
+    return bm, 1, 2, split
+
+
+@gluon.jit
+def _zeros_scales(z_ptr, s_ptr, grp, N, vp, W: gl.constexpr, P0: gl.constexpr, P3: gl.constexpr):
+    """Zeros and scales (fp32) of one chunk's group for columns g and g + 8 of each of column tile vp's W blocks, each
+    (W, 1, 1, 8, 1) in the words' layout."""
+    zc = (vp * W + _index(W, 0, 5, P0)) * 16 + _index(8, 3, 5, P3)
+    z0 = gl.load(z_ptr + grp * N + zc, mask=zc < N, other=0)
+    z1 = gl.load(z_ptr + grp * N + zc + 8, mask=zc + 8 < N, other=0)
+    s0 = gl.load(s_ptr + grp * N + zc, mask=zc < N, other=0.0).to(gl.float32)
+    s1 = gl.load(s_ptr + grp * N + zc + 8, mask=zc + 8 < N, other=0.0).to(gl.float32)
+    return z0, z1, s0, s1
+
+
+@gluon.jit
+def _store(total, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp, split, W: gl.constexpr, BM: gl.constexpr,
+           PARTIALS: gl.constexpr, HAS_BIAS: gl.constexpr, DT: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):  # fmt: skip
+    """Column tile vp's sums: fp32 partials (splits, M, N) for _sum_splits, or plus the bias in x's dtype."""
+    cols = vp * (W * 16) + _index(W * 16, 0, 2, C0)  # (W * 16, 1) in the accumulator's layout
+    cmask = cols < N
+    on = pid_m * BM + _index(BM, 1, 2, C1)  # (1, BM)
+    omask = cmask & (on < M)
+    if PARTIALS:
+        gl.store(out_ptr + (split * M + on) * N + cols, total, mask=omask)
+    else:
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + cols, mask=cmask, other=0.0).to(gl.float32)
+        gl.store(out_ptr + on * stride_om + cols, total.to(DT), mask=omask)
+
+
+@gluon.jit
+def _tile_mma(wtile, xtile, acc, z0, z1, s0, s1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.constexpr,
+              WL: gl.constexpr, PL: gl.constexpr, A_L: gl.constexpr):  # fmt: skip
+    """Issue one column tile's MMA for a chunk, asynchronously, from its words (W, Q * 128) and x's (BM, Q * 64) in
+    shared memory."""
+    A = _scaled_a(wtile.load(WL), z0, z1, s0, s1, FP16, W, Q, PL, A_L)
+    return warpgroup_mma(A, xtile.permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
     x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_om, chunks_per_split,
     GROUP: gl.constexpr, FP16: gl.constexpr, HAS_BIAS: gl.constexpr, Q: gl.constexpr, BM: gl.constexpr,
-    WG: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, MMA: gl.constexpr, WL: gl.constexpr,
-    PL: gl.constexpr, P3: gl.constexpr, P0: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
+    WG: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, PARTIALS: gl.constexpr, MMA: gl.constexpr,
+    WL: gl.constexpr, PL: gl.constexpr, P3: gl.constexpr, P0: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
 ):  # fmt: skip
     W: gl.constexpr = 4 * WG
     BK: gl.constexpr = Q * 64
@@ -124,12 +226,12 @@ def _w4a16_wgmma_kernel(
     ch0 = split * chunks_per_split
     n = gl.minimum(ch0 + chunks_per_split, n_chunks) - ch0
     xs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, BK], x_desc.layout)
-    ws = gl.allocate_shared_memory(gl.int32, [STAGES, W, Q * 128], w_desc.layout)
+    ws = gl.allocate_shared_memory(gl.int32, [STAGES, MB * W, Q * 128], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     fence_async_shared()
-    NBYTES: gl.constexpr = BM * BK * 2 + W * Q * 512
+    NBYTES: gl.constexpr = BM * BK * 2 + MB * W * Q * 512
     for i in gl.static_range(STAGES):
         ok = i < n
         mbarrier.expect(bars.index(i), NBYTES, pred=ok)
@@ -137,26 +239,28 @@ def _w4a16_wgmma_kernel(
             x_desc, [pid_m * BM, (ch0 + i) * BK], bars.index(i), xs.index(i), pred=ok
         )
         tma.async_copy_global_to_shared(
-            w_desc, [pid_n * W, (ch0 + i) * (Q * 128)], bars.index(i), ws.index(i), pred=ok
+            w_desc, [pid_n * MB * W, (ch0 + i) * (Q * 128)], bars.index(i), ws.index(i), pred=ok
         )
-    # (W, 1, 1, 8, 1): columns g of each block, whose zeros fold into its registers (g + 8: the other half)
-    zc = (pid_n * W + _index(W, 0, 5, P0)) * 16 + _index(8, 3, 5, P3)
-    cols = pid_n * (W * 16) + _index(W * 16, 0, 2, C0)  # (W * 16, 1) in the accumulator's layout
-    cmask = cols < N
-    total = gl.zeros([W * 16, BM], gl.float32, MMA)
-    zero = gl.zeros([W * 16, BM], gl.float32, MMA)
+    # the program's column tiles: vp0 (and vp0 + 1 when MB is 2), W blocks of 16 columns each
+    vp0 = pid_n * MB
+    acc0 = gl.zeros([W * 16, BM], gl.float32, MMA)
+    acc1 = gl.zeros([W * 16, BM], gl.float32, MMA)
     for j in range(0, n):
         grp = ((ch0 + j) * BK) // GROUP
-        z0 = gl.load(z_ptr + grp * N + zc, mask=zc < N, other=0)
-        z1 = gl.load(z_ptr + grp * N + zc + 8, mask=zc + 8 < N, other=0)
-        s = gl.load(s_ptr + grp * N + cols, mask=cmask, other=0.0).to(gl.float32)
+        z00, z01, s00, s01 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0, W, P0, P3)
+        if MB == 2:
+            z10, z11, s10, s11 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0 + 1, W, P0, P3)
         st = j % STAGES
         mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-        words = ws.index(st).load(WL)  # (W, Q * 128): lane g * 4 + t's four words of each quad
-        P = gl.permute(gl.reshape(words, (W, Q, 8, 4, 4)), (0, 1, 4, 2, 3))
-        P = gl.convert_layout(P, PL, assert_trivial=True)
-        A = _dequant(P, z0, z1, FP16, W, Q, A_L)
-        acc = warpgroup_mma(A, xs.index(st).permute((1, 0)), zero, use_acc=False)
+        # MMAs issued asynchronously: the second tile's dequant runs under the first tile's MMA
+        acc0 = _tile_mma(ws.index(st).slice(0, W), xs.index(st), acc0, z00, z01, s00, s01, FP16, W, Q, WL,
+                         PL, A_L)  # fmt: skip
+        if MB == 2:
+            acc1 = _tile_mma(ws.index(st).slice(W, W), xs.index(st), acc1, z10, z11, s10, s11, FP16, W, Q, WL,
+                             PL, A_L)  # fmt: skip
+            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+        else:
+            acc0 = warpgroup_mma_wait(0, deps=[acc0])
         gl.thread_barrier()  # every warp is done with this stage: refill it
         fence_async_shared()
         ok = j + STAGES < n
@@ -164,19 +268,14 @@ def _w4a16_wgmma_kernel(
         nk = ch0 + j + STAGES
         tma.async_copy_global_to_shared(x_desc, [pid_m * BM, nk * BK], bars.index(st), xs.index(st), pred=ok)
         tma.async_copy_global_to_shared(
-            w_desc, [pid_n * W, nk * (Q * 128)], bars.index(st), ws.index(st), pred=ok
+            w_desc, [pid_n * MB * W, nk * (Q * 128)], bars.index(st), ws.index(st), pred=ok
         )
-        total += acc * s
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    on = pid_m * BM + _index(BM, 1, 2, C1)  # (1, BM)
-    omask = cmask & (on < M)
-    if SPLIT > 1:  # fp32 partials (SPLIT, M, N), summed by _sum_splits
-        gl.store(out_ptr + (split * M + on) * N + cols, total, mask=omask)
-    else:
-        if HAS_BIAS:
-            total += gl.load(bias_ptr + cols, mask=cmask, other=0.0).to(gl.float32)
-        gl.store(out_ptr + on * stride_om + cols, total.to(DT), mask=omask)
+    _store(acc0, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0, split, W, BM, PARTIALS, HAS_BIAS, DT, C0, C1)
+    if MB == 2:
+        _store(acc1, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0 + 1, split, W, BM, PARTIALS, HAS_BIAS, DT, C0,
+               C1)  # fmt: skip
 
 
 @functools.cache
@@ -203,10 +302,11 @@ def w4a16_wgmma(
     x: torch.Tensor,
     w: Int4Weight,
     bias: torch.Tensor | None = None,
-    block_m: int | None = None,  # these three: config() by default
+    block_m: int | None = None,  # these four: config() by default
     warpgroups: int | None = None,
+    column_tiles: int | None = None,
     split: int | None = None,
-    stages: int = STAGES,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """(M, K) 16-bit x of MIN_ROWS..MAX_ROWS rows against fragment-laid int4 weights with integer zeros: (M, N) in
     x's dtype."""
@@ -223,8 +323,8 @@ def w4a16_wgmma(
     if w.perm is not None:
         order = w.perm[order]
     xo = x.index_select(1, order)
-    bm, wg, sp = config(m, n, k, bk, x.device)
-    bm, wg, sp = block_m or bm, warpgroups or wg, split or sp
+    bm, wg, mb, sp = config(m, n, k, bk, x.device)
+    bm, wg, mb, sp = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp
     per = triton.cdiv(k // bk, sp)
     sp = triton.cdiv(k // bk, per)  # no split left empty
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -232,13 +332,14 @@ def w4a16_wgmma(
     gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = TensorDescriptor.from_tensor(xo, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     w_desc = TensorDescriptor.from_tensor(
-        w.qweight.view(w.qweight.shape[0], -1), [4 * wg, q * 128],
+        w.qweight.view(w.qweight.shape[0], -1), [4 * wg * mb, q * 128],
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
     )  # fmt: skip
-    _w4a16_wgmma_kernel[(triton.cdiv(n, 64 * wg), triton.cdiv(m, bm), sp)](
+    _w4a16_wgmma_kernel[(triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)](
         x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, dst, m, n, k, out.stride(0), per,
         GROUP=w.group_size, FP16=x.dtype == torch.float16, HAS_BIAS=bias is not None, Q=q, BM=bm, WG=wg,
-        STAGES=stages, SPLIT=sp, num_warps=4 * wg, **_layouts(q, bm, wg),
+        MB=mb, STAGES=stages or (3 if bm == 64 else 2), PARTIALS=sp > 1, num_warps=4 * wg,
+        **_layouts(q, bm, wg),
     )  # fmt: skip
     if sp > 1:
         block = 1024

@@ -104,13 +104,16 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
 )  # fmt: skip
 def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, monkeypatch):
     """The wgmma kernel at its fewest and most rows and between, with act order and a bias, at config()'s pick and
-    at settings it may pick elsewhere (two warpgroups, 64 or 128 rows a program, K split 1-3 ways, a deeper ring):
+    at settings it may pick elsewhere (two warpgroups, two 64-column tiles a warpgroup, 64, 128 or 256 rows a program,
+    K split 1-3 ways, a shallower or deeper ring):
     each is the dequantized weights' product. Column counts that leave the last program's blocks partly empty
     (1040, 272) read zeros there."""
     configs = [
         {},
         {"block_m": 64, "warpgroups": 2, "split": 1},
         {"block_m": 128, "warpgroups": 1, "split": 3, "stages": 4},
+        {"block_m": 128, "warpgroups": 2, "column_tiles": 2, "split": 2, "stages": 2},
+        {"block_m": 256, "warpgroups": 1, "column_tiles": 1, "split": 1, "stages": 2},
     ]
     for i, m in enumerate((WGMMA_MIN_ROWS, 64, 100, 200, WGMMA_MAX_ROWS)):
         w = to_fragments(random_int4(k, n, group, perm=i % 2 == 1, seed=i))
@@ -123,6 +126,20 @@ def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, mon
         assert torch.equal(
             w4a16_gemm(x, w, bias), w4a16_wgmma(x, w, bias)
         )  # the dispatch takes it at these rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [{}, {"block_m": 128, "warpgroups": 2, "column_tiles": 2, "split": 2}])
+def test_wgmma_kernel_reads_each_weight_as_the_dense_layer_holds_it(dtype, cfg):
+    """The scale rides in the dequantized A operand, rounded once: against one-hot rows of x each output is one
+    weight, and it equals the dense weight in x's dtype bit for bit (fp16 scales that bf16 cannot hold, act order)."""
+    k, n = 2048, 1040
+    w = to_fragments(random_int4(k, n, 128, perm=True, seed=3))
+    picks = torch.randperm(k, device="cuda")[:200]
+    x = torch.zeros(200, k, device="cuda", dtype=dtype)
+    x[torch.arange(200, device="cuda"), picks] = 1
+    want = w4a16_gemm_reference(torch.eye(k, device="cuda"), w).to(dtype)[picks]
+    assert torch.equal(w4a16_wgmma(x, w, None, **cfg), want)
 
 
 def test_wgmma_kernel_refuses_what_it_does_not_take():
