@@ -340,6 +340,88 @@ def sweep_mma(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+WGMMA_SWEEP_M = (64, 128, 192, 256)
+# (rows of x a program, warpgroups, 64-column tiles a warpgroup, ring stages) the wgmma sweep times
+WGMMA_CONFIGS = [(64, 1, 1, 3), (64, 2, 1, 3), (64, 1, 2, 3), (64, 2, 2, 3), (128, 1, 1, 3), (128, 2, 1, 3),
+                 (128, 1, 2, 2), (128, 1, 2, 3), (128, 2, 2, 2), (256, 1, 1, 2), (256, 2, 1, 2)]  # fmt: skip
+
+
+def sweep_wgmma(out_dir: Path | None) -> None:
+    """The wgmma kernel GEMM by GEMM at 64-256 rows: every config of WGMMA_CONFIGS at two K splits (about one and two
+    programs an SM), each checked against the dequantized weights' product, us against what config() picks:
+    quant_w4a16_wgmma_sweep_llama3-8b (value: the layer at config()'s picks over the rows, against the best config
+    per GEMM)."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels._backend import num_sms
+    from kernels.int4_dequant import int4_dequant
+    from kernels.w4a16_wgmma import config, w4a16_wgmma
+
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    sms = num_sms(torch.device("cuda"))
+    found: dict[str, dict[str, float]] = {}
+    picked, best = 0.0, 0.0
+    for m in WGMMA_SWEEP_M:
+        for name, (k, n) in LAYER.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x.float(), int4_dequant(sets[0][name], torch.float32))
+            row: dict[str, float] = {}
+            for bm, wg, mb, stages in WGMMA_CONFIGS:
+                if bm > 64 and m <= 64 or bm == 64 and m > 128:
+                    continue
+                tiles = triton_cdiv(n, 64 * wg * mb) * triton_cdiv(m, bm)
+                for per_sm in (1, 2):
+                    split = max(1, min(k // 128 // 4, round(per_sm * sms / tiles)))
+                    cfg: dict[str, Any] = dict(
+                        block_m=bm,
+                        warpgroups=wg,
+                        column_tiles=mb,
+                        split=split,
+                        stages=stages,
+                    )
+                    key = f"BM{bm}WG{wg}T{mb}S{stages}K{split}"
+                    if key in row:
+                        continue
+                    try:
+                        out = w4a16_wgmma(x, sets[0][name], **cfg).float()
+                        err = ((out - ref).norm() / ref.norm()).item()
+                        if err > 2e-2:
+                            print(f"  M={m} {name} {key}: WRONG (relative error {err:.3g})", flush=True)
+                            row[key] = float("nan")
+                            continue
+                        fns = [partial(w4a16_wgmma, x, ws[name], **cfg) for ws in sets]
+                        row[key] = round(time_us(fns), 2)
+                    except Exception as e:  # a config the device cannot run (shared memory, registers)
+                        print(f"  M={m} {name} {key}: {type(e).__name__} {str(e)[:200]}", flush=True)
+            bm, wg, mb, split = config(m, n, k, 128, x.device)
+            row["config"] = round(time_us([partial(w4a16_wgmma, x, ws[name]) for ws in sets]), 2)
+            row["config_is"] = f"BM{bm}WG{wg}T{mb}K{split}"  # type: ignore[assignment]
+            found[f"M={m} {name}"] = row
+            timed = sorted(
+                (v, c) for c, v in row.items() if isinstance(v, float) and v == v and c != "config"
+            )
+            picked += row["config"]
+            best += timed[0][0]
+            print(f"sweep wgmma M={m} {name}: config {row['config']} ({row['config_is']}); best "
+                  + ", ".join(f"{key} {v}" for v, key in timed[:4]), flush=True)  # fmt: skip
+    record(
+        "quant_w4a16_wgmma_sweep_llama3-8b", picked, "us", baseline=best,
+        baseline_name="the best config per GEMM, summed over the layer and the rows (us)", ratio=best / picked,
+        out_dir=out_dir, command=COMMAND + " --sweep-wgmma",
+        extra={"what": "the wgmma W4A16 kernel per Llama-3-8B GEMM at 64 / 128 / 192 / 256 rows (group 128, six "
+                       "weight sets, graph replay), us per config: BM rows of x a program, WG warpgroups, T 64-column "
+                       "tiles a warpgroup, S ring stages, K splits; config: what kernels/w4a16_wgmma.config picks",
+               "configs": found},
+    )  # fmt: skip
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _load_only_kernel():
     """A Triton kernel that loads the packed weights in the one-row GEMM's tiles and pipeline (columns a
     program, K tile, stages) and only folds them into one word per column: the GEMM without its arithmetic."""
@@ -886,6 +968,9 @@ def main() -> None:
         help="only 17-384 rows: the mma.sync and wgmma kernels against dequantize + cuBLAS and bf16",
     )
     p.add_argument(
+        "--sweep-wgmma", action="store_true", help="only the wgmma kernel's configs at 64-256 rows"
+    )
+    p.add_argument(
         "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-128"
     )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
@@ -898,6 +983,7 @@ def main() -> None:
     modes = {
         "kernels": decode_kernels,
         "sweep_mma": sweep_mma,
+        "sweep_wgmma": sweep_wgmma,
         "rope": rope_epilogue,
         "sweep_regs": sweep_regs,
         "chunked": rows_chunked,
