@@ -325,6 +325,8 @@ def w4a16_wgmma(
     xo = x.index_select(1, order)
     bm, wg, mb, sp = config(m, n, k, bk, x.device)
     bm, wg, mb, sp = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp
+    if mb not in (1, 2):
+        raise ValueError(f"w4a16_wgmma takes 1 or 2 column tiles a warpgroup, not {mb}")
     per = triton.cdiv(k // bk, sp)
     sp = triton.cdiv(k // bk, per)  # no split left empty
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
