@@ -353,6 +353,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
     per GEMM)."""
     import torch
     import torch.nn.functional as F
+    import triton
 
     from bench.kernels import time_us
     from bench.record import record
@@ -372,7 +373,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
             for bm, wg, mb, stages in WGMMA_CONFIGS:
                 if bm > 64 and m <= 64 or bm == 64 and m > 128:
                     continue
-                tiles = triton_cdiv(n, 64 * wg * mb) * triton_cdiv(m, bm)
+                tiles = triton.cdiv(n, 64 * wg * mb) * triton.cdiv(m, bm)
                 for per_sm in (1, 2):
                     split = max(1, min(k // 128 // 4, round(per_sm * sms / tiles)))
                     cfg: dict[str, Any] = dict(
@@ -416,10 +417,6 @@ def sweep_wgmma(out_dir: Path | None) -> None:
                        "tiles a warpgroup, S ring stages, K splits; config: what kernels/w4a16_wgmma.config picks",
                "configs": found},
     )  # fmt: skip
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _load_only_kernel():
