@@ -43,8 +43,10 @@ CHANNEL_OPTIONS = [
     # A peer that restarts on its address is reached again within ~0.5 s (gRPC's default backoff grows to
     # 120 s, so a worker back after a minute could wait another minute to be used).
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    # gRPC reads this one as the least time a connection attempt gets to finish its handshake, not as a
+    # backoff: at 100 ms a peer busy for a moment (a loaded host) failed calls made then with UNAVAILABLE.
+    ("grpc.min_reconnect_backoff_ms", 5_000),
 ]
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
+import signal
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +19,7 @@ import pytest
 
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.grpc_common import CHANNEL_OPTIONS
 from serving.mux import ManyStream, RpcAbort, serve_many
 from serving.roles import free_port
 
@@ -280,6 +283,22 @@ def test_a_dead_server_fails_every_open_call_and_the_next_call_reconnects(server
             procs.append(_start(int(address.rsplit(":", 1)[1])))  # a new server on the same address
             result = await asyncio.wait_for(_collect(many.open(request_id="echo-2")), 30)
             assert result == [0, 1]
+            many.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_slow_to_answer_the_handshake_is_still_reached(server):
+    """With the serving channel options, a first call to a server that answers the connection's handshake
+    a second late (its process stopped: a host busy for a moment) waits for it instead of failing."""
+    address, procs = server
+
+    async def main() -> None:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(1.0, os.kill, procs[0].pid, signal.SIGCONT)
+            many = _stream(channel)
+            assert await asyncio.wait_for(_collect(many.open(request_id="echo-3")), 30) == [0, 1, 2]
             many.close()
 
     asyncio.run(main())
