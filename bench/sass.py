@@ -11,6 +11,9 @@ The loop's skeleton lists, in order, its global loads (with their widths), its M
 and its branches: a move at the end of the loop from a register that a load of the same iteration writes waits for
 that load, so the load is not ahead of its use after all. The device's Triton is the one that counts: with another
 version here the SASS differs in its details (`TRITON_VERSION` of the device image: 3.6).
+
+`wgmma_operand_hazards` reads any kernel's SASS for the hazard that warpgroup MMAs with a register operand invite
+(tests/gpu runs it on every variant of kernels/w4a16_wgmma.py that it compiles).
 """
 
 from __future__ import annotations
@@ -147,6 +150,58 @@ def loop_skeleton(sass: str) -> list[str]:
     if mmas:
         out.append(f"  {mmas} MMA")
     return out
+
+
+# opcodes whose first register operand is read, not written (stores, barriers, branches, MMAs: their accumulator)
+_NO_DEST = ("ST", "RED", "ATOM", "BAR", "BRA", "SYNCS", "WARPGROUP", "UTMA", "MEMBAR", "FENCE", "NOP", "EXIT", "HGMMA",
+            "WARPSYNC", "DEPBAR", "CCTL", "ERRBAR", "RET", "CALL", "BSYNC", "BSSY")  # fmt: skip
+
+
+def _written(line: str) -> set[str]:
+    """The general registers an instruction writes: its first operand, 2 or 4 of them for 64- and 128-bit ops."""
+    m = re.match(r"(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)\b", line)
+    if m is None or m.group(1).startswith(_NO_DEST):
+        return set()
+    width = 4 if ".128" in m.group(1) else 2 if ".64" in m.group(1) or ".WIDE" in m.group(1) else 1
+    first = int(m.group(2)[1:])
+    return {f"R{first + i}" for i in range(width)}
+
+
+def wgmma_operand_hazards(sass: str) -> list[str]:
+    """Where the loop around a kernel's warpgroup MMAs writes a register that an MMA still in flight reads as its A
+    operand (wgmma reads it asynchronously, until a `wgmma.wait_group` leaves fewer groups in flight than were
+    committed after the MMA's own): each as "MMA | writer". The loop is followed round once, so an A operand made in
+    one iteration and read by an MMA still in flight from the one before counts."""
+    lines = [re.sub(r"/\*[0-9a-f]+\*/", "", line).strip() for line in sass.splitlines()]
+    lines = [line for line in lines if line]
+    labels = {line[:-1]: i for i, line in enumerate(lines) if re.fullmatch(r"\.L_x_\d+:", line)}
+    found: list[str] = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if not target or labels.get(target.group(1), i) >= i:
+            continue
+        loop = lines[labels[target.group(1)] : i + 1]
+        if not any("HGMMA" in x for x in loop):
+            continue
+        twice = loop + loop
+        for a, mma in enumerate(loop):
+            reads = re.search(r"HGMMA\.\S+ R\d+, (R\d+),", mma)
+            if reads is None:  # A from shared memory
+                continue
+            first = int(reads.group(1)[1:])
+            a_regs = {f"R{first + r}" for r in range(4)}
+            commit = next(c for c in range(a, len(twice)) if "HGMMA" in twice[c] and "gsb0" in twice[c])
+            after = 0  # groups committed after the MMA's own
+            for other in twice[commit + 1 :]:
+                if "HGMMA" in other and "gsb0" in other:
+                    after += 1
+                dep = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", other)
+                if dep and after >= int(dep.group(1), 16):
+                    break
+                if _written(other) & a_regs:
+                    found.append(f"{mma.rstrip(' ;')} | {other.rstrip(' ;')}")
+                    break
+    return found
 
 
 def main() -> None:

@@ -12,8 +12,10 @@ wgmma takes from registers, and x's rows are its N (B comes only from shared mem
   of STAGES slots, one mbarrier a slot; the words go through registers (one 16-byte shared load a lane a quad)
   and x's tile is the wgmma's K-major B. Inside a chunk the fragment layout permutes K; x is gathered into that
   order once a call (`chunk_order`, composed with GPTQ's act-order permutation), so its tiles are plain boxes.
-- The MMAs accumulate in place, one fp32 accumulator a tile, issued asynchronously so that the second tile's
-  dequant runs under the first's MMA. A slot is refilled once every warp is past it (one CTA barrier a chunk).
+- The MMAs accumulate in place, one fp32 accumulator a tile, issued asynchronously and kept in flight across chunks:
+  each tile's MMA runs while the other tile's words are dequantized (with one tile a warpgroup, or overlap=False,
+  each chunk's MMAs are waited for before the next chunk's dequant). A slot is refilled once its chunk's last MMA is
+  retired and every warp is past it (one CTA barrier a chunk).
 - Split-K where the column tiles alone leave SMs idle: each split writes fp32 partials, and _sum_splits adds them
   in split order (deterministic), adds the bias and writes x's dtype.
 Measured against the mma.sync kernel, dequantize + cuBLAS and bf16 by `python3 -m bench.quant_int4 --chunked`; its
@@ -163,7 +165,9 @@ def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[in
     layer's GEMMs at 64-256 rows (H200, `bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128; one
     warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
     first's MMA; two warpgroups or 256 rows a program were slower); K split so that about two programs share each SM,
-    each split at least 4 chunks. Within 2% of the best config per GEMM at every row count swept."""
+    each split at least 4 chunks. Within 2% of the best config per GEMM at every row count swept, each chunk's MMAs
+    then waited for; with them in flight, an H100 sweep finds qkv and o faster at 192-256 rows at one program an SM and
+    3 stages (docs/kernels.md), not yet measured on the H200."""
     bm = 64 if m <= 64 else 128
     sms = num_sms(device)
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, bm)
@@ -212,7 +216,8 @@ def _tile_mma(wtile, xtile, acc, z0, z1, s0, s1, FP16: gl.constexpr, W: gl.const
 def _w4a16_wgmma_kernel(
     x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_om, chunks_per_split,
     GROUP: gl.constexpr, FP16: gl.constexpr, HAS_BIAS: gl.constexpr, Q: gl.constexpr, BM: gl.constexpr,
-    WG: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, PARTIALS: gl.constexpr, MMA: gl.constexpr,
+    WG: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, PARTIALS: gl.constexpr, OVERLAP: gl.constexpr,
+    MMA: gl.constexpr,
     WL: gl.constexpr, PL: gl.constexpr, P3: gl.constexpr, P0: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr,
 ):  # fmt: skip
     W: gl.constexpr = 4 * WG
@@ -245,31 +250,72 @@ def _w4a16_wgmma_kernel(
     vp0 = pid_n * MB
     acc0 = gl.zeros([W * 16, BM], gl.float32, MMA)
     acc1 = gl.zeros([W * 16, BM], gl.float32, MMA)
-    for j in range(0, n):
-        grp = ((ch0 + j) * BK) // GROUP
+    if OVERLAP:
+        # each tile's MMA stays in flight while the other tile's words are dequantized, across chunks too: tile 1's
+        # A operand is carried round the loop until its MMA is done, and a tile's next A is made only once its last
+        # MMA is done, so it may take the same registers; the zeros and scales of the next chunk are loaded a chunk
+        # ahead. (One tile cannot: its next A would be made while its last MMA reads the registers it takes.)
+        last = gl.zeros([W * 16, Q * 64], DT, A_L)
+        grp = (ch0 * BK) // GROUP
         z00, z01, s00, s01 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0, W, P0, P3)
-        if MB == 2:
-            z10, z11, s10, s11 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0 + 1, W, P0, P3)
-        st = j % STAGES
-        mbarrier.wait(bars.index(st), (j // STAGES) & 1)
-        # MMAs issued asynchronously: the second tile's dequant runs under the first tile's MMA
-        acc0 = _tile_mma(ws.index(st).slice(0, W), xs.index(st), acc0, z00, z01, s00, s01, FP16, W, Q, WL,
-                         PL, A_L)  # fmt: skip
-        if MB == 2:
-            acc1 = _tile_mma(ws.index(st).slice(W, W), xs.index(st), acc1, z10, z11, s10, s11, FP16, W, Q, WL,
+        z10, z11, s10, s11 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0 + 1, W, P0, P3)
+        for j in range(0, n):
+            nxt = ((ch0 + gl.minimum(j + 1, n - 1)) * BK) // GROUP
+            y00, y01, t00, t01 = _zeros_scales(z_ptr, s_ptr, nxt, N, vp0, W, P0, P3)
+            y10, y11, t10, t11 = _zeros_scales(z_ptr, s_ptr, nxt, N, vp0 + 1, W, P0, P3)
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            a0 = _scaled_a(ws.index(st).slice(0, W).load(WL), z00, z01, s00, s01, FP16, W, Q, PL, A_L)
+            acc0 = warpgroup_mma(a0, xs.index(st).permute((1, 0)), acc0, is_async=True)
+            # the MMAs of the chunk before are done: its slot is free
+            acc0, acc1, last = warpgroup_mma_wait(1, deps=[acc0, acc1, last])
+            gl.thread_barrier()
+            fence_async_shared()
+            pst = (j + STAGES - 1) % STAGES
+            ok = (j > 0) & (j + STAGES - 1 < n)
+            mbarrier.expect(bars.index(pst), NBYTES, pred=ok)
+            nk = ch0 + j + STAGES - 1
+            tma.async_copy_global_to_shared(
+                x_desc, [pid_m * BM, nk * BK], bars.index(pst), xs.index(pst), pred=ok
+            )
+            tma.async_copy_global_to_shared(
+                w_desc, [pid_n * MB * W, nk * (Q * 128)], bars.index(pst), ws.index(pst), pred=ok
+            )
+            a1 = _scaled_a(ws.index(st).slice(W, W).load(WL), z10, z11, s10, s11, FP16, W, Q, PL, A_L)
+            acc1 = warpgroup_mma(a1, xs.index(st).permute((1, 0)), acc1, is_async=True)
+            acc0, acc1, a0 = warpgroup_mma_wait(1, deps=[acc0, acc1, a0])
+            last = a1
+            z00, z01, s00, s01 = y00, y01, t00, t01
+            z10, z11, s10, s11 = y10, y11, t10, t11
+        acc0, acc1, last = warpgroup_mma_wait(0, deps=[acc0, acc1, last])
+    else:
+        for j in range(0, n):
+            grp = ((ch0 + j) * BK) // GROUP
+            z00, z01, s00, s01 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0, W, P0, P3)
+            if MB == 2:
+                z10, z11, s10, s11 = _zeros_scales(z_ptr, s_ptr, grp, N, vp0 + 1, W, P0, P3)
+            st = j % STAGES
+            mbarrier.wait(bars.index(st), (j // STAGES) & 1)
+            # MMAs issued asynchronously: the second tile's dequant runs under the first tile's MMA
+            acc0 = _tile_mma(ws.index(st).slice(0, W), xs.index(st), acc0, z00, z01, s00, s01, FP16, W, Q, WL,
                              PL, A_L)  # fmt: skip
-            acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
-        else:
-            acc0 = warpgroup_mma_wait(0, deps=[acc0])
-        gl.thread_barrier()  # every warp is done with this stage: refill it
-        fence_async_shared()
-        ok = j + STAGES < n
-        mbarrier.expect(bars.index(st), NBYTES, pred=ok)
-        nk = ch0 + j + STAGES
-        tma.async_copy_global_to_shared(x_desc, [pid_m * BM, nk * BK], bars.index(st), xs.index(st), pred=ok)
-        tma.async_copy_global_to_shared(
-            w_desc, [pid_n * MB * W, nk * (Q * 128)], bars.index(st), ws.index(st), pred=ok
-        )
+            if MB == 2:
+                acc1 = _tile_mma(ws.index(st).slice(W, W), xs.index(st), acc1, z10, z11, s10, s11, FP16, W, Q, WL,
+                                 PL, A_L)  # fmt: skip
+                acc0, acc1 = warpgroup_mma_wait(0, deps=[acc0, acc1])
+            else:
+                acc0 = warpgroup_mma_wait(0, deps=[acc0])
+            gl.thread_barrier()  # every warp is done with this stage: refill it
+            fence_async_shared()
+            ok = j + STAGES < n
+            mbarrier.expect(bars.index(st), NBYTES, pred=ok)
+            nk = ch0 + j + STAGES
+            tma.async_copy_global_to_shared(
+                x_desc, [pid_m * BM, nk * BK], bars.index(st), xs.index(st), pred=ok
+            )
+            tma.async_copy_global_to_shared(
+                w_desc, [pid_n * MB * W, nk * (Q * 128)], bars.index(st), ws.index(st), pred=ok
+            )
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     _store(acc0, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0, split, W, BM, PARTIALS, HAS_BIAS, DT, C0, C1)
@@ -307,9 +353,10 @@ def w4a16_wgmma(
     column_tiles: int | None = None,
     split: int | None = None,
     stages: int | None = None,
+    overlap: bool = True,
 ) -> torch.Tensor:
     """(M, K) 16-bit x of MIN_ROWS..MAX_ROWS rows against fragment-laid int4 weights with integer zeros: (M, N) in
-    x's dtype."""
+    x's dtype. overlap=False waits for each chunk's MMAs before the next chunk's dequant (the A-B; same products)."""
     if not applies(x, w):
         raise ValueError(
             f"w4a16_wgmma takes fragment-laid weights with integer zeros and {MIN_ROWS}..{MAX_ROWS} rows of 16-bit x "
@@ -340,7 +387,7 @@ def w4a16_wgmma(
     _w4a16_wgmma_kernel[(triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)](
         x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, dst, m, n, k, out.stride(0), per,
         GROUP=w.group_size, FP16=x.dtype == torch.float16, HAS_BIAS=bias is not None, Q=q, BM=bm, WG=wg,
-        MB=mb, STAGES=stages or (3 if bm == 64 else 2), PARTIALS=sp > 1, num_warps=4 * wg,
+        MB=mb, STAGES=stages or (3 if bm == 64 else 2), PARTIALS=sp > 1, OVERLAP=overlap and mb == 2, num_warps=4 * wg,
         **_layouts(q, bm, wg),
     )  # fmt: skip
     if sp > 1:

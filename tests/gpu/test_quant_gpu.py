@@ -105,7 +105,7 @@ def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
 def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, monkeypatch):
     """The wgmma kernel at its fewest and most rows and between, with act order and a bias, at config()'s pick and
     at settings it may pick elsewhere (two warpgroups, two 64-column tiles a warpgroup, 64, 128 or 256 rows a program,
-    K split 1-3 ways, a shallower or deeper ring):
+    K split 1-3 ways, a shallower or deeper ring, each MMA waited for before the next chunk's dequant):
     each is the dequantized weights' product. Column counts that leave the last program's blocks partly empty
     (1040, 272) read zeros there."""
     configs = [
@@ -114,6 +114,8 @@ def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, mon
         {"block_m": 128, "warpgroups": 1, "split": 3, "stages": 4},
         {"block_m": 128, "warpgroups": 2, "column_tiles": 2, "split": 2, "stages": 2},
         {"block_m": 256, "warpgroups": 1, "column_tiles": 1, "split": 1, "stages": 2},
+        {"overlap": False},
+        {"block_m": 64, "column_tiles": 1, "split": 2, "overlap": False},
     ]
     for i, m in enumerate((WGMMA_MIN_ROWS, 64, 100, 200, WGMMA_MAX_ROWS)):
         w = to_fragments(random_int4(k, n, group, perm=i % 2 == 1, seed=i))
@@ -129,7 +131,14 @@ def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, mon
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", [{}, {"block_m": 128, "warpgroups": 2, "column_tiles": 2, "split": 2}])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"block_m": 128, "warpgroups": 2, "column_tiles": 2, "split": 2},
+        {"column_tiles": 1, "overlap": False},
+    ],
+)
 def test_wgmma_kernel_reads_each_weight_as_the_dense_layer_holds_it(dtype, cfg):
     """The scale rides in the dequantized A operand, rounded once: against one-hot rows of x each output is one
     weight, and it equals the dense weight in x's dtype bit for bit (fp16 scales that bf16 cannot hold, act order)."""
@@ -140,6 +149,37 @@ def test_wgmma_kernel_reads_each_weight_as_the_dense_layer_holds_it(dtype, cfg):
     x[torch.arange(200, device="cuda"), picks] = 1
     want = w4a16_gemm_reference(torch.eye(k, device="cuda"), w).to(dtype)[picks]
     assert torch.equal(w4a16_wgmma(x, w, None, **cfg), want)
+
+
+def test_wgmma_kernel_never_overwrites_an_operand_in_flight(tmp_path):
+    """A warpgroup MMA reads its A operand from registers while it runs: in the machine code of every variant compiled
+    here (config()'s picks and others, bf16 and fp16, groups of 64 and 128, with a bias and split-K), no instruction
+    writes a register that an MMA still in flight reads (bench/sass.py: wgmma_operand_hazards)."""
+    import kernels.w4a16_wgmma as wgmma
+    from bench.sass import sass_of, wgmma_operand_hazards
+
+    configs = [
+        {},
+        {"split": 1},
+        {"block_m": 256, "column_tiles": 1, "split": 1, "stages": 2},
+        {"overlap": False},
+    ]
+    for dtype in (torch.bfloat16, torch.float16):
+        for i, (k, n, group) in enumerate([(4096, 6144, 128), (1088, 200, 64)]):
+            w = to_fragments(random_int4(k, n, group, seed=i))
+            bias = torch.randn(n, device="cuda").to(dtype) if i else None
+            for m in (WGMMA_MIN_ROWS, 100, WGMMA_MAX_ROWS):
+                x = torch.randn(m, k, device="cuda").to(dtype)
+                for cfg in configs:
+                    w4a16_wgmma(x, w, bias, **cfg)
+    compiled = [
+        kern for cache in wgmma._w4a16_wgmma_kernel.device_caches.values() for kern in cache[0].values()
+    ]
+    assert len(compiled) >= 8
+    for kern in compiled:
+        sass, _ = sass_of(kern.asm["cubin"], tmp_path)
+        assert "HGMMA" in sass
+        assert wgmma_operand_hazards(sass) == []
 
 
 def test_wgmma_kernel_refuses_what_it_does_not_take():
