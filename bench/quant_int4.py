@@ -348,7 +348,8 @@ WGMMA_CONFIGS = [(64, 1, 1, 3), (64, 2, 1, 3), (64, 1, 2, 3), (64, 2, 2, 3), (12
 
 def sweep_wgmma(out_dir: Path | None) -> None:
     """The wgmma kernel GEMM by GEMM at 64-256 rows: every config of WGMMA_CONFIGS at two K splits (about one and two
-    programs an SM), each checked against the dequantized weights' product, us against what config() picks:
+    programs an SM), each checked against the dequantized weights' product, us against what config() picks, and
+    config()'s pick with overlap=False (the MMAs' overlap across chunks off; the products must be equal):
     quant_w4a16_wgmma_sweep_llama3-8b (value: the layer at config()'s picks over the rows, against the best config
     per GEMM)."""
     import torch
@@ -364,6 +365,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     sms = num_sms(torch.device("cuda"))
     found: dict[str, dict[str, float]] = {}
+    layers: dict[str, dict[str, float]] = {}
     picked, best = 0.0, 0.0
     for m in WGMMA_SWEEP_M:
         for name, (k, n) in LAYER.items():
@@ -399,14 +401,26 @@ def sweep_wgmma(out_dir: Path | None) -> None:
                         print(f"  M={m} {name} {key}: {type(e).__name__} {str(e)[:200]}", flush=True)
             bm, wg, mb, split = config(m, n, k, 128, x.device)
             row["config"] = round(time_us([partial(w4a16_wgmma, x, ws[name]) for ws in sets]), 2)
+            # the A-B of the MMAs kept in flight across chunks: each waited for before the next chunk's dequant
+            if not torch.equal(w4a16_wgmma(x, sets[0][name]), w4a16_wgmma(x, sets[0][name], overlap=False)):
+                print(f"  M={m} {name}: the overlapped and waited products differ", flush=True)
+            row["overlap_off"] = round(
+                time_us([partial(w4a16_wgmma, x, ws[name], overlap=False) for ws in sets]), 2
+            )
             row["config_is"] = f"BM{bm}WG{wg}T{mb}K{split}"  # type: ignore[assignment]
             found[f"M={m} {name}"] = row
             timed = sorted(
-                (v, c) for c, v in row.items() if isinstance(v, float) and v == v and c != "config"
+                (v, c)
+                for c, v in row.items()
+                if isinstance(v, float) and v == v and c not in ("config", "overlap_off")
             )
             picked += row["config"]
             best += timed[0][0]
-            print(f"sweep wgmma M={m} {name}: config {row['config']} ({row['config_is']}); best "
+            layer = layers.setdefault(str(m), {"config": 0.0, "overlap_off": 0.0})
+            layer["config"] = round(layer["config"] + row["config"], 2)
+            layer["overlap_off"] = round(layer["overlap_off"] + row["overlap_off"], 2)
+            print(f"sweep wgmma M={m} {name}: config {row['config']} ({row['config_is']}), overlap off "
+                  f"{row['overlap_off']}; best "
                   + ", ".join(f"{key} {v}" for v, key in timed[:4]), flush=True)  # fmt: skip
     record(
         "quant_w4a16_wgmma_sweep_llama3-8b", picked, "us", baseline=best,
@@ -414,8 +428,9 @@ def sweep_wgmma(out_dir: Path | None) -> None:
         out_dir=out_dir, command=COMMAND + " --sweep-wgmma",
         extra={"what": "the wgmma W4A16 kernel per Llama-3-8B GEMM at 64 / 128 / 192 / 256 rows (group 128, six "
                        "weight sets, graph replay), us per config: BM rows of x a program, WG warpgroups, T 64-column "
-                       "tiles a warpgroup, S ring stages, K splits; config: what kernels/w4a16_wgmma.config picks",
-               "configs": found},
+                       "tiles a warpgroup, S ring stages, K splits; config: what kernels/w4a16_wgmma.config picks; "
+                       "overlap_off: config()'s pick with each chunk's MMAs waited for before the next chunk's dequant",
+               "layer_by_rows_us": layers, "configs": found},
     )  # fmt: skip
 
 
