@@ -76,8 +76,12 @@ async def sigterm_during_streams(
             tasks.append(asyncio.create_task(stream(client, url, body, running)))
         for _ in range(streaming):
             await asyncio.wait_for(running.get(), 240)
+        finished = [t for t in tasks if t.done()]
         proc.send_signal(signal.SIGTERM)
-        return list(await asyncio.gather(*tasks))
+        results = list(await asyncio.gather(*tasks))
+        # the test's premise: no stream was over when the signal went
+        assert not finished, f"{len(finished)} streams finished before SIGTERM: raise max_tokens"
+        return results
 
 
 def finish_reason(event: str) -> str | None:
@@ -87,12 +91,14 @@ def finish_reason(event: str) -> str | None:
 
 def test_sigterm_lets_every_stream_finish(tmp_path):
     log = tmp_path / "stack.log"
-    proc, url = start_stack(log)  # the default drain timeout, 30 s
+    proc, url = start_stack(log, "--drain-timeout-s", "120")  # room for a slow host: the streams set the time
     try:
         # SIGTERM once every stream has its first token, so that all are in flight at the gateway however
-        # slowly they arrived; 32 tokens leave the first to arrive far from done by then
-        results = asyncio.run(sigterm_during_streams(proc, url, max_tokens=32, streaming=STREAMS))
-        assert proc.wait(timeout=120) == 0
+        # slowly they arrived. The first to arrive is prefilled alone and decodes alone while the other 15 are
+        # prefilled together (1.5-2.7 s on a 2-core host, where it makes about 16 tokens a second): 64 tokens
+        # leave it far from done by then
+        results = asyncio.run(sigterm_during_streams(proc, url, max_tokens=64, streaming=STREAMS))
+        assert proc.wait(timeout=180) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
