@@ -347,11 +347,11 @@ WGMMA_CONFIGS = [(64, 1, 1, 3), (64, 2, 1, 3), (64, 1, 2, 3), (64, 2, 2, 3), (12
 
 
 def sweep_wgmma(out_dir: Path | None) -> None:
-    """The wgmma kernel GEMM by GEMM at 64-256 rows: every config of WGMMA_CONFIGS at two K splits (about one and two
-    programs an SM), each checked against the dequantized weights' product, us against what config() picks, and
-    config()'s pick with overlap=False (the MMAs' overlap across chunks off; the products must be equal):
-    quant_w4a16_wgmma_sweep_llama3-8b (value: the layer at config()'s picks over the rows, against the best config
-    per GEMM)."""
+    """The wgmma kernel GEMM by GEMM at 64-256 rows: every config of WGMMA_CONFIGS at up to three K splits (about one
+    and two programs an SM, and the most that keep the tiles to one wave), each checked against the dequantized
+    weights' product, us against what config() picks, and config()'s pick with overlap=False (the MMAs' overlap
+    across chunks off; the products must be equal): quant_w4a16_wgmma_sweep_llama3-8b (value: the layer at config()'s
+    picks over the rows, against the best config per GEMM)."""
     import torch
     import torch.nn.functional as F
     import triton
@@ -376,8 +376,11 @@ def sweep_wgmma(out_dir: Path | None) -> None:
                 if bm > 64 and m <= 64 or bm == 64 and m > 128:
                     continue
                 tiles = triton.cdiv(n, 64 * wg * mb) * triton.cdiv(m, bm)
-                for per_sm in (1, 2):
-                    split = max(1, min(k // 128 // 4, round(per_sm * sms / tiles)))
+                splits = {
+                    max(1, min(k // 128 // 4, s))
+                    for s in (round(sms / tiles), round(2 * sms / tiles), sms // tiles)
+                }
+                for split in sorted(splits):
                     cfg: dict[str, Any] = dict(
                         block_m=bm,
                         warpgroups=wg,
@@ -399,7 +402,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
                         row[key] = round(time_us(fns), 2)
                     except Exception as e:  # a config the device cannot run (shared memory, registers)
                         print(f"  M={m} {name} {key}: {type(e).__name__} {str(e)[:200]}", flush=True)
-            bm, wg, mb, split = config(m, n, k, 128, x.device)
+            bm, wg, mb, split, stages = config(m, n, k, 128, x.device)
             row["config"] = round(time_us([partial(w4a16_wgmma, x, ws[name]) for ws in sets]), 2)
             # the A-B of the MMAs kept in flight across chunks: each waited for before the next chunk's dequant
             if not torch.equal(w4a16_wgmma(x, sets[0][name]), w4a16_wgmma(x, sets[0][name], overlap=False)):
@@ -407,7 +410,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
             row["overlap_off"] = round(
                 time_us([partial(w4a16_wgmma, x, ws[name], overlap=False) for ws in sets]), 2
             )
-            row["config_is"] = f"BM{bm}WG{wg}T{mb}K{split}"  # type: ignore[assignment]
+            row["config_is"] = f"BM{bm}WG{wg}T{mb}S{stages}K{split}"  # type: ignore[assignment]
             found[f"M={m} {name}"] = row
             timed = sorted(
                 (v, c)
@@ -416,9 +419,13 @@ def sweep_wgmma(out_dir: Path | None) -> None:
             )
             picked += row["config"]
             best += timed[0][0]
-            layer = layers.setdefault(str(m), {"config": 0.0, "overlap_off": 0.0})
+            layer = layers.setdefault(str(m), {"config": 0.0, "overlap_off": 0.0, "two_an_sm": 0.0})
             layer["config"] = round(layer["config"] + row["config"], 2)
             layer["overlap_off"] = round(layer["overlap_off"] + row["overlap_off"], 2)
+            # the plan config() had before one program an SM: two an SM with two stages wherever rows pass 64
+            two = max(1, min(k // 128 // 4, round(2 * sms / (triton.cdiv(n, 128) * triton.cdiv(m, bm)))))
+            key = f"BM{bm}WG1T2S{3 if bm == 64 else 2}K{two}"
+            layer["two_an_sm"] = round(layer["two_an_sm"] + row.get(key, float("nan")), 2)
             print(f"sweep wgmma M={m} {name}: config {row['config']} ({row['config_is']}), overlap off "
                   f"{row['overlap_off']}; best "
                   + ", ".join(f"{key} {v}" for v, key in timed[:4]), flush=True)  # fmt: skip
@@ -429,7 +436,9 @@ def sweep_wgmma(out_dir: Path | None) -> None:
         extra={"what": "the wgmma W4A16 kernel per Llama-3-8B GEMM at 64 / 128 / 192 / 256 rows (group 128, six "
                        "weight sets, graph replay), us per config: BM rows of x a program, WG warpgroups, T 64-column "
                        "tiles a warpgroup, S ring stages, K splits; config: what kernels/w4a16_wgmma.config picks; "
-                       "overlap_off: config()'s pick with each chunk's MMAs waited for before the next chunk's dequant",
+                       "overlap_off: config()'s pick with each chunk's MMAs waited for before the next chunk's dequant; "
+                       "two_an_sm: the layer with two programs an SM and two stages past 64 rows (config()'s plan "
+                       "before one program an SM where the tiles fit a wave)",
                "layer_by_rows_us": layers, "configs": found},
     )  # fmt: skip
 

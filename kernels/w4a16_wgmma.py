@@ -160,19 +160,21 @@ def applies(x: torch.Tensor, w: Int4Weight) -> bool:
     )  # fmt: skip
 
 
-def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(rows of x a program, warpgroups a program, 64-column tiles a warpgroup, K splits) from a sweep of a Llama-3-8B
-    layer's GEMMs at 64-256 rows (H200, `bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128; one
-    warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
-    first's MMA; two warpgroups or 256 rows a program were slower); K split so that about two programs share each SM,
-    each split at least 4 chunks. Within 2% of the best config per GEMM at every row count swept, each chunk's MMAs
-    then waited for; with them in flight, an H100 sweep finds qkv and o faster at 192-256 rows at one program an SM and
-    3 stages (docs/kernels.md), not yet measured on the H200."""
+def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(rows of x a program, warpgroups a program, 64-column tiles a warpgroup, K splits, ring stages) from sweeps of a
+    Llama-3-8B layer's GEMMs at 64-256 rows (`bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128;
+    one warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
+    first's MMA; two warpgroups or 256 rows a program were slower); each split at least 4 chunks. At 128 rows a
+    program three stages of 128-row chunks take over half an SM's shared memory, so where the column tiles fit one
+    wave the K split keeps them to one program an SM, with three stages; else two programs an SM, with two stages
+    (qkv and o 3-21% faster, down 2-3% slower, H100)."""
     bm = 64 if m <= 64 else 128
     sms = num_sms(device)
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, bm)
-    split = max(1, min(k // chunk // 4, round(2 * sms / tiles)))
-    return bm, 1, 2, split
+    most = max(1, k // chunk // 4)
+    if bm == 128 and tiles <= sms:
+        return bm, 1, 2, min(most, sms // tiles), 3
+    return bm, 1, 2, max(1, min(most, round(2 * sms / tiles))), 3 if bm == 64 else 2
 
 
 @gluon.jit
@@ -348,7 +350,7 @@ def w4a16_wgmma(
     x: torch.Tensor,
     w: Int4Weight,
     bias: torch.Tensor | None = None,
-    block_m: int | None = None,  # these four: config() by default
+    block_m: int | None = None,  # these five: config() by default
     warpgroups: int | None = None,
     column_tiles: int | None = None,
     split: int | None = None,
@@ -370,8 +372,8 @@ def w4a16_wgmma(
     if w.perm is not None:
         order = w.perm[order]
     xo = x.index_select(1, order)
-    bm, wg, mb, sp = config(m, n, k, bk, x.device)
-    bm, wg, mb, sp = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp
+    bm, wg, mb, sp, st = config(m, n, k, bk, x.device)
+    bm, wg, mb, sp, st = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp, stages or st
     if mb not in (1, 2):
         raise ValueError(f"w4a16_wgmma takes 1 or 2 column tiles a warpgroup, not {mb}")
     per = triton.cdiv(k // bk, sp)
@@ -387,7 +389,7 @@ def w4a16_wgmma(
     _w4a16_wgmma_kernel[(triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)](
         x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, dst, m, n, k, out.stride(0), per,
         GROUP=w.group_size, FP16=x.dtype == torch.float16, HAS_BIAS=bias is not None, Q=q, BM=bm, WG=wg,
-        MB=mb, STAGES=stages or (3 if bm == 64 else 2), PARTIALS=sp > 1, OVERLAP=overlap and mb == 2, num_warps=4 * wg,
+        MB=mb, STAGES=st, PARTIALS=sp > 1, OVERLAP=overlap and mb == 2, num_warps=4 * wg,
         **_layouts(q, bm, wg),
     )  # fmt: skip
     if sp > 1:

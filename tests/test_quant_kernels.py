@@ -362,6 +362,28 @@ def test_wgmma_kernel_gathers_x_into_the_a_operands_k_order(group):
     assert torch.equal(a[:n], unpack_rows(w.qweight).t()[:, order].to(a.dtype))
 
 
+def test_wgmma_config_keeps_three_stage_programs_to_one_wave(monkeypatch):
+    """kernels/w4a16_wgmma.config: at 128 rows a program, three stages take over half an SM's shared memory, so a
+    three-stage plan must fit one program an SM (a second wave ran 12% slower); two-stage plans aim at two an SM;
+    every split keeps at least 4 chunks; 64 rows a program up to 64 rows of x."""
+    import kernels.w4a16_wgmma as wgmma
+
+    sms = 132
+    monkeypatch.setattr(wgmma, "num_sms", lambda device: sms)
+    picks = {}
+    for m in range(wgmma.MIN_ROWS, wgmma.MAX_ROWS + 1):
+        for name, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                             "down": (14336, 4096), "odd": (1024, 272)}.items():  # fmt: skip
+            bm, wg, mb, split, stages = wgmma.config(m, n, k, 128, torch.device("cuda"))
+            programs = -(-n // (64 * wg * mb)) * -(-m // bm) * split
+            assert bm == (64 if m <= 64 else 128) and split >= 1, (m, name)
+            assert split == 1 or k // 128 // split >= 4, (m, name, split)
+            if bm == 128:
+                assert programs <= sms if stages == 3 else stages == 2, (m, name, programs, stages)
+            picks[m, name] = (split, stages)
+    assert picks[192, "qkv"] == (1, 3) and picks[128, "o"] == (4, 3) and picks[128, "gate_up"] == (1, 2)
+
+
 def test_fragment_layout_refuses_what_it_cannot_hold():
     from kernels.int4_dequant import fragment_chunk, to_fragments
 
