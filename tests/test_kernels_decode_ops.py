@@ -60,11 +60,20 @@ def test_dense_linear_takes_the_kernel_for_one_half_precision_row(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+_SMALL_SWIGLU = [(1, 16, None), (7, 100, (1, 32, 1)), (37, 200, (2, 64, 2))]
+
+
+# the model-sized shape (default tiles over many programs) once a dtype: the interpreter takes ~20 s a case there
 @pytest.mark.parametrize(
-    "n,k,config", [(1, 16, None), (7, 100, (1, 32, 1)), (37, 200, (2, 64, 2)), (768, 576, None)]
+    "n,k,config,dtype,bias",
+    [
+        (*shape, dtype, bias)
+        for shape in _SMALL_SWIGLU
+        for dtype in (torch.float32, torch.float16)
+        for bias in (False, True)
+    ]
+    + [(768, 576, None, torch.float32, True), (768, 576, None, torch.float16, False)],
 )
-@pytest.mark.parametrize("bias", [False, True])
 def test_gemv_swiglu_equals_the_gemv_then_silu_and_mul(n, k, config, dtype, bias):
     """gate_up's GEMV with SwiGLU as its epilogue: the two unfused kernels' output bit for bit (same tile),
     and the torch reference."""
