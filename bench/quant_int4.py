@@ -575,13 +575,11 @@ def engine_part(part: str, kernels: bool = False, batch: int = 1) -> dict[str, A
         return time.perf_counter() - t
 
     linear = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "_proj." in n)
-    if kernels:
-        ids = prompt(128256, 0)
+    if kernels:  # the same `batch` prompts each time
+        ids = [{"prompt_token_ids": prompt(128256, i)} for i in range(batch)]
 
         def generate_ids(n: int) -> None:
-            llm.generate(
-                {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-            )
+            llm.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             torch.cuda.synchronize()
 
         return {**decode_tps(generate), "kernels_per_step": kernels_per_step(generate_ids)}
