@@ -46,9 +46,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
   one launch, the wgmma kernel, dequantize + cuBLAS and bf16: quant_w4a16_rows_chunked_llama3-8b.
 - --batched: the int4 (AWQ) and bf16 engines' decode at batches of 16, 32, 64 and 128, and int4 with the wgmma
   kernel off at 64 and 128: quant_int4_decode_batched_llama3-8b.
-- --kernels: one batch-1 decode step of the int4 (AWQ) and the bf16 engine, its time as served and, with every
-  kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token generation less a
-  1-token one, per step): quant_int4_decode_b1_kernels_llama3-8b.
+- --kernels [--batch B]: one decode step of B sequences (default 1) of the int4 (AWQ) and the bf16 engine, its time
+  as served and, with every kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token
+  generation less a 1-token one, per step): quant_int4_decode_b{B}_kernels_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b; --rope: quant_w4a16_qkv_rope_llama3-8b. About 6
 minutes on an H200.
@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -925,14 +926,14 @@ def decode_batched(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
-def decode_kernels(out_dir: Path | None) -> None:
-    """Where a batch-1 decode step's GPU time goes, int4 (AWQ) against bf16, as a record: the step as served (PDL
-    on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would count its
-    wait for the one before)."""
+def decode_kernels(out_dir: Path | None, batch: int = 1) -> None:
+    """Where a decode step's GPU time goes at `batch` sequences, int4 (AWQ) against bf16, as a record: the step as
+    served (PDL on), and each kernel's own time with every kernel launched plainly (under PDL a kernel's time would
+    count its wait for the one before)."""
     from bench.record import record
 
     found = {
-        (q, pdl): child(q, 400, True, 1, **({} if pdl else {"PDSERVE_PDL": "0"}))
+        (q, pdl): child(q, 400, True, batch, **({} if pdl else {"PDSERVE_PDL": "0"}))
         for q in ("awq", "none")
         for pdl in (True, False)
     }
@@ -947,11 +948,11 @@ def decode_kernels(out_dir: Path | None) -> None:
         for kernel, us, n in found[q, False]["kernels_per_step"][:10]:
             print(f"  {us:8.1f} us {n:6.1f}x  {kernel[:100]}", flush=True)
     record(
-        "quant_int4_decode_b1_kernels_llama3-8b", step["awq"], "us", baseline=step["none"],
+        f"quant_int4_decode_b{batch}_kernels_llama3-8b", step["awq"], "us", baseline=step["none"],
         baseline_name="bf16 engine's decode step, same run (us)", ratio=step["none"] / step["awq"],
         out_dir=out_dir, command=COMMAND + " --kernels",
-        extra={"what": "one batch-1 decode step (128-token prompt, graphs on): us a step as served, and CUDA time "
-                       "kernel by kernel with every kernel launched plainly: [name, us a step, launches a step]",
+        extra={"what": f"one batch-{batch} decode step (128-token prompts, graphs on): us a step as served, and "
+                       "CUDA time kernel by kernel with every kernel launched plainly: [name, us a step, launches a step]",
                "int4_tok_s": found["awq", True]["tok_s"], "bf16_tok_s": found["none", True]["tok_s"],
                "int4_kernels_us_launched_plainly": total["awq"], "bf16_kernels_us_launched_plainly": total["none"],
                "int4": found["awq", False]["kernels_per_step"][:12],
@@ -993,14 +994,14 @@ def main() -> None:
         "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-128"
     )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=1, help="with --kernels: the decode batch (default 1)")
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
         args.json.write_text(json.dumps(engine_part(args.part, args.kernels, args.batch), indent=1))
         return
-    modes = {
-        "kernels": decode_kernels,
+    modes: dict[str, Callable[[Path | None], None]] = {
+        "kernels": partial(decode_kernels, batch=args.batch),
         "sweep_mma": sweep_mma,
         "sweep_wgmma": sweep_wgmma,
         "rope": rope_epilogue,

@@ -6,7 +6,7 @@
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
-# kernels_quant rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights); profile (Nsight Compute's
+# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights); profile (Nsight Compute's
 # counters for bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
@@ -57,6 +57,7 @@ step bench_quant 560 python3 -m bench.quant_int4 --out-dir "$OUT/q"
 # the tensor-core kernel's configs GEMM by GEMM (what kernels/w4a16_mma.config picks from), and a decode step's time
 step sweep_mma 300 python3 -m bench.quant_int4 --sweep-mma --out-dir "$OUT/q"
 step kernels_quant 300 python3 -m bench.quant_int4 --kernels --out-dir "$OUT/q"
+step kernels_quant_b128 400 python3 -m bench.quant_int4 --kernels --batch 128 --out-dir "$OUT/q"
 step rope_quant 200 python3 -m bench.quant_int4 --rope --out-dir "$OUT/q"
 step regs_quant 300 python3 -m bench.quant_int4 --sweep-regs --out-dir "$OUT/q"
 step chunked_quant 240 python3 -m bench.quant_int4 --chunked --out-dir "$OUT/q"
