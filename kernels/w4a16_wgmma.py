@@ -119,6 +119,33 @@ def _scaled_a(words, z0, z1, s0, s1, FP16: gl.constexpr, W: gl.constexpr, Q: gl.
 
 
 @triton.jit
+def _gather_columns_kernel(x_ptr, idx_ptr, out_ptr, K, stride_xm, stride_xk, stride_om, BLOCK: tl.constexpr):
+    """out[m, p] = x[m, idx[p]] for one row and BLOCK positions a program: the columns of a chunk lie within a few
+    hundred bytes of each other, so the gathered loads stay in the lines one chunk's row fills."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = p < K
+    col = tl.load(idx_ptr + p, mask=mask, other=0)
+    tl.store(
+        out_ptr + row * stride_om + p,
+        tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask),
+        mask=mask,
+    )
+
+
+def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """x.index_select(1, order), contiguous, in one Triton launch: torch's gather along the inner dimension took
+    6.6 us a GEMM at 128 rows (H100), 0.85 ms of a batch-128 decode step."""
+    m, k = x.shape
+    out = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    block = 1024
+    _gather_columns_kernel[(m, triton.cdiv(k, block))](
+        x, order, out, k, x.stride(0), x.stride(1), out.stride(0), BLOCK=block
+    )
+    return out
+
+
+@triton.jit
 def _sum_splits(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BLOCK: tl.constexpr):  # fmt: skip
     """out = sum over splits of the fp32 partials, in split order, plus the bias, in out's dtype."""
@@ -371,7 +398,7 @@ def w4a16_wgmma(
     order = chunk_order(k, bk, x.device)
     if w.perm is not None:
         order = w.perm[order]
-    xo = x.index_select(1, order)
+    xo = gather_columns(x, order)
     bm, wg, mb, sp, st = config(m, n, k, bk, x.device)
     bm, wg, mb, sp, st = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp, stages or st
     if mb not in (1, 2):

@@ -362,6 +362,22 @@ def test_wgmma_kernel_gathers_x_into_the_a_operands_k_order(group):
     assert torch.equal(a[:n], unpack_rows(w.qweight).t()[:, order].to(a.dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgmma_gathers_x_as_index_select_does(dtype):
+    """kernels/w4a16_wgmma.gather_columns (the kernel's x in the layout's K order, interpreted here): x.index_select(1,
+    order) exactly, for chunk orders with and without GPTQ's act-order permutation composed in, K past one block of
+    positions and not a multiple of it, and x whose rows are not contiguous."""
+    from kernels.w4a16_wgmma import chunk_order, gather_columns
+
+    g = torch.Generator().manual_seed(0)
+    for m, k, chunk in ((3, 1152, 128), (2, 192, 64), (1, 128, 128)):
+        order = chunk_order(k, chunk, torch.device("cpu"))
+        for idx in (order, torch.randperm(k, generator=g)[order]):
+            for x in (torch.randn(m, k, generator=g).to(dtype), torch.randn(k, m, generator=g).to(dtype).t()):
+                got = gather_columns(x, idx)
+                assert got.is_contiguous() and torch.equal(got, x.index_select(1, idx)), (m, k, chunk)
+
+
 def test_wgmma_config_keeps_three_stage_programs_to_one_wave(monkeypatch):
     """kernels/w4a16_wgmma.config: at 128 rows a program, three stages take over half an SM's shared memory, so a
     three-stage plan must fit one program an SM (a second wave ran 12% slower); two-stage plans aim at two an SM;
