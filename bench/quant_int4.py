@@ -361,7 +361,7 @@ def sweep_wgmma(out_dir: Path | None) -> None:
     from bench.record import record
     from kernels._backend import num_sms
     from kernels.int4_dequant import int4_dequant
-    from kernels.w4a16_wgmma import config, w4a16_wgmma
+    from kernels.w4a16_wgmma import config, ring_stages, w4a16_wgmma
 
     sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
     sms = num_sms(torch.device("cuda"))
@@ -403,7 +403,8 @@ def sweep_wgmma(out_dir: Path | None) -> None:
                         row[key] = round(time_us(fns), 2)
                     except Exception as e:  # a config the device cannot run (shared memory, registers)
                         print(f"  M={m} {name} {key}: {type(e).__name__} {str(e)[:200]}", flush=True)
-            bm, wg, mb, split, stages = config(m, n, k, 128, x.device)
+            bm, wg, mb, split = config(m, n, k, 128, x.device)
+            stages = ring_stages(bm, triton.cdiv(n, 64 * wg * mb) * triton.cdiv(m, bm) * split, x.device)
             row["config"] = round(time_us([partial(w4a16_wgmma, x, ws[name]) for ws in sets]), 2)
             # the A-B of the MMAs kept in flight across chunks: each waited for before the next chunk's dequant
             if not torch.equal(w4a16_wgmma(x, sets[0][name]), w4a16_wgmma(x, sets[0][name], overlap=False)):

@@ -187,21 +187,27 @@ def applies(x: torch.Tensor, w: Int4Weight) -> bool:
     )  # fmt: skip
 
 
-def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(rows of x a program, warpgroups a program, 64-column tiles a warpgroup, K splits, ring stages) from sweeps of a
-    Llama-3-8B layer's GEMMs at 64-256 rows (`bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128;
-    one warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
+def config(m: int, n: int, k: int, chunk: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(rows of x a program, warpgroups a program, 64-column tiles a warpgroup, K splits) from sweeps of a Llama-3-8B
+    layer's GEMMs at 64-256 rows (`bench.quant_int4 --sweep-wgmma`): 64 rows a program up to 64, else 128; one
+    warpgroup of two column tiles (128 columns: half the x tiles of one, and the second tile's dequant under the
     first's MMA; two warpgroups or 256 rows a program were slower); each split at least 4 chunks. At 128 rows a
-    program three stages of 128-row chunks take over half an SM's shared memory, so where the column tiles fit one
-    wave the K split keeps them to one program an SM, with three stages; else two programs an SM, with two stages
-    (qkv and o 3-21% faster, down 2-3% slower, H100)."""
+    program, where the column tiles fit one wave, K is split to one program an SM, which then takes three stages
+    (ring_stages); else to about two an SM (qkv and o 3-21% faster, down 2-3% slower, H100)."""
     bm = 64 if m <= 64 else 128
     sms = num_sms(device)
     tiles = triton.cdiv(n, 128) * triton.cdiv(m, bm)
     most = max(1, k // chunk // 4)
     if bm == 128 and tiles <= sms:
-        return bm, 1, 2, min(most, sms // tiles), 3
-    return bm, 1, 2, max(1, min(most, round(2 * sms / tiles))), 3 if bm == 64 else 2
+        return bm, 1, 2, min(most, sms // tiles)
+    return bm, 1, 2, max(1, min(most, round(2 * sms / tiles)))
+
+
+def ring_stages(block_m: int, programs: int, device: torch.device) -> int:
+    """Ring slots for a launch of `programs` programs of block_m rows: three at 64 rows; at 128 three stages of
+    128-row chunks take over half an SM's shared memory, so three only where the programs fit one a SM (two a SM at
+    two stages were slower there; split so that a second wave runs, three stages were 12% slower than two)."""
+    return 3 if block_m == 64 or block_m == 128 and programs <= num_sms(device) else 2
 
 
 @gluon.jit
@@ -377,7 +383,7 @@ def w4a16_wgmma(
     x: torch.Tensor,
     w: Int4Weight,
     bias: torch.Tensor | None = None,
-    block_m: int | None = None,  # these five: config() by default
+    block_m: int | None = None,  # these four: config() by default; stages: ring_stages()
     warpgroups: int | None = None,
     column_tiles: int | None = None,
     split: int | None = None,
@@ -399,12 +405,14 @@ def w4a16_wgmma(
     if w.perm is not None:
         order = w.perm[order]
     xo = gather_columns(x, order)
-    bm, wg, mb, sp, st = config(m, n, k, bk, x.device)
-    bm, wg, mb, sp, st = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp, stages or st
+    bm, wg, mb, sp = config(m, n, k, bk, x.device)
+    bm, wg, mb, sp = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp
     if mb not in (1, 2):
         raise ValueError(f"w4a16_wgmma takes 1 or 2 column tiles a warpgroup, not {mb}")
     per = triton.cdiv(k // bk, sp)
     sp = triton.cdiv(k // bk, per)  # no split left empty
+    grid = (triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)
+    st = stages or ring_stages(bm, grid[0] * grid[1] * sp, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     dst = torch.empty(sp, m, n, dtype=torch.float32, device=x.device) if sp > 1 else out
     gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
@@ -413,7 +421,7 @@ def w4a16_wgmma(
         w.qweight.view(w.qweight.shape[0], -1), [4 * wg * mb, q * 128],
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
     )  # fmt: skip
-    _w4a16_wgmma_kernel[(triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)](
+    _w4a16_wgmma_kernel[grid](
         x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, dst, m, n, k, out.stride(0), per,
         GROUP=w.group_size, FP16=x.dtype == torch.float16, HAS_BIAS=bias is not None, Q=q, BM=bm, WG=wg,
         MB=mb, STAGES=st, PARTIALS=sp > 1, OVERLAP=overlap and mb == 2, num_warps=4 * wg,

@@ -379,9 +379,9 @@ def test_wgmma_gathers_x_as_index_select_does(dtype):
 
 
 def test_wgmma_config_keeps_three_stage_programs_to_one_wave(monkeypatch):
-    """kernels/w4a16_wgmma.config: at 128 rows a program, three stages take over half an SM's shared memory, so a
-    three-stage plan must fit one program an SM (a second wave ran 12% slower), and others take two stages; every
-    split keeps at least 4 chunks; 64 rows a program up to 64 rows of x."""
+    """kernels/w4a16_wgmma.config and ring_stages: at 128 rows a program, three stages take over half an SM's shared
+    memory, so a three-stage plan must fit one program an SM (a second wave ran 12% slower), and others take two
+    stages, 256-row programs too; every split keeps at least 4 chunks; 64 rows a program up to 64 rows of x."""
     import kernels.w4a16_wgmma as wgmma
 
     sms = 132
@@ -390,14 +390,16 @@ def test_wgmma_config_keeps_three_stage_programs_to_one_wave(monkeypatch):
     for m in range(wgmma.MIN_ROWS, wgmma.MAX_ROWS + 1):
         for name, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                              "down": (14336, 4096), "odd": (1024, 272)}.items():  # fmt: skip
-            bm, wg, mb, split, stages = wgmma.config(m, n, k, 128, torch.device("cuda"))
+            bm, wg, mb, split = wgmma.config(m, n, k, 128, torch.device("cuda"))
             programs = -(-n // (64 * wg * mb)) * -(-m // bm) * split
+            stages = wgmma.ring_stages(bm, programs, torch.device("cuda"))
             assert bm == (64 if m <= 64 else 128), (m, name)
             assert split == 1 or k // 128 // split >= 4, (m, name, split)
             if bm == 128:
                 assert programs <= sms if stages == 3 else stages == 2, (m, name, programs, stages)
             picks[m, name] = (split, stages)
     assert picks[192, "qkv"] == (1, 3) and picks[128, "o"] == (4, 3) and picks[128, "gate_up"] == (1, 2)
+    assert wgmma.ring_stages(256, 8, torch.device("cuda")) == 2  # a shape picked by hand: its own stages
 
 
 def test_fragment_layout_refuses_what_it_cannot_hold():
