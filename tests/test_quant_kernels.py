@@ -378,6 +378,24 @@ def test_wgmma_gathers_x_as_index_select_does(dtype):
                 assert got.is_contiguous() and torch.equal(got, x.index_select(1, idx)), (m, k, chunk)
 
 
+def test_wgmma_x_order_composes_act_order_once_a_weight():
+    """kernels/w4a16_wgmma.x_order: the chunk order alone without act order; with it, position p reads column
+    perm[chunk_order[p]], composed on the first call and the same tensor on every later one."""
+    from kernels.int4_dequant import to_fragments
+    from kernels.w4a16_wgmma import _PERM_ORDERS, chunk_order, x_order
+
+    for perm in (False, True):
+        w = to_fragments(random_int4(256, 48, 128, perm=perm, seed=3))
+        order = chunk_order(256, w.chunk, torch.device("cpu"))
+        first = x_order(w)
+        want = order if w.perm is None else w.perm.long()[order]
+        assert torch.equal(first.long(), want) and x_order(w) is first, perm
+        assert (w.perm is not None) == (id(w.perm) in _PERM_ORDERS), perm
+    held = len(_PERM_ORDERS)
+    del w, first
+    assert len(_PERM_ORDERS) == held - 1  # the composed order goes with its weight
+
+
 def test_wgmma_config_keeps_three_stage_programs_to_one_wave(monkeypatch):
     """kernels/w4a16_wgmma.config and ring_stages: at 128 rows a program, three stages take over half an SM's shared
     memory, so a three-stage plan must fit one program an SM (a second wave ran 12% slower), and others take two

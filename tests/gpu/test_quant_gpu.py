@@ -30,6 +30,7 @@ from kernels.w4a16_mma import (
 )
 from kernels.w4a16_wgmma import MAX_ROWS as WGMMA_MAX_ROWS
 from kernels.w4a16_wgmma import MIN_ROWS as WGMMA_MIN_ROWS
+from kernels.w4a16_wgmma import _locks as wgmma_locks
 from kernels.w4a16_wgmma import w4a16_wgmma
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 from tests.quant_checkpoints import dequantized_copy, write_gguf
@@ -441,8 +442,8 @@ def test_dequantize_kernels_are_exact():
                  (64, "fragments"), (200, "fragments")],
 )  # fmt: skip
 def test_small_m_kernels_replay_from_a_cuda_graph(m, layout, monkeypatch):
-    """Split-K's counters and the wgmma kernel's descriptors and K-order gather (64 and 200 rows, on Hopper)
-    replay from a graph with new x each time."""
+    """Split-K's counters (the wgmma kernel's too) and the wgmma kernel's descriptors and K-order gather (64 and 200
+    rows, on Hopper) replay from a graph with new x each time, every counter left at zero."""
     monkeypatch.setattr(backend, "WGMMA", True)
     w = random_int4(14336, 4096, 128, seed=m)
     if layout == "fragments":
@@ -458,6 +459,7 @@ def test_small_m_kernels_replay_from_a_cuda_graph(m, layout, monkeypatch):
         torch.cuda.synchronize()
         assert rel_err(out, w4a16_gemm_reference(x.float(), w)) < ERR[torch.bfloat16], step
         assert int(_locks(x.device).abs().sum()) == 0
+        assert int(wgmma_locks(x.device).abs().sum()) == 0
 
 
 @pytest.fixture(scope="module")
