@@ -63,8 +63,9 @@ class LlamaAttention(nn.Module):
         cos_sin_cache: torch.Tensor,  # (max_positions, head_dim): cos | sin
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
+        ordered: bool = False,  # hidden's columns in the K order qkv_proj.input_order named
     ) -> torch.Tensor:  # (num_tokens, hidden)
-        qkv = self.qkv_proj(hidden)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        qkv = self.qkv_proj(hidden, ordered)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         return self.o_proj(self.attend(qkv, positions, cos_sin_cache, kv_cache, meta))
 
     def attend(
@@ -111,8 +112,12 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden)
-        return self.down_proj(self.gate_up_proj(x, swiglu=True))  # silu(gate) * up, (num_tokens, inter / tp)
+    def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:  # (num_tokens, hidden)
+        """ordered: x's columns in the K order gate_up_proj.input_order named. The activation, silu(gate) * up
+        (num_tokens, inter / tp), comes in the K order down_proj reads it in."""
+        order = self.down_proj.input_order(x)
+        act = self.gate_up_proj(x, ordered, swiglu=True, out_order=order)
+        return self.down_proj(act, order != 0)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -132,14 +137,17 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The norms add the residual in place: hidden and residual are overwritten."""
+        """The norms add the residual in place: hidden and residual are overwritten. Each writes its normed rows in
+        the K order the GEMM after it reads them in (the wgmma kernel's rows: LinearBase.input_order)."""
+        order = self.self_attn.qkv_proj.input_order(hidden)
         if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+            hidden, residual = self.input_layernorm(hidden, order=order), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual, order)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta, order != 0)
+        order = self.mlp.gate_up_proj.input_order(hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, order)
+        return self.mlp(hidden, order != 0), residual
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (int4, up to

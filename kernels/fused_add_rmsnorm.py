@@ -8,6 +8,10 @@
 Statistics in fp32; the normalised row is rounded to the input dtype before the weight scales it,
 the rounding of transformers' LlamaRMSNorm. fused_add_rmsnorm works in place (vLLM's
 fused_add_rms_norm): the caller's x and residual are overwritten and returned.
+
+`order` (a fragment chunk, 64 or 128; 0 for none) writes the normed row in the int4 fragment layout's K order
+(kernels/int4_dequant.py: layout_column), as the wgmma GEMM after it reads x, so that it need not gather x; the
+residual stays in column order.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.int4_dequant import layout_column, layout_order
 from kernels.pdl import pdl, pdl_entry, pdl_launch
 
 MAX_HIDDEN = 65536  # one row lives in one program's registers
@@ -41,6 +46,7 @@ def _rmsnorm_kernel(
     # meta
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    ORDER: tl.constexpr,  # 0, or the fragment chunk whose K order out takes
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
 ):
     pdl_entry(PDL)
@@ -48,6 +54,10 @@ def _rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ORDER:  # out[p] is the normed column layout_column(p)
+        src = layout_column(cols, ORDER)
+        if not HAS_RESIDUAL:  # read x there before any store (out may be x)
+            x_src = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the add rounds as the unfused one does
@@ -55,8 +65,15 @@ def _rmsnorm_kernel(
             residual_out_ptr + row * stride_ro + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask
         )
     x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)  # summed in column order, as without ORDER
+    if ORDER:
+        if HAS_RESIDUAL:  # x + residual at the columns out takes: the stream just written, by other threads
+            tl.debug_barrier()
+            x_src = tl.load(residual_out_ptr + row * stride_ro + src, mask=mask, other=0.0)
+        x32 = x_src.to(tl.float32)
+        w = tl.load(weight_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (x32 * rstd).to(x.dtype).to(tl.float32)  # (BLOCK,) rounded before the scale
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -122,7 +139,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, name: str = "x") -> None:
     assert x.shape[1] <= MAX_HIDDEN, f"hidden {x.shape[1]} over {MAX_HIDDEN}"
 
 
-def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
+def _launch(x, residual, weight, out, residual_out, eps: float, order: int) -> None:
+    assert order in (0, 64, 128) and x.shape[1] % max(order, 1) == 0, f"order {order} for hidden {x.shape[1]}"
     if x.shape[0] == 0:
         return
     block = triton.next_power_of_2(x.shape[1])
@@ -133,7 +151,8 @@ def _launch(x, residual, weight, out, residual_out, eps: float) -> None:
         x, r, weight, out, ro,
         x.shape[1], eps,
         x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        HAS_RESIDUAL=has_residual, BLOCK=block, PDL=on, num_warps=_num_warps(block), **pdl_launch(on),
+        HAS_RESIDUAL=has_residual, BLOCK=block, ORDER=order, PDL=on, num_warps=_num_warps(block),
+        **pdl_launch(on),
     )  # fmt: skip
 
 
@@ -142,12 +161,13 @@ def rms_norm_triton(
     weight: torch.Tensor,  # (hidden,)
     eps: float,
     out: torch.Tensor | None = None,  # (num_tokens, hidden); may be x itself
+    order: int = 0,
 ) -> torch.Tensor:  # (num_tokens, hidden), x's dtype
     _check(x, weight)
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     assert out.shape == x.shape and out.stride(1) == 1, f"out {tuple(out.shape)} vs x {tuple(x.shape)}"
-    _launch(x, None, weight, out, None, eps)
+    _launch(x, None, weight, out, None, eps, order)
     return out
 
 
@@ -156,38 +176,42 @@ def fused_add_rmsnorm_triton(
     residual: torch.Tensor,  # (num_tokens, hidden): the stream; overwritten with x + residual
     weight: torch.Tensor,  # (hidden,)
     eps: float,
+    order: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual), both updated in place
     _check(x, weight)
     _check(residual, weight, "residual")
     assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual differ in shape or dtype"
-    _launch(x, residual, weight, x, residual, eps)
+    _launch(x, residual, weight, x, residual, eps, order)
     return x, residual
 
 
 def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, order: int = 0
 ) -> torch.Tensor:
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return torch.mul(weight, x32.to(x.dtype), out=out)
+    normed = torch.mul(weight, x32.to(x.dtype))
+    if order:
+        normed = normed.index_select(1, layout_order(x.shape[1], order, x.device))
+    return normed if out is None else out.copy_(normed)
 
 
 def fused_add_rmsnorm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, order: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual.add_(x)
-    return rms_norm_reference(residual, weight, eps, out=x), residual
+    return rms_norm_reference(residual, weight, eps, out=x, order=order), residual
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, order: int = 0) -> torch.Tensor:
     if _backend.use_triton(x):
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, order=order)
+    return rms_norm_reference(x, weight, eps, order=order)
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, order: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _backend.use_triton(x):
-        return fused_add_rmsnorm_triton(x, residual, weight, eps)
-    return fused_add_rmsnorm_reference(x, residual, weight, eps)
+        return fused_add_rmsnorm_triton(x, residual, weight, eps, order)
+    return fused_add_rmsnorm_reference(x, residual, weight, eps, order)

@@ -223,6 +223,29 @@ def fragment_chunk(w: Int4Weight) -> int:
     return 0
 
 
+def layout_order(k: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """(K,) int64: layout_column of every position, the torch form."""
+    q = chunk // 64
+    p = torch.arange(chunk)
+    h, t, r1, kb = p % 2, (p // 2) % 4, (p // 8) % 2, p // 16
+    inside = t * (q * 16) + kb * 4 + r1 * 2 + h
+    return (torch.arange(0, k, chunk).unsqueeze(1) + inside).reshape(-1).to(device)
+
+
+@triton.jit
+def layout_column(p, CHUNK: tl.constexpr):
+    """The column of x that position p of the fragment layout's K order holds, in chunks of CHUNK (64 or 128) rows:
+    inside a chunk, p = ((kb * 2 + r1) * 4 + t) * 2 + h holds column t * CHUNK / 4 + kb * 4 + r1 * 2 + h (a lane's
+    x values one contiguous run; layout_order is its torch form). What a kernel that makes a
+    wgmma GEMM's x reads from to write it in that order, so that the GEMM need not gather it."""
+    inside = p % CHUNK
+    h = inside % 2
+    t = (inside // 2) % 4
+    r1 = (inside // 8) % 2
+    kb = inside // 16
+    return p - inside + t * (CHUNK // 4) + kb * 4 + r1 * 2 + h
+
+
 def to_fragments(w: Int4Weight) -> Int4Weight:
     """w re-laid in the MMA's fragment order; scales, zeros and perm as they are. ValueError where the layout
     cannot hold w (fragment_chunk is 0)."""

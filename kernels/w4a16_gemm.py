@@ -623,10 +623,19 @@ def w4a16_gemm_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | No
     return F.linear(x, int4_dequant_reference(w, x.dtype), bias)
 
 
-def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_gemm(
+    x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, ordered: bool = False
+) -> torch.Tensor:
     """(M, K) -> (M, N): the kernel the layout takes, fragments (kernels/w4a16_wgmma.py where chosen,
     kernels/w4a16_mma.py at up to its MAX_ROWS rows of 16-bit x on a GPU) or rows (below DEQUANT_MIN_M rows on
-    the Triton path), else the dense weight's GEMM."""
+    the Triton path), else the dense weight's GEMM. ordered: x's columns already in the fragment layout's K order
+    (kernels/int4_dequant.py: layout_column), which only the wgmma kernel takes."""
+    if ordered:
+        if not (w.layout == "fragments" and w4a16_wgmma.chosen(x, w)):
+            raise ValueError(
+                "x in the fragment layout's K order goes to the wgmma kernel, which does not take it here"
+            )
+        return w4a16_wgmma.w4a16_wgmma(x, w, bias, ordered=True)
     if w.layout == "fragments":
         if w4a16_wgmma.chosen(x, w):
             return w4a16_wgmma.w4a16_wgmma(x, w, bias)
@@ -637,17 +646,25 @@ def w4a16_gemm(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None)
     return F.linear(x, int4_dequant(w, x.dtype), bias)
 
 
-def w4a16_swiglu(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_swiglu(
+    x: torch.Tensor,
+    w: Int4Weight,
+    bias: torch.Tensor | None = None,
+    ordered: bool = False,
+    out_order: int = 0,
+) -> torch.Tensor:
     """(M, K) -> (M, N / 2): silu(gate) * up of x W^T for W = (gate | up), one kernel (the GEMM's epilogue) for up
     to w4a16_mma.MAX_ROWS rows in the fragment layout on a GPU (but the rows kernels/w4a16_wgmma.py takes) and for
-    one row in the rows layout on the Triton path, else the GEMM and then the activation."""
-    if w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w) and not w4a16_wgmma.chosen(x, w):
+    one row in the rows layout on the Triton path, else the GEMM and then the activation, written in out_order's K
+    order (0: column order). ordered: as in w4a16_gemm."""
+    plain = not ordered and not out_order
+    if plain and w.layout == "fragments" and w4a16_mma.swiglu_applies(x, w) and not w4a16_wgmma.chosen(x, w):
         return w4a16_mma.w4a16_mma(x, w, bias, swiglu=True)
-    if _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
+    if plain and _backend.use_triton(x) and x.shape[0] == 1 and w.layout == "rows":
         cfg = replace(
             default_config(1, w.out_features, w.in_features, x.device),
             block_n=GEMV_SWIGLU_BLOCK_N,
             num_stages=GEMV_SWIGLU_STAGES,
         )
         return w4a16_gemm_triton(x, w, bias, config=cfg, swiglu=True)
-    return silu_and_mul(w4a16_gemm(x, w, bias))
+    return silu_and_mul(w4a16_gemm(x, w, bias, ordered), out_order)

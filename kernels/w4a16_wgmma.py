@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _backend
 from kernels._backend import num_sms
-from kernels.int4_dequant import Int4Weight
+from kernels.int4_dequant import Int4Weight, layout_order
 from kernels.w4a16_mma import _a_order, _halves, _index, _slices
 
 # rows of x this kernel takes: below, kernels/w4a16_mma.py is faster (one or two 16-row programs a column block);
@@ -157,13 +157,8 @@ def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def chunk_order(k: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """(K,) int64: the column of x that position p of the fragment layout's K order reads. Inside each chunk of
-    Q * 64, p = ((kb * 2 + r1) * 4 + t) * 2 + h holds column t * Q * 16 + kb * 4 + r1 * 2 + h."""
-    q = chunk // 64
-    p = torch.arange(chunk)
-    h, t, r1, kb = p % 2, (p // 2) % 4, (p // 8) % 2, p // 16
-    inside = t * (q * 16) + kb * 4 + r1 * 2 + h
-    return (torch.arange(0, k, chunk).unsqueeze(1) + inside).reshape(-1).to(device)
+    """(K,) int64: the column of x that position p of the fragment layout's K order reads (layout_order), made once."""
+    return layout_order(k, chunk, device)
 
 
 _PERM_ORDERS: dict[int, torch.Tensor] = {}  # id of a weight's perm -> its x_order, dropped with the perm
@@ -438,9 +433,12 @@ def w4a16_wgmma(
     split: int | None = None,
     stages: int | None = None,
     overlap: bool = True,
+    ordered: bool = False,
 ) -> torch.Tensor:
     """(M, K) 16-bit x of MIN_ROWS..MAX_ROWS rows against fragment-laid int4 weights with integer zeros: (M, N) in
-    x's dtype. overlap=False waits for each chunk's MMAs before the next chunk's dequant (the A-B; same products)."""
+    x's dtype. overlap=False waits for each chunk's MMAs before the next chunk's dequant (the A-B; same products).
+    ordered: x's columns already in the layout's K order (x_order without act order: the kernel that made x wrote
+    them so), so that no gather runs."""
     if not applies(x, w):
         raise ValueError(
             f"w4a16_wgmma takes fragment-laid weights with integer zeros and {MIN_ROWS}..{MAX_ROWS} rows of 16-bit x "
@@ -450,7 +448,11 @@ def w4a16_wgmma(
     n = w.out_features
     bk = w.chunk
     q = bk // 64
-    xo = gather_columns(x, x_order(w))
+    if ordered and w.perm is not None:
+        raise ValueError(
+            "w4a16_wgmma gathers x itself under act order: ordered x takes weights without a perm"
+        )
+    xo = x.contiguous() if ordered else gather_columns(x, x_order(w))
     bm, wg, mb, sp = config(m, n, k, bk, x.device)
     bm, wg, mb, sp = block_m or bm, warpgroups or wg, column_tiles or mb, split or sp
     if mb not in (1, 2):

@@ -92,6 +92,36 @@ def test_norm_input(num_tokens, hidden, dtype):
     torch.testing.assert_close(x.float() * rstd, norm, **TOL[torch.float16])  # the norm, rounded elsewhere
 
 
+@pytest.mark.parametrize("order", [64, 128])
+def test_norms_write_the_wgmma_gemms_k_order(order):
+    """order=chunk: the normed row in the fragment layout's K order (kernels/int4_dequant.py: layout_column), the same
+    values as the plain kernel's, read through layout_order; fused, in place, the residual still in column order.
+    layout_column, layout_order and the wgmma kernel's chunk_order agree."""
+    from kernels.int4_dequant import layout_column, layout_order
+    from kernels.w4a16_wgmma import chunk_order
+
+    hidden = 512
+    perm = layout_order(hidden, order, torch.device("cpu"))
+    assert torch.equal(perm, chunk_order(hidden, order, torch.device("cpu")))
+    assert torch.equal(torch.sort(perm).values, torch.arange(hidden)) and not torch.equal(
+        perm, torch.arange(hidden)
+    )
+    assert torch.equal(torch.tensor([int(layout_column(p, order)) for p in range(hidden)]), perm)
+    x, residual = torch.randn(5, hidden, dtype=torch.float16), torch.randn(5, hidden, dtype=torch.float16)
+    weight = torch.rand(hidden, dtype=torch.float16) + 0.5
+    plain = rms_norm_triton(x, weight, 1e-6)
+    assert torch.equal(rms_norm_triton(x, weight, 1e-6, order=order), plain[:, perm])
+    assert torch.equal(
+        rms_norm_reference(x, weight, 1e-6, order=order), rms_norm_reference(x, weight, 1e-6)[:, perm]
+    )
+    want_x, want_residual = fused_add_rmsnorm_triton(x.clone(), residual.clone(), weight, 1e-5)
+    got_x, got_residual = fused_add_rmsnorm_triton(x, residual, weight, 1e-5, order)
+    assert got_x is x and torch.equal(got_x, want_x[:, perm]) and torch.equal(got_residual, want_residual)
+    ref_x, ref_residual = fused_add_rmsnorm_reference(x.clone(), residual.clone(), weight, 1e-5, order)
+    torch.testing.assert_close(ref_x, fused_add_rmsnorm_reference(
+        x.clone(), residual.clone(), weight, 1e-5)[0][:, perm], rtol=0, atol=0)  # fmt: skip
+
+
 def test_rms_norm_strided_rows():
     """Rows of a wider buffer (a view, stride > hidden) read and written where they are."""
     buf = torch.randn(9, 200)
@@ -121,6 +151,19 @@ def test_silu_and_mul(num_tokens, d, dtype):
     x = torch.randn(num_tokens, 2 * d, dtype=dtype) * 3
     out = silu_and_mul_triton(x, out=nan_like(x[:, :d]))
     torch.testing.assert_close(out, silu_and_mul_reference(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("order", [64, 128])
+def test_silu_and_mul_writes_the_wgmma_gemms_k_order(order):
+    """order=chunk: the activation in the fragment layout's K order, the plain kernel's values read through
+    layout_order, over several programs' blocks; the reference alike."""
+    from kernels.int4_dequant import layout_order
+
+    d = 1536
+    perm = layout_order(d, order, torch.device("cpu"))
+    x = torch.randn(3, 2 * d, dtype=torch.float16) * 3
+    assert torch.equal(silu_and_mul_triton(x, order=order), silu_and_mul_triton(x)[:, perm])
+    assert torch.equal(silu_and_mul_reference(x, order), silu_and_mul_reference(x)[:, perm])
 
 
 def test_silu_and_mul_strided_rows():

@@ -92,6 +92,40 @@ def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatc
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 
+def test_x_written_in_the_wgmma_kernels_k_order_equals_transformers(checkpoints, tmp_path, monkeypatch):
+    """Where a GEMM reads x in the fragment layout's K order (the wgmma kernel's rows on a GPU), the norm before qkv
+    and gate_up and the SiLU-and-mul before down write it so and the GEMM takes it ungathered. Taken on the CPU with
+    the order asked for at 3 rows or more and the ordered GEMM putting x back in column order first: greedy output
+    equals transformers' on the dequantized weights, and every one of those GEMMs took ordered x."""
+    from engine.layers.quant.int4 import Int4Method
+    from kernels.int4_dequant import layout_order
+
+    expected = hf_greedy(
+        dequantized_copy(checkpoints["awq"], tmp_path / "dense"), PROMPTS, [12] * len(PROMPTS)
+    )
+    monkeypatch.setattr(Int4Method, "input_order", lambda self, x: 64 if x.shape[0] >= 3 else 0)
+    ordered: set[int] = set()
+
+    def apply_ordered(self, layer, x, bias):
+        inverse = torch.argsort(layout_order(x.shape[1], 64, x.device))
+        ordered.add(id(layer))
+        return self.apply(layer, x.index_select(1, inverse), bias)
+
+    monkeypatch.setattr(Int4Method, "apply_ordered", apply_ordered)
+    llm = LLM(str(checkpoints["awq"]), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    layers = llm.engine.runner.model.model.layers
+    want = {
+        id(p)
+        for layer in layers
+        for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    }
+    assert ordered == want
+
+
 def test_rope_rides_in_the_qkv_gemm_only_where_it_can(checkpoints, monkeypatch):
     """The fused path hands RoPE and the KV-cache write to the qkv GEMM at 1-8 rows of a 16-bit or fp32 cache; an
     fp8 cache (it stores quantized), 9 or more rows and PDSERVE_FUSED_ROTARY=0 keep rotary_kv_write."""

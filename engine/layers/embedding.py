@@ -63,8 +63,10 @@ class QuantizedLMHead(ColumnParallelLinear):
         super().__init__(embedding_dim, num_embeddings, False, tp_rank, tp_size)
         self.num_embeddings = num_embeddings
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (n, hidden) -> (n, vocab)
-        return gather_vocab(self.matmul(hidden, None), self.tp_size, self.num_embeddings)
+    def forward(
+        self, hidden: torch.Tensor, ordered: bool = False
+    ) -> torch.Tensor:  # (n, hidden) -> (n, vocab)
+        return gather_vocab(self.matmul(hidden, None, ordered), self.tp_size, self.num_embeddings)
 
 
 def gather_vocab(logits: torch.Tensor, tp_size: int, vocab_size: int) -> torch.Tensor:

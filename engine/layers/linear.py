@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.tp.heads import shard_heads
 from kernels.gemv import dense_linear, dense_swiglu
+from kernels.silu_and_mul import silu_and_mul
 
 WeightLoader = Callable[..., None]
 _DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=False)
@@ -41,7 +42,16 @@ _DEFER_WEIGHTS: ContextVar[bool] = ContextVar("defer_linear_weights", default=Fa
 class LinearMethod(Protocol):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
-    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply_ordered(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def apply_swiglu(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ordered: bool = False,
+        out_order: int = 0,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def input_order(self, x: torch.Tensor) -> int: ...
 
 
 @contextmanager
@@ -107,13 +117,24 @@ class LinearBase(nn.Module):
         size = divide(loaded_weight.shape[dim], self.tp_size, f"checkpoint dim {dim}")
         return loaded_weight.narrow(dim, self.tp_rank * size, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+        return self.matmul(x, self.bias, ordered)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, ordered: bool = False) -> torch.Tensor:
+        """x W^T (+ b); ordered: x's columns come in the K order input_order(x) named (the kernel that made x wrote
+        them so)."""
         if self.quant_method is not None:
+            if ordered:
+                return self.quant_method.apply_ordered(self, x, bias)
             return self.quant_method.apply(self, x, bias)
+        assert not ordered, "a dense layer takes x in column order"
         return dense_linear(x, self.weight, bias)
+
+    def input_order(self, x: torch.Tensor) -> int:
+        """The fragment chunk in whose K order (kernels/int4_dequant.py: layout_column) this layer's GEMM at x's
+        rows reads x without gathering it, so that the kernel making x (a norm, SiLU-and-mul) can write it so; 0:
+        column order (every dense layer, and int4 ones off the wgmma kernel's rows)."""
+        return self.quant_method.input_order(x) if self.quant_method is not None else 0
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether this layer's GEMM carries the norm before it or the residual add after it, for x
@@ -180,15 +201,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         copy_checked(param.data.narrow(0, offset, size), self._shard(loaded_weight, 0))
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ordered: bool = False, swiglu: bool = False, out_order: int = 0
+    ) -> torch.Tensor:
         """x W^T; with `swiglu` (gate_up_proj: two equal parts) silu(gate) * up of it, (n, output_size / 2),
         in one kernel where the matmul has one that ends in it (one row on the GPU: kernels/gemv.py,
-        kernels/w4a16_gemm.py)."""
+        kernels/w4a16_gemm.py), written in out_order's K order (the next layer's input_order; 0: column order).
+        ordered: as in matmul."""
         if not swiglu:
-            return self.matmul(x, self.bias)
+            return self.matmul(x, self.bias, ordered)
         assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1], self.output_sizes
         if self.quant_method is not None:
-            return self.quant_method.apply_swiglu(self, x, self.bias)
+            return self.quant_method.apply_swiglu(self, x, self.bias, ordered, out_order)
+        assert not ordered, "a dense layer takes x in column order"
+        if out_order:
+            return silu_and_mul(dense_linear(x, self.weight, self.bias), out_order)
         return dense_swiglu(x, self.weight, self.bias)
 
 
@@ -250,8 +277,8 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         copy_checked(param.data, self._shard(loaded_weight, 1) if param.dim() == 2 else loaded_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
+    def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None, ordered)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

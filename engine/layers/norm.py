@@ -17,9 +17,10 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, order: int = 0
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with a residual: (norm(x + residual), x + residual), written over x and residual."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual), written over x and residual. order: the
+        normed row in the K order the next GEMM reads x in (LinearBase.input_order; 0: column order)."""
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, order)
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps, order)

@@ -71,6 +71,32 @@ def test_silu_and_mul(d, num_tokens, dtype):
     torch.testing.assert_close(out, silu_and_mul_reference(x), **SAME_DTYPE_TOL[dtype])
 
 
+@pytest.mark.parametrize("order", [64, 128])
+@pytest.mark.parametrize("hidden,num_tokens", [(4096, 200), (14336, 40), (576, 3)])
+def test_norms_and_activation_write_the_wgmma_gemms_k_order(hidden, num_tokens, order):
+    """order=chunk, many warps a row: the normed rows (in place too, where a position is written by another thread
+    than the one that read its column) and the activation in the fragment layout's K order are the plain kernels'
+    values read through layout_order, bit for bit; the residual is the plain add's."""
+    from kernels.int4_dequant import layout_order
+
+    perm = layout_order(hidden, order, torch.device(DEV))
+    x = torch.randn(num_tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    residual = torch.randn(num_tokens, hidden, device=DEV, dtype=torch.bfloat16)
+    weight = torch.rand(hidden, device=DEV, dtype=torch.bfloat16) + 0.5
+    assert torch.equal(
+        rms_norm_triton(x, weight, 1e-5, order=order), rms_norm_triton(x, weight, 1e-5)[:, perm]
+    )
+    y = x.clone()
+    assert torch.equal(
+        rms_norm_triton(y, weight, 1e-5, out=y, order=order), rms_norm_triton(x, weight, 1e-5)[:, perm]
+    )
+    want_x, want_r = fused_add_rmsnorm_triton(x.clone(), residual.clone(), weight, 1e-5)
+    got_x, got_r = fused_add_rmsnorm_triton(x, residual, weight, 1e-5, order)
+    assert torch.equal(got_x, want_x[:, perm]) and torch.equal(got_r, want_r)
+    act = torch.randn(num_tokens, 2 * hidden, device=DEV, dtype=torch.bfloat16) * 3
+    assert torch.equal(silu_and_mul_triton(act, order=order), silu_and_mul_triton(act)[:, perm])
+
+
 def test_silu_and_mul_strided_rows():
     x = torch.randn(33, 2 * 1536 + 64, device=DEV, dtype=torch.bfloat16)[:, : 2 * 1536]
     torch.testing.assert_close(

@@ -131,6 +131,24 @@ def test_wgmma_kernel_matches_reference_over_its_configs(k, n, group, dtype, mon
         )  # the dispatch takes it at these rows
 
 
+def test_wgmma_kernel_takes_x_already_in_its_k_order():
+    """ordered=True: x written in the layout's K order (as the norms and SiLU-and-mul write it) gives the gathered
+    call's output bit for bit, at config()'s picks and a split; act-order weights are refused."""
+    from kernels.int4_dequant import layout_order
+
+    for m, (k, n) in ((40, (4096, 6144)), (200, (14336, 4096))):
+        w = to_fragments(random_int4(k, n, 128, seed=m))
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        xo = x[:, layout_order(k, w.chunk, x.device)].contiguous()
+        for cfg in ({}, {"split": 2}):
+            assert torch.equal(
+                w4a16_wgmma(xo, w, None, ordered=True, **cfg), w4a16_wgmma(x, w, None, **cfg)
+            ), m
+    w = to_fragments(random_int4(4096, 256, 128, perm=True, seed=1))
+    with pytest.raises(ValueError, match="act order"):
+        w4a16_wgmma(torch.zeros(40, 4096, device="cuda", dtype=torch.bfloat16), w, ordered=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "cfg",
@@ -578,17 +596,20 @@ def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, ar
 
 def test_wgmma_kernel_serves_as_transformers(tmp_path, monkeypatch):
     """bf16 over int4 in the fragment layout (group 64), on Hopper: the prompts' 55-row prefill runs on
-    the wgmma kernel, with the layers' norms in kernels of their own (not forward_fused), and greedy output is
-    transformers' on the dequantized weights (fp32) up to bf16's near-ties."""
+    the wgmma kernel, with the layers' norms in kernels of their own (not forward_fused), which write x in the
+    kernel's K order for qkv, gate_up and down (o's x it gathers), and greedy output is transformers' on the
+    dequantized weights (fp32) up to bf16's near-ties."""
     import kernels.w4a16_wgmma as wgmma
     from engine.model import LlamaModel
 
     ckpt, dense, want = awq_group64(tmp_path)
     rows: list[int] = []
+    ordered: list[bool] = []
     real = wgmma.w4a16_wgmma
     monkeypatch.setattr(
-        wgmma, "w4a16_wgmma", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw)
-    )
+        wgmma, "w4a16_wgmma",
+        lambda x, *a, **kw: rows.append(x.shape[0]) or ordered.append(kw.get("ordered", False)) or real(x, *a, **kw),
+    )  # fmt: skip
     fused: list[int] = []
     real_fused = LlamaModel.forward_fused
     monkeypatch.setattr(
@@ -598,6 +619,7 @@ def test_wgmma_kernel_serves_as_transformers(tmp_path, monkeypatch):
     got = served(ckpt, dtype="bfloat16")
     assert sum(map(len, PROMPTS)) in rows, rows
     assert sum(map(len, PROMPTS)) not in fused, fused
+    assert ordered.count(True) == 3 * ordered.count(False) > 0, ordered  # a layer: qkv, gate_up, down; o
     assert_greedy_as_reference(got, want, dense)
 
 

@@ -61,9 +61,23 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
-    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """silu(gate) * up of `apply` for a (gate | up) layer; a method whose kernel fuses it overrides this."""
-        return silu_and_mul(self.apply(layer, x, bias))
+    def apply_ordered(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`apply` for x whose columns come in input_order(x)'s K order; only where that is not 0."""
+        raise ValueError(f"{type(self).__name__} takes x in column order only")
+
+    def input_order(self, x: torch.Tensor) -> int:
+        """The fragment chunk in whose K order the GEMM at x's rows reads x ungathered (engine/layers/linear.py:
+        LinearBase.input_order); 0: column order."""
+        return 0
+
+    def apply_swiglu(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ordered: bool = False,
+        out_order: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """silu(gate) * up of `apply` for a (gate | up) layer, in out_order's K order (0: column order); a method
+        whose kernel fuses it overrides this."""
+        y = self.apply_ordered(layer, x, bias) if ordered else self.apply(layer, x, bias)
+        return silu_and_mul(y, out_order)
 
     def add_param(
         self,

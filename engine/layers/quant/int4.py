@@ -51,11 +51,24 @@ class Int4Method(LinearMethod):
             return F.linear(x, self.cpu_dense(lambda dtype: int4_dequant_reference(w, dtype), x.dtype), bias)
         return w4a16_gemm(x, w, bias)
 
-    def apply_swiglu(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.device.type == "cpu" and not _backend.use_triton(x):
-            return super().apply_swiglu(layer, x, bias)
+    def apply_ordered(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.weight is not None, "process_weights has not run"
-        return w4a16_swiglu(x, self.weight, bias)
+        return w4a16_gemm(x, self.weight, bias, ordered=True)
+
+    def input_order(self, x: torch.Tensor) -> int:
+        """The wgmma kernel's rows (kernels/w4a16_wgmma.py, where chosen) take x in the fragment layout's K order,
+        which it otherwise gathers x into: w.chunk there, but under act order (whose permutation it composes)."""
+        w = self.weight
+        return w.chunk if w is not None and w.perm is None and w4a16_wgmma.chosen(x, w) else 0
+
+    def apply_swiglu(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None, ordered: bool = False,
+        out_order: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        if x.device.type == "cpu" and not _backend.use_triton(x):
+            return super().apply_swiglu(layer, x, bias, ordered, out_order)
+        assert self.weight is not None, "process_weights has not run"
+        return w4a16_swiglu(x, self.weight, bias, ordered, out_order)
 
     def fuses_norms(self, x: torch.Tensor) -> bool:
         """Whether the GEMM can carry a norm or a residual add at x (kernels/w4a16_mma.py): fragment-laid weights
