@@ -106,9 +106,7 @@ class PagedAttention(nn.Module):
         v: torch.Tensor | None,  # (num_tokens, num_kv_heads, head_dim)
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         meta: AttentionMetadata,
-        order: int = 0,  # decode-only batches: rows in a fragment chunk's K order (o_proj.input_order)
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim)
-        assert not order or meta.is_decode_only, "only the decode kernel writes its rows in a GEMM's K order"
         if (
             k is not None and v is not None
         ):  # the model writes them fused with RoPE (kernels/rotary_kv_write.py)
@@ -117,7 +115,6 @@ class PagedAttention(nn.Module):
             out = paged_decode_attention(
                 q, kv_cache, meta.seq_lens, meta.block_tables, self.scale, max_seq_len=meta.max_seq_len,
                 num_splits=meta.decode_num_splits, workspace=meta.decode_workspace, kv_scale=self.kv_scale,
-                order=order,
             )  # fmt: skip
         else:  # the leading one-token rows by the decode kernel, the chunks after them by the prefill one
             nd = meta.num_decode_seqs

@@ -66,11 +66,7 @@ class LlamaAttention(nn.Module):
         ordered: bool = False,  # hidden's columns in the K order qkv_proj.input_order named
     ) -> torch.Tensor:  # (num_tokens, hidden)
         qkv = self.qkv_proj(hidden, ordered)  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
-        # a decode-only batch's attention writes its rows in the K order o_proj reads them in
-        order = self.o_proj.input_order(hidden) if meta.is_decode_only else 0
-        return self.o_proj(
-            self.attend(qkv, positions, cos_sin_cache, kv_cache, meta, order=order), order != 0
-        )
+        return self.o_proj(self.attend(qkv, positions, cos_sin_cache, kv_cache, meta))
 
     def attend(
         self,
@@ -80,7 +76,6 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         written: bool = False,  # the qkv GEMM already rotated q and wrote k and v (rope_write)
-        order: int = 0,  # decode-only batches: the output in o_proj's K order (o_proj.input_order)
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim): o_proj's input
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -92,7 +87,7 @@ class LlamaAttention(nn.Module):
             rotary_kv_write(
                 q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale
             )
-        return self.attn(q, None, None, kv_cache, meta, order)  # (num_tokens, num_heads * head_dim)
+        return self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
 
     def rope_write(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
@@ -143,8 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The norms add the residual in place: hidden and residual are overwritten. Each writes its normed rows in
-        the K order the GEMM after it reads them in (the wgmma kernel's rows: LinearBase.input_order), as do the
-        SiLU-and-mul and a decode-only batch's attention."""
+        the K order the GEMM after it reads them in (the wgmma kernel's rows: LinearBase.input_order)."""
         order = self.self_attn.qkv_proj.input_order(hidden)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden, order=order), hidden

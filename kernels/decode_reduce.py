@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4_dequant import layout_position
 from kernels.pdl import pdl_entry, pdl_launch
 
 
@@ -65,7 +64,6 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels/pdl.py)
-    ORDER: tl.constexpr,  # 0, or the fragment chunk in whose K order a row's heads are written
 ):
     pdl_entry(PDL)
     seq = tl.program_id(0)
@@ -94,10 +92,7 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * part, axis=0)
         m_run = m_new
     l_run = tl.where(l_run == 0.0, 1.0, l_run)  # a sequence of length 0 gets zeros, not NaN
-    if ORDER:  # the row's heads contiguous: column head * HEAD_DIM + dims goes to its layout position
-        out = out_ptr + seq.to(tl.int64) * stride_o_seq + layout_position(head * HEAD_DIM + dims, ORDER)
-    else:
-        out = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims
+    out = out_ptr + seq.to(tl.int64) * stride_o_seq + head * stride_o_head + dims
     tl.store(out, (acc / l_run).to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
@@ -110,16 +105,12 @@ def decode_reduce_triton(
     pdl: bool = False,  # launched as a programmatic dependent (kernels/pdl.py)
     num_warps: int = 4,
     block_d: int | None = None,  # head_dim elements per program (a power of 2); None: all of them
-    order: int = 0,  # a fragment chunk: each row written in its K order (kernels/int4_dequant.py: layout_position)
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = out.shape
     num_splits = acc.shape[2]
     assert acc.dtype == torch.float32 and acc.shape == (num_seqs, num_heads, num_splits, head_dim)
     assert ml.dtype == torch.float32 and ml.shape == (2, num_seqs, num_heads, num_splits)
     assert acc.stride(3) == 1 and ml.stride(3) == 1 and out.stride(2) == 1
-    assert not order or (out.stride(1) == head_dim and num_heads * head_dim % order == 0), (
-        "order needs whole rows"
-    )
     if num_seqs == 0:
         return out
     block_d = min(block_d or head_dim, triton.next_power_of_2(head_dim))
@@ -133,7 +124,6 @@ def decode_reduce_triton(
         BLOCK_D=block_d,
         BLOCK_S=16 if num_splits <= 16 else 64,  # two variants whatever the split count; one round trip
         PDL=pdl,
-        ORDER=order,
         num_warps=num_warps,
         **pdl_launch(pdl),
     )  # fmt: skip

@@ -246,16 +246,6 @@ def layout_column(p, CHUNK: tl.constexpr):
     return p - inside + t * (CHUNK // 4) + kb * 4 + r1 * 2 + h
 
 
-@triton.jit
-def layout_position(c, CHUNK: tl.constexpr):
-    """Where column c of x goes in the fragment layout's K order: layout_column's inverse, for a kernel that holds
-    columns (an attention's output dims) and writes them where the wgmma GEMM after it reads them."""
-    inside = c % CHUNK
-    t = inside // (CHUNK // 4)
-    j = inside % (CHUNK // 4)
-    return c - inside + (((j // 4) * 2 + (j // 2) % 2) * 4 + t) * 2 + j % 2
-
-
 def to_fragments(w: Int4Weight) -> Int4Weight:
     """w re-laid in the MMA's fragment order; scales, zeros and perm as they are. ValueError where the layout
     cannot hold w (fragment_chunk is 0)."""

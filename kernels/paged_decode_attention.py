@@ -24,7 +24,6 @@ from kernels.decode_reduce import (
     decode_reduce_triton,
     decode_workspace_size,
 )
-from kernels.int4_dequant import layout_order, layout_position
 from kernels.kv_quant import FP8_DTYPE, as_read, fp16_dots, load_scales, scale_args
 from kernels.online_softmax import LOG2E, online_softmax_tile, online_softmax_tile_fp8
 from kernels.paged_prefill_attention import gather_kv
@@ -101,7 +100,6 @@ def _paged_decode_kernel(
     FP16_DOTS: tl.constexpr,
     PAIRS: tl.constexpr,  # an fp8 cache read as 16-bit words (fp8_pairs)
     CUDA: tl.constexpr,
-    ORDER: tl.constexpr,  # 0, or the fragment chunk in whose K order a row's heads are written (unsplit)
 ):
     pdl_entry(PDL)
     kv_head = tl.program_id(0)  # grid (kv head, sequence, split): a sequence's kv heads start side by side
@@ -185,15 +183,7 @@ def _paged_decode_kernel(
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 writes zeros, not NaN
         out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
-        if ORDER:  # the row's heads contiguous: column heads * HEAD_DIM + dims goes to its layout position
-            row_out = out_ptr + seq.to(tl.int64) * stride_o_seq
-            tl.store(
-                row_out + layout_position(heads[:, None] * HEAD_DIM + dims[None, :], ORDER),
-                out,
-                mask=out_mask,
-            )
-        else:
-            tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
+        tl.store(out_rows[:, None] + dims[None, :], out, mask=out_mask)
 
 
 def fp8_pairs(kv_cache: torch.Tensor) -> bool:
@@ -256,7 +246,6 @@ def paged_decode_attention_triton(
     config: dict | None = None,
     out: torch.Tensor | None = None,  # preallocated output, e.g. a CUDA graph's buffer
     kv_scale: torch.Tensor | None = None,  # (2,) fp32 [k_scale, v_scale]: an fp8 cache's, else unused
-    order: int = 0,  # a fragment chunk: each row (num_heads * head_dim) written in its K order (layout_position)
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim)
     """config: tile keys (block_n, num_warps, num_stages) and the merge launch's "merge_warps" and
     "merge_block_d" (head_dim elements per program; default MERGE_WARPS and MERGE_BLOCK_D).
@@ -276,9 +265,6 @@ def paged_decode_attention_triton(
     if out is None:
         out = torch.empty_like(query)
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
-    assert not order or (out.stride(1) == head_dim and num_heads * head_dim % order == 0), (
-        "order needs whole rows"
-    )
     if num_seqs == 0:
         return out
     if max_seq_len is None:
@@ -319,7 +305,6 @@ def paged_decode_attention_triton(
         FP16_DOTS=fp16_dots(fp8, query.dtype),
         PAIRS=fp8_pairs(kv_cache),
         CUDA=query.is_cuda,
-        ORDER=order,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_launch(on),
@@ -334,7 +319,6 @@ def paged_decode_attention_triton(
             pdl=on,
             num_warps=cfg.get("merge_warps", MERGE_WARPS),
             block_d=cfg.get("merge_block_d", MERGE_BLOCK_D),
-            order=order,
         )
     return out
 
@@ -364,18 +348,13 @@ def paged_decode_attention_reference(
 
 def paged_decode_attention(
     query, kv_cache, seq_lens, block_tables, scale, max_seq_len=None, *, num_splits=None, workspace=None,
-    kv_scale=None, order=0,
+    kv_scale=None,
 ):  # fmt: skip
     """num_splits / workspace (Triton only, see paged_decode_attention_triton): fixed for CUDA graphs.
-    kv_scale: an fp8 cache's (2,) [k_scale, v_scale]. order: each row written in a fragment chunk's K order (the
-    int4 wgmma GEMM after it reads x so: kernels/int4_dequant.py layout_column); 0: column order."""
+    kv_scale: an fp8 cache's (2,) [k_scale, v_scale]."""
     if _backend.use_triton(query):
         return paged_decode_attention_triton(
             query, kv_cache, seq_lens, block_tables, scale, max_seq_len,
-            num_splits=num_splits, workspace=workspace, kv_scale=kv_scale, order=order,
+            num_splits=num_splits, workspace=workspace, kv_scale=kv_scale,
         )  # fmt: skip
-    out = paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale, kv_scale)
-    if order:
-        rows = out.reshape(out.shape[0], -1)
-        out = rows.index_select(1, layout_order(rows.shape[1], order, rows.device)).view_as(out)
-    return out
+    return paged_decode_attention_reference(query, kv_cache, seq_lens, block_tables, scale, kv_scale)

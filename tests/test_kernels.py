@@ -119,31 +119,6 @@ def test_decode_split_merge(num_heads, num_kv_heads, head_dim, block_size, num_s
     assert torch.equal(run(), out), "the same workspace again must give the same answer"
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("order", [64, 128])
-def test_decode_writes_rows_in_a_gemms_k_order(num_splits, order):
-    """order=chunk: each row of the decode's output (num_heads * head_dim) in the int4 fragment layout's K order,
-    unsplit (the decode kernel writes it) and split (the merge does): the plain call's values read through
-    layout_order, bit for bit; layout_position inverts layout_column; the torch path alike."""
-    from kernels.int4_dequant import layout_column, layout_order, layout_position
-    from kernels.paged_decode_attention import paged_decode_attention
-
-    c = torch.arange(512)
-    assert torch.equal(layout_column(layout_position(c, order), order), c)
-    num_heads, head_dim = 8, 32
-    kv_cache, tables, lens = make_paged_kv([5, 40, 70], 2, head_dim, 16)
-    query = torch.randn(3, num_heads, head_dim)
-    perm = layout_order(num_heads * head_dim, order, query.device)
-    args = (query, kv_cache, lens, tables, 0.2)
-    plain = paged_decode_attention_triton(*args, num_splits=num_splits).reshape(3, -1)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, order=order, out=poisoned(query))
-    assert torch.equal(got.reshape(3, -1), plain[:, perm])
-    ref = paged_decode_attention_reference(*args).reshape(3, -1)
-    assert torch.equal(
-        paged_decode_attention(*args, order=order).reshape(3, -1), ref[:, perm]
-    )  # the torch path
-
-
 def test_decode_split_own_workspace():
     """Without a workspace the launcher allocates one."""
     kv_cache, tables, lens = make_paged_kv([0, 300, 70], 2, 64, 16)

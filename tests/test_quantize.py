@@ -94,10 +94,9 @@ def test_norms_in_the_gemms_equal_transformers(checkpoints, tmp_path, monkeypatc
 
 def test_x_written_in_the_wgmma_kernels_k_order_equals_transformers(checkpoints, tmp_path, monkeypatch):
     """Where a GEMM reads x in the fragment layout's K order (the wgmma kernel's rows on a GPU), the norm before qkv
-    and gate_up, the SiLU-and-mul before down and a decode-only batch's attention before o write it so and the GEMM
-    takes it ungathered. Taken on the CPU with the order asked for at 3 rows or more (the prompts' prefill, then
-    three sequences decoding) and the ordered GEMM putting x back in column order first: greedy output equals
-    transformers' on the dequantized weights, and every one of those GEMMs took ordered x."""
+    and gate_up and the SiLU-and-mul before down write it so and the GEMM takes it ungathered. Taken on the CPU with
+    the order asked for at 3 rows or more and the ordered GEMM putting x back in column order first: greedy output
+    equals transformers' on the dequantized weights, and every one of those GEMMs took ordered x."""
     from engine.layers.quant.int4 import Int4Method
     from kernels.int4_dequant import layout_order
 
@@ -122,12 +121,7 @@ def test_x_written_in_the_wgmma_kernels_k_order_equals_transformers(checkpoints,
     want = {
         id(p)
         for layer in layers
-        for p in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
+        for p in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     }
     assert ordered == want
 

@@ -81,21 +81,6 @@ def test_decode_forced_splits(num_splits):
     run_decode((32, 8, 128), 16, [8191, 5000, 1, 300], torch.bfloat16, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_decode_writes_rows_in_a_gemms_k_order(num_splits, dtype):
-    """order=128 at Llama-3-8B heads, unsplit and split (the merge writes): each row in the int4 fragment layout's
-    K order, the plain call's values read through layout_order, bit for bit."""
-    from kernels.int4_dequant import layout_order
-
-    kv_cache, tables, lens = make_paged_kv([700, 1, 3000, 64], 8, 128, 16, dtype, DEV)
-    query = torch.randn(4, 32, 128, device=DEV, dtype=dtype)
-    args = (query, kv_cache, lens, tables, 128**-0.5)
-    plain = paged_decode_attention_triton(*args, num_splits=num_splits).reshape(4, -1)
-    got = paged_decode_attention_triton(*args, num_splits=num_splits, order=128).reshape(4, -1)
-    assert torch.equal(got, plain[:, layout_order(32 * 128, 128, query.device)])
-
-
 def test_decode_split_merge_no_stale_partials():
     """The merge, a programmatic dependent launch, reads partials the split kernel wrote while the
     merge was already starting up. The partial region is NaN-poisoned before every call and the
