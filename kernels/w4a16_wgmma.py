@@ -11,14 +11,14 @@ wgmma takes from registers, and x's rows are its N (B comes only from shared mem
 - The TMA unit streams each chunk (64 or 128 of K) of x's (BM, chunk) tile and of the program's words into a ring
   of STAGES slots, one mbarrier a slot; the words go through registers (one 16-byte shared load a lane a quad)
   and x's tile is the wgmma's K-major B. Inside a chunk the fragment layout permutes K; x is gathered into that
-  order once a call (`x_order`: `chunk_order`, composed once with GPTQ's act-order permutation), so its tiles are plain boxes.
+  order once a call (`x_order`: `chunk_order`, composed once a weight with GPTQ's act-order permutation), so its
+  tiles are plain boxes, unless the kernel that made x wrote it in that order (`ordered`).
 - The MMAs accumulate in place, one fp32 accumulator a tile, issued asynchronously and kept in flight across chunks:
   each tile's MMA runs while the other tile's words are dequantized (with one tile a warpgroup, or overlap=False,
   each chunk's MMAs are waited for before the next chunk's dequant). A slot is refilled once its chunk's last MMA is
   retired and every warp is past it (one CTA barrier a chunk).
-- Split-K where the column tiles alone leave SMs idle: each split writes fp32 partials and takes a ticket from its
-  tile's counter; the last to arrive adds them in split order (deterministic), adds the bias, writes x's dtype and
-  resets the counter. One launch, no host sync (a separate summing launch cost 96 launches a batch-128 step).
+- Split-K where the column tiles alone leave SMs idle: each split writes fp32 partials, and _sum_splits adds them
+  in split order (deterministic), adds the bias and writes x's dtype.
 Measured against the mma.sync kernel, dequantize + cuBLAS and bf16 by `python3 -m bench.quant_int4 --chunked`; its
 configs by `--sweep-wgmma`.
 """
@@ -51,14 +51,6 @@ from kernels.w4a16_mma import _a_order, _halves, _index, _slices
 # rows of x this kernel takes: below, kernels/w4a16_mma.py is faster (one or two 16-row programs a column block);
 # above, dequantizing once for cuBLAS is (bench.quant_int4 --chunked)
 MIN_ROWS, MAX_ROWS = 33, 256
-NUM_LOCKS = 1 << 12  # split-K tile counters per device
-
-
-@functools.cache
-def _locks(device: torch.device) -> torch.Tensor:
-    # made by the first call, which runs eagerly (a graph's warm-up) before any capture; each tile's last split
-    # resets its counter, so replays need nothing reset
-    return torch.zeros(NUM_LOCKS, dtype=torch.int32, device=device)
 
 
 def _scaled_asm(kind: str, one: int, magic: int) -> str:
@@ -155,6 +147,21 @@ def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """out = sum over splits of the fp32 partials, in split order, plus the bias, in out's dtype."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * M * N + i, mask=mask, other=0.0)
+    col = i % N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (i // N) * stride_om + col, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.cache
 def chunk_order(k: int, chunk: int, device: torch.device) -> torch.Tensor:
     """(K,) int64: the column of x that position p of the fragment layout's K order reads (layout_order), made once."""
@@ -230,41 +237,19 @@ def _zeros_scales(z_ptr, s_ptr, grp, N, vp, W: gl.constexpr, P0: gl.constexpr, P
 
 
 @gluon.jit
-def _tile_index(M, N, pid_m, vp, W: gl.constexpr, BM: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):
-    """Column tile vp's (W * 16, 1) columns and (1, BM) rows of x, in the accumulator's layout, and its output mask."""
-    cols = vp * (W * 16) + _index(W * 16, 0, 2, C0)
-    on = pid_m * BM + _index(BM, 1, 2, C1)
-    return cols, on, (cols < N) & (on < M)
-
-
-@gluon.jit
-def _store(total, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp, W: gl.constexpr, BM: gl.constexpr,
-           HAS_BIAS: gl.constexpr, DT: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):  # fmt: skip
-    """Column tile vp's fp32 sums plus the bias, written in x's dtype."""
-    cols, on, omask = _tile_index(M, N, pid_m, vp, W, BM, C0, C1)
-    if HAS_BIAS:
-        total += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)
-    gl.store(out_ptr + on * stride_om + cols, total.to(DT), mask=omask)
-
-
-@gluon.jit
-def _store_partial(total, ws_ptr, M, N, pid_m, vp, split, W: gl.constexpr, BM: gl.constexpr, C0: gl.constexpr,
-                   C1: gl.constexpr):  # fmt: skip
-    """Column tile vp's fp32 partial sums for this split, into the (splits, M, N) workspace."""
-    cols, on, omask = _tile_index(M, N, pid_m, vp, W, BM, C0, C1)
-    gl.store(ws_ptr + (split * M + on) * N + cols, total, mask=omask)
-
-
-@gluon.jit
-def _sum_partials(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp, splits, W: gl.constexpr, BM: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, DT: gl.constexpr, MMA: gl.constexpr, C0: gl.constexpr,
-                  C1: gl.constexpr):  # fmt: skip
-    """Column tile vp's partials summed in split order (past L1: other SMs wrote them), then _store."""
-    cols, on, omask = _tile_index(M, N, pid_m, vp, W, BM, C0, C1)
-    total = gl.zeros([W * 16, BM], gl.float32, MMA)
-    for s in range(0, splits):
-        total += gl.load(ws_ptr + (s * M + on) * N + cols, mask=omask, other=0.0, cache_modifier=".cg")
-    _store(total, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp, W, BM, HAS_BIAS, DT, C0, C1)
+def _store(total, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp, split, W: gl.constexpr, BM: gl.constexpr,
+           PARTIALS: gl.constexpr, HAS_BIAS: gl.constexpr, DT: gl.constexpr, C0: gl.constexpr, C1: gl.constexpr):  # fmt: skip
+    """Column tile vp's sums: fp32 partials (splits, M, N) for _sum_splits, or plus the bias in x's dtype."""
+    cols = vp * (W * 16) + _index(W * 16, 0, 2, C0)  # (W * 16, 1) in the accumulator's layout
+    cmask = cols < N
+    on = pid_m * BM + _index(BM, 1, 2, C1)  # (1, BM)
+    omask = cmask & (on < M)
+    if PARTIALS:
+        gl.store(out_ptr + (split * M + on) * N + cols, total, mask=omask)
+    else:
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + cols, mask=cmask, other=0.0).to(gl.float32)
+        gl.store(out_ptr + on * stride_om + cols, total.to(DT), mask=omask)
 
 
 @gluon.jit
@@ -278,7 +263,7 @@ def _tile_mma(wtile, xtile, acc, z0, z1, s0, s1, FP16: gl.constexpr, W: gl.const
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_om, chunks_per_split,
+    x_desc, w_desc, s_ptr, z_ptr, bias_ptr, out_ptr, M, N, K, stride_om, chunks_per_split,
     GROUP: gl.constexpr, FP16: gl.constexpr, HAS_BIAS: gl.constexpr, Q: gl.constexpr, BM: gl.constexpr,
     WG: gl.constexpr, MB: gl.constexpr, STAGES: gl.constexpr, PARTIALS: gl.constexpr, OVERLAP: gl.constexpr,
     MMA: gl.constexpr,
@@ -382,25 +367,10 @@ def _w4a16_wgmma_kernel(
             )
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-    if PARTIALS:
-        _store_partial(acc0, ws_ptr, M, N, pid_m, vp0, split, W, BM, C0, C1)
-        if MB == 2:
-            _store_partial(acc1, ws_ptr, M, N, pid_m, vp0 + 1, split, W, BM, C0, C1)
-        gl.thread_barrier()  # every thread's partial is written before the ticket is taken
-        tile = pid_m * gl.num_programs(0) + pid_n
-        splits = gl.num_programs(2)
-        ticket = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if ticket == splits - 1:  # the last to arrive: sum in split order, write, reset the counter
-            _sum_partials(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0, splits, W, BM, HAS_BIAS, DT, MMA,
-                          C0, C1)  # fmt: skip
-            if MB == 2:
-                _sum_partials(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0 + 1, splits, W, BM, HAS_BIAS,
-                              DT, MMA, C0, C1)  # fmt: skip
-            gl.atomic_xchg(lock_ptr + tile, 0)
-    else:
-        _store(acc0, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0, W, BM, HAS_BIAS, DT, C0, C1)
-        if MB == 2:
-            _store(acc1, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0 + 1, W, BM, HAS_BIAS, DT, C0, C1)
+    _store(acc0, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0, split, W, BM, PARTIALS, HAS_BIAS, DT, C0, C1)
+    if MB == 2:
+        _store(acc1, bias_ptr, out_ptr, M, N, stride_om, pid_m, vp0 + 1, split, W, BM, PARTIALS, HAS_BIAS, DT, C0,
+               C1)  # fmt: skip
 
 
 @functools.cache
@@ -462,9 +432,7 @@ def w4a16_wgmma(
     grid = (triton.cdiv(n, 64 * wg * mb), triton.cdiv(m, bm), sp)
     st = stages or ring_stages(bm, grid[0] * grid[1] * sp, x.device)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = torch.empty(sp, m, n, dtype=torch.float32, device=x.device) if sp > 1 else out
-    if grid[0] * grid[1] > NUM_LOCKS:
-        raise ValueError(f"{grid[0] * grid[1]} output tiles exceed the {NUM_LOCKS} split-K counters")
+    dst = torch.empty(sp, m, n, dtype=torch.float32, device=x.device) if sp > 1 else out
     gdt = gl.float16 if x.dtype == torch.float16 else gl.bfloat16
     x_desc = TensorDescriptor.from_tensor(xo, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     w_desc = TensorDescriptor.from_tensor(
@@ -472,10 +440,15 @@ def w4a16_wgmma(
         gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
     )  # fmt: skip
     _w4a16_wgmma_kernel[grid](
-        x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, out, ws, _locks(x.device), m, n, k,
-        out.stride(0), per,
+        x_desc, w_desc, w.scales, w.zeros, bias if bias is not None else out, dst, m, n, k, out.stride(0), per,
         GROUP=w.group_size, FP16=x.dtype == torch.float16, HAS_BIAS=bias is not None, Q=q, BM=bm, WG=wg,
         MB=mb, STAGES=st, PARTIALS=sp > 1, OVERLAP=overlap and mb == 2, num_warps=4 * wg,
         **_layouts(q, bm, wg),
     )  # fmt: skip
+    if sp > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(m * n, block),)](
+            dst, bias if bias is not None else out, out, m, n, out.stride(0), SPLIT=sp, HAS_BIAS=bias is not None,
+            BLOCK=block,
+        )  # fmt: skip
     return out

@@ -72,9 +72,9 @@ def test_silu_and_mul(d, num_tokens, dtype):
 
 
 @pytest.mark.parametrize("order", [64, 128])
-@pytest.mark.parametrize("hidden,num_tokens", [(4096, 200), (14336, 40), (576, 3)])
+@pytest.mark.parametrize("hidden,num_tokens", [(4096, 200), (14336, 40), (640, 3)])
 def test_norms_and_activation_write_the_wgmma_gemms_k_order(hidden, num_tokens, order):
-    """order=chunk, many warps a row: the normed rows (in place too, where a position is written by another thread
+    """order=chunk, one to 16 warps a row: the normed rows (in place too, where a position is written by another thread
     than the one that read its column) and the activation in the fragment layout's K order are the plain kernels'
     values read through layout_order, bit for bit; the residual is the plain add's."""
     from kernels.int4_dequant import layout_order
