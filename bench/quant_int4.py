@@ -951,7 +951,7 @@ def decode_kernels(out_dir: Path | None, batch: int = 1) -> None:
     record(
         f"quant_int4_decode_b{batch}_kernels_llama3-8b", step["awq"], "us", baseline=step["none"],
         baseline_name="bf16 engine's decode step, same run (us)", ratio=step["none"] / step["awq"],
-        out_dir=out_dir, command=COMMAND + " --kernels",
+        out_dir=out_dir, command=COMMAND + " --kernels" + (f" --batch {batch}" if batch > 1 else ""),
         extra={"what": f"one batch-{batch} decode step (128-token prompts, graphs on): us a step as served, and "
                        "CUDA time kernel by kernel with every kernel launched plainly: [name, us a step, launches a step]",
                "int4_tok_s": found["awq", True]["tok_s"], "bf16_tok_s": found["none", True]["tok_s"],
