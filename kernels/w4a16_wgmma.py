@@ -136,8 +136,8 @@ def _gather_columns_kernel(x_ptr, idx_ptr, out_ptr, K, stride_xm, stride_xk, str
 
 
 def gather_columns(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """x.index_select(1, order), contiguous, in one Triton launch: torch's gather along the inner dimension took
-    6.6 us a GEMM at 128 rows (H100), 0.85 ms of a batch-128 decode step."""
+    """x.index_select(1, order), contiguous, in one Triton launch: 2.6 us a GEMM at 128 rows where torch's gather
+    along the inner dimension took 6.6 (H100)."""
     m, k = x.shape
     out = torch.empty(m, k, dtype=x.dtype, device=x.device)
     block = 1024
