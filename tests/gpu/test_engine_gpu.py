@@ -9,6 +9,7 @@ import torch
 
 import kernels._backend as backend
 from engine import LLM, SamplingParams
+from kernels import w4a16_mma, w4a16_wgmma
 from tests.hf_reference import hf_greedy, tiny_random_model_dir
 
 LENGTHS = [1, 5, 16, 17, 40, 100, 200]
@@ -134,8 +135,10 @@ def test_serving_compiles_no_kernel_after_start_up(int4, tmp_path):
     """Start-up compiles every kernel variant that serving needs (engine/engine_core.py: _warm_up_kernels;
     kernels/_backend.py): a ragged workload of mixed steps (prompt chunks beside decode rows, contexts short
     and past 16 decode splits), greedy and sampled rows with every filter, compiles nothing more, with bf16
-    weights and with AWQ int4 ones (group 64: the fragment layout's kernels, their norms, RoPE and SwiGLU at
-    1-64 rows, dequantizing past them). A variant compiled mid-run stalls its step by a second or more."""
+    weights and with AWQ int4 ones (group 64: the fragment layout's kernels with their norms, RoPE and SwiGLU at
+    1-32 rows, and on Hopper the wgmma kernel at 33-256 with norms and SiLU-and-mul writing x in its K order,
+    1-64 rows of the first elsewhere; dequantizing past them). A variant compiled mid-run stalls its step by a
+    second or more."""
     model = "SmolLM2-135M"
     if int4:  # dummy int4 weights in SmolLM2's shapes
         import json
@@ -150,10 +153,21 @@ def test_serving_compiles_no_kernel_after_start_up(int4, tmp_path):
         model, load_format="dummy", dtype="bfloat16", device="cuda", max_model_len=6144,
         max_num_batched_tokens=512, max_num_seqs=128, gpu_memory_utilization=0.3, enable_prefix_caching=False,
     )  # fmt: skip
-    if int4:
-        assert llm.engine.runner.model.model.layers[0].fuses_norms(
-            torch.zeros(64, 576, device="cuda", dtype=torch.bfloat16)
-        )
+    if int4:  # the batches below reach both kernels' row ranges
+        layer = llm.engine.runner.model.model.layers[0]
+        down = layer.mlp.down_proj.quant_method.weight
+
+        def rows(m: int) -> torch.Tensor:
+            return torch.zeros(m, 576, device="cuda", dtype=torch.bfloat16)
+
+        hopper = torch.cuda.get_device_capability()[0] == 9
+        assert layer.fuses_norms(rows(1))
+        assert layer.fuses_norms(rows(w4a16_wgmma.MIN_ROWS - 1 if hopper else w4a16_mma.MAX_ROWS))
+        if hopper:
+            assert not layer.fuses_norms(rows(w4a16_wgmma.MIN_ROWS))
+            assert w4a16_wgmma.chosen(rows(w4a16_wgmma.MIN_ROWS), down) and w4a16_wgmma.chosen(
+                rows(128), down
+            )
     before = backend.compiled_variants()
     assert before is not None and before["_paged_decode_kernel"]
     g = torch.Generator().manual_seed(0)
