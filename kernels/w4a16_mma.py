@@ -621,13 +621,15 @@ def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool
     of a Llama-3-8B layer on the H200 (BENCHMARKS.md). Folding the zeros halves the MMAs; at 9-16 rows on gate_up's
     grid its registers cost more than the second MMA. Programs of 8 warps taking two chunks a step need ~114
     registers a thread, two programs an SM: past two programs per SM, one chunk a step keeps the grid in one wave.
-    At 9-16 rows two column blocks a program (pair) read x once for both: gate_up 33.4 against 46.6 us, down 19.2
-    against 23.5; at 1-8 rows they are slower, but gate_up's SwiGLU step (swiglu_config) is the same one."""
+    Two column blocks a program (pair) read x once for both: at 9-16 rows gate_up 33.4 against 46.6 us, down 19.2
+    against 23.5. On gate_up's grid they win at 8 rows too (H200 21.3 against 26.7 us, H100 25.9 against 26.9); at
+    1-4 rows the H200 gains 1-2 us and the H100 loses 1, so they stay off there (SwiGLU's step, swiglu_config, is
+    the same one); on the other GEMMs they are slower at 1-8 rows."""
     blocks = -(-n // BLOCK_COLS)
     many = blocks > 2 * num_sms(device)
+    if blocks >= MANY_BLOCKS and m > 4:  # gate_up's grid: pairs past 4 rows, zeros folded up to 8
+        return 4, 1, m <= 8, True
     if m > 8:
-        if blocks >= MANY_BLOCKS:
-            return 4, 1, False, True
         return (8, 1, True, True) if k >= 8192 else (4, 1, True, many)
     if blocks >= MANY_BLOCKS:
         return 4, 2, True, False
