@@ -16,11 +16,20 @@ share checks the simulation against the engine's; the others say what another 8-
 Records: kv_fp8_agreement_smollm2 (share of prompts, scales 1.0; baseline = bf16-rounded K and V's share)
 and kv_fp8_ppl_smollm2 (perplexity, scales 1.0; baseline = the fp32 cache's), in bench/results/ or --out-dir.
 CPU only, about 4 minutes on 2 cores.
+
+    python3 -m bench.kv_accuracy --gpu [--model SmolLM2-135M-Instruct.Q4_1.gguf] [--out-dir DIR]
+
+The engine on the GPU instead, as served: the model in bf16 (and in fp32), its fp8 cache with scales 1.0 and
+calibrated against its own dtype's cache, greedy over the same prompts, each engine in a process of its own;
+beside them, how many prompts the bf16 model and cache keep against the fp32 ones. Record
+kv_fp8_agreement_gpu_smollm2 (the first 10 prompts equal, bf16 model, scales 1.0; baseline = the bf16 model's
+against the fp32 model's). About 3 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -244,15 +253,88 @@ def simulate(questions: list[str], encodings: list[str]) -> dict[str, dict[str, 
     return result
 
 
+GPU_RUNS = [
+    (dtype, kv, cal) for dtype in ("bfloat16", "float32") for kv, cal in (("auto", 0), ("fp8", 0), ("fp8", 1))
+]
+
+
+def gpu_part(
+    model: str | None, dtype: str, kv: str, calibrated: bool, questions: list[str]
+) -> list[list[int]]:
+    """One engine on the GPU (a child process): each prompt's greedy tokens."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model, device="cuda", dtype=dtype, max_model_len=512, gpu_memory_utilization=0.3,
+              enable_prefix_caching=False, kv_cache_dtype=kv, calculate_kv_scales=calibrated)  # fmt: skip
+    outs = llm.chat(
+        [[{"role": "user", "content": q}] for q in questions],
+        SamplingParams(temperature=0, max_tokens=TOKENS),
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
+    """Prompts whose tokens are equal (the first 10, and all) and, for the first 10, the tokens before the first
+    difference."""
+    equal = [a == b for a, b in zip(want, got, strict=True)]
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(want, got)]
+    return {"first_10_equal": sum(equal[:10]), "prompts_equal": sum(equal) / len(equal),
+            "tokens_before_first_difference_first_10": first[:10]}  # fmt: skip
+
+
+def gpu_agreement(model: str | None, questions: list[str], out_dir: Path | None) -> None:
+    import json
+    import subprocess
+    import tempfile
+
+    from bench.record import record
+
+    ids: dict[tuple[str, str, int], list[list[int]]] = {}
+    for dtype, kv, cal in GPU_RUNS:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, "-m", "bench.kv_accuracy", "--part", dtype, kv, str(cal), "--json", f.name,
+                   "--prompts", str(len(questions))] + (["--model", model] if model else [])  # fmt: skip
+            subprocess.run(cmd, check=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+            ids[(dtype, kv, cal)] = json.loads(Path(f.name).read_text())
+    cases = {
+        f"{dtype} model, fp8 {'calibrated' if cal else 'scales 1.0'}": agreement(ids[(dtype, "auto", 0)], got)
+        for (dtype, kv, cal), got in ids.items()
+        if kv == "fp8"
+    }
+    base = agreement(ids[("float32", "auto", 0)], ids[("bfloat16", "auto", 0)])
+    for name, row in [*cases.items(), ("bf16 model and cache against fp32", base)]:
+        print(f"{name:40s} first 10: {row['first_10_equal']:2d}  all: {row['prompts_equal']:.2f}", flush=True)
+    record(
+        "kv_fp8_agreement_gpu_smollm2", cases["bfloat16 model, fp8 scales 1.0"]["first_10_equal"],
+        "of the first 10 chat prompts", baseline=base["first_10_equal"],
+        baseline_name="the bf16 model and cache against the fp32 ones (first 10 equal)",
+        goal="the first 16 greedy tokens equal on >= 9 of the first 10 prompts", out_dir=out_dir,
+        command=COMMAND + " --gpu",
+        extra={"prompts": len(questions), "tokens": TOKENS, "against_the_model_dtype_cache": cases,
+               "bf16_against_fp32": base},
+    )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--prompts", type=int, default=len(QUESTIONS), help=f"the first N of {len(QUESTIONS)}")
     p.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=list(ENCODINGS))
+    p.add_argument("--gpu", action="store_true", help="the engine on the GPU, bf16 and fp32 models")
+    p.add_argument("--model", default=None, help="with --gpu: the model (default: the bundled one)")
+    p.add_argument("--part", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     from bench.record import record
 
     questions = QUESTIONS[: args.prompts]
+    if args.part:
+        dtype, kv, cal = args.part
+        args.json.write_text(json.dumps(gpu_part(args.model, dtype, kv, cal == "1", questions)))
+        return
+    if args.gpu:
+        gpu_agreement(args.model, questions, args.out_dir)
+        return
     full = engine_run(questions)
     engine: dict[str, dict[str, Any]] = {}
     runs: dict[str, dict[str, Any]] = {
