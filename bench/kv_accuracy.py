@@ -275,7 +275,7 @@ def gpu_part(
 
 def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
     """Prompts whose tokens are equal (the first 10, and all) and, for the first 10, the tokens before the first
-    difference."""
+    difference (TOKENS where none of the shorter's positions differs)."""
     equal = [a == b for a, b in zip(want, got, strict=True)]
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), TOKENS) for a, b in zip(want, got)]
     return {"first_10_equal": sum(equal[:10]), "prompts_equal": sum(equal) / len(equal),
