@@ -283,7 +283,6 @@ def agreement(want: list[list[int]], got: list[list[int]]) -> dict[str, Any]:
 
 
 def gpu_agreement(model: str | None, questions: list[str], out_dir: Path | None) -> None:
-    import json
     import subprocess
     import tempfile
 
