@@ -401,7 +401,10 @@ class EngineCore:
                 trace.mark(item.request_id, "core.run")
         hook = functools.partial(self._during, sched, during)
         started = time.perf_counter()
-        sampled = self.runner.run(sched, hook) if not sched.is_empty else {}
+        sampled: Sampled = {}
+        if not sched.is_empty:
+            sampled, step = self.runner.run_launched(sched, hook)
+            self._add_prompt_logprobs(step)
         if self.scheduler.proposer is not None and not sched.is_empty:  # the draft-length policy's cost
             self.scheduler.proposer.cost.observe(sched.num_batched_tokens, time.perf_counter() - started)
         if trace.enabled:
@@ -501,6 +504,13 @@ class EngineCore:
         passes = max(it.num_draft for it in items) if proposer.on_device else 0
         proposer.in_order.observe(len(items), max(seconds, 0.0) / (1 + proposer.draft_cost_fraction * passes))
 
+    def _add_prompt_logprobs(self, step: LaunchedStep) -> None:
+        """A read step's prompt logprobs onto their sequences (entry p: prompt token p + 1's), where still held."""
+        for rid, (first, rows) in step.prompt_logprobs().items():
+            seq = self.scheduler.seqs.get(rid)
+            if seq is not None:
+                seq.prompt_logprobs[first : first + len(rows)] = rows
+
     @property
     def in_flight(self) -> bool:
         """Whether a step is queued on the device whose tokens step_overlapped has not read yet."""
@@ -513,6 +523,7 @@ class EngineCore:
         self, done: _InFlight, hold_frees: bool = False
     ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         sampled = self.runner.collect(done.step)
+        self._add_prompt_logprobs(done.step)
         if hold_frees and self._in_flight is None:
             self.block_manager.hold_for = None  # nothing runs now: frees are free at once
         updated = self.scheduler.resolve(

@@ -37,6 +37,7 @@ GRAPH_MEMORY_MARGIN = 64 * 2**20  # bytes reserved on top of the measured graph 
 # the most driver memory counted per graph: measured ~20-30 MiB on the H200 (Llama-3-8B, SmolLM2, ~300-400
 # kernels a graph); a reading above it is another process's allocation landing in the window
 GRAPH_DRIVER_CAP = 64 * 2**20
+PROMPT_ROWS = 256  # rows of prompt logits a block when computing prompt logprobs: (256, vocab) fp32 at a time
 
 
 class ModelRunner:
@@ -237,11 +238,18 @@ class ModelRunner:
         `during()` runs while the GPU computes: once the forward pass and the sampling (with the copies of
         its results to the host) are queued, before the host waits for them. Work it queues on the current
         stream runs after the step's and does not delay its tokens."""
+        return self.run_launched(out, during)[0]
+
+    @torch.inference_mode()
+    def run_launched(
+        self, out: SchedulerOutput, during: Callable[[], None] | None = None
+    ) -> tuple[Sampled, LaunchedStep]:
+        """`run`, with the launched step, whose prompt logprobs (LaunchedStep.prompt_logprobs) are read then."""
         step = self.launch(out)
         if during is not None:
             with torch.inference_mode(False):  # its tensors (e.g. a new KV sender's) stay ordinary ones
                 during()
-        return self.collect(step)
+        return self.collect(step), step
 
     @torch.inference_mode()
     def launch(
@@ -281,7 +289,9 @@ class ModelRunner:
             drafted_host = drafted.to("cpu", non_blocking=True) if drafted.is_cuda else drafted
         # every upload is queued (engine/uploads.py), so the host runs ahead of the GPU through the whole
         # step and returns while the forward pass computes
-        logits = self._replay(items, patches)  # (rows, vocab) fp32 from a graph; None: run eagerly
+        # (rows, vocab) fp32 from a graph; None: run eagerly (always for prompt logprobs: every row's hidden)
+        wants_prompt = any(it.prompt_logprobs is not None for it in items)
+        logits = None if wants_prompt else self._replay(items, patches)
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
         offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
@@ -291,8 +301,9 @@ class ModelRunner:
         else:  # a row per token, items in order (eager, or a verification replayed as decode rows)
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
+        prompt = self._prompt_logprobs(items, hidden) if wants_prompt and hidden is not None else []
         if not sampling:
-            return LaunchedStep([], [], None)
+            return LaunchedStep([], [], None, prompt=prompt)
         picked = None if rows is None else upload(torch.tensor(rows, dtype=torch.long), self.device)
         if hidden is not None:
             logits = self.model.compute_logits(hidden if picked is None else hidden[picked])
@@ -309,8 +320,51 @@ class ModelRunner:
         )
         drafts = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft :] for i in sampling]
         return LaunchedStep(
-            [items[i].request_id for i in sampling], drafts, sample, model_drafts, drafted_host, draft_kv
+            [items[i].request_id for i in sampling],
+            drafts,
+            sample,
+            model_drafts,
+            drafted_host,
+            draft_kv,
+            prompt,
         )
+
+    def _prompt_logprobs(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Queue each asking item's prompt logprobs (ScheduledSeq.prompt_logprobs): the log-softmax of the LM
+        head's fp32 logits at its chunk's rows, at the prompt's next token and the top k, PROMPT_ROWS rows at a
+        time (a (rows, vocab) fp32 block each), copied to the host with no wait."""
+        out = []
+        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+        for it, end in zip(items, ends):
+            if it.prompt_logprobs is None:
+                continue
+            offset, targets = it.prompt_logprobs
+            k = it.params.prompt_logprobs or 0
+            base = end - len(it.token_ids) + offset
+            own, top_v, top_i = [], [], []
+            for s in range(0, len(targets), PROMPT_ROWS):
+                rows = targets[s : s + PROMPT_ROWS]
+                lp = torch.log_softmax(
+                    self.model.compute_logits(hidden[base + s : base + s + len(rows)]), dim=-1
+                )
+                tgt = upload(torch.tensor(rows, dtype=torch.long), self.device)
+                own.append(lp.gather(1, tgt[:, None])[:, 0])
+                if k:
+                    v, i = lp.topk(min(k, lp.shape[1]), dim=-1)
+                    top_v.append(v)
+                    top_i.append(i)
+            out.append(
+                PromptLogprobs(
+                    it.request_id, it.start_pos + offset, targets, _to_host(torch.cat(own)),
+                    _to_host(torch.cat(top_v)) if k else None, _to_host(torch.cat(top_i)) if k else None,
+                )
+            )  # fmt: skip
+        if out and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            for p in out:
+                p.ready = event
+        return out
 
     @staticmethod
     def collect(step: LaunchedStep) -> Sampled:
@@ -569,6 +623,46 @@ class LaunchedStep:
     model_drafts: list[tuple[int, int, int]] = field(default_factory=list)
     drafted: torch.Tensor | None = None
     draft_kv: DraftKV | None = None
+    prompt: list[PromptLogprobs] = field(default_factory=list)  # items' prompt logprobs, by request
+
+    def prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
+        """{request id: (prompt position of the first row, one {token: logprob} a row: the prompt's next token
+        and the top k)}, once the device has them."""
+        return {p.request_id: (p.first, p.read()) for p in self.prompt}
+
+
+@dataclass
+class PromptLogprobs:
+    """One item's prompt logprobs on their way to the host: rows for positions first, first + 1, ..., each
+    row's logprob of the prompt's next token (`targets`) and its top k (values, ids; None for k = 0)."""
+
+    request_id: str
+    first: int
+    targets: list[int]
+    own: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    ready: torch.cuda.Event | None = None
+
+    def read(self) -> list[dict[int, float]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        own = self.own.tolist()
+        rows = [{t: v} for t, v in zip(self.targets, own)]
+        if self.top_ids is not None and self.top_values is not None:
+            for row, ids, values in zip(rows, self.top_ids.tolist(), self.top_values.tolist()):
+                for t, v in zip(ids, values):
+                    row.setdefault(t, v)
+        return rows
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host, queued behind the step's work when t is on a GPU (read after the step's event)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 class _Patch:

@@ -108,6 +108,7 @@ class RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=outs,
             num_cached_tokens=max(self.seqs[0].num_cached_tokens, 0),
+            prompt_logprobs=self.seqs[0].prompt_logprobs_out(),
             finished=self.finished,
             metrics=self._metrics(),
         )

@@ -59,5 +59,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # with SamplingParams.prompt_logprobs, vLLM's shape: one entry per prompt token, None for the first (nothing
+    # predicts it), else {token id: logprob} holding the prompt's own token and the top ones
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = False
     metrics: RequestMetrics | None = None

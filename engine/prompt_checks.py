@@ -47,7 +47,11 @@ def check_vocabulary(prompt_ids: list[int] | np.ndarray, vocab_size: int) -> Non
 
 
 def check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """A logit bias and allowed_token_ids name tokens of the vocabulary (values are SamplingParams' to check)."""
+    """A logit bias and allowed_token_ids name tokens of the vocabulary (values are SamplingParams' to check),
+    and no more top logprobs are asked for than the vocabulary has."""
+    for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if k is not None and k > vocab_size:
+            raise ValueError(f"{name} must be at most the vocabulary size {vocab_size}, got {k}")
     for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
         bad = sorted(t for t in ids or () if not 0 <= t < vocab_size)
         if bad:

@@ -27,6 +27,9 @@ class SamplingParams:
         1.0  # vLLM/HF: divides (>0) or multiplies (<0) logits of prompt + output tokens
     )
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always added)
+    # vLLM's: the logprob of each prompt token after the first, with this many top logprobs beside it. The
+    # prompt's positions are all computed for it: a prefix-cache hit serves only positions already computed
+    prompt_logprobs: int | None = None
     # OpenAI's: token id -> a value in [-100, 100] added to its logit before sampling (greedy too); the
     # logprobs reported stay the model's own
     logit_bias: dict[int, float] | None = None
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -109,7 +114,9 @@ class SamplingParams:
 
 def completion_params(params: SamplingParams, index: int) -> SamplingParams:
     """The params of completion `index` of a request's `n`: a seeded request's completions draw from
-    seeds seed, seed + 1, ... so that they differ and each is reproducible alone."""
-    if params.seed is None or index == 0:
+    seeds seed, seed + 1, ... so that they differ and each is reproducible alone. The prompt's logprobs are the
+    first completion's to compute: the others share its prompt blocks."""
+    if index == 0 or (params.seed is None and params.prompt_logprobs is None):
         return params
-    return dataclasses.replace(params, seed=params.seed + index, stop=params.stop_strings or None)
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, seed=seed, stop=params.stop_strings or None, prompt_logprobs=None)

@@ -51,6 +51,9 @@ class ScheduledSeq:
     context: list[int] | None = None
     # token ids the sampler must not pick for this token: the stops a request's min_tokens holds back
     banned: tuple[int, ...] = ()
+    # prompt logprobs to compute (SamplingParams.prompt_logprobs): (the chunk's first row that needs them, the
+    # prompt's next token at each such row), one row a prompt position not computed for them before
+    prompt_logprobs: tuple[int, list[int]] | None = None
 
     @property
     def seq_len(self) -> int:
@@ -150,6 +153,7 @@ class Scheduler:
         A first token that ends the request finishes it here."""
         self.seqs[seq.request_id] = seq
         seq.status = SequenceStatus.RUNNING
+        seq.prompt_logprobs_planned = len(seq.prompt_logprobs)  # the prefill worker computed them, if asked
         self.stats.scheduled(seq.times, seq.arrival_time)
         self.stats.tokens(seq.times, seq.arrival_time)
         self._insert_running(seq)
@@ -230,6 +234,8 @@ class Scheduler:
             if seq.num_pending:  # preempted while its last token was in flight: readmitted once it is known
                 break
             hits = self.block_manager.match_prefix(seq)
+            if seq.wants_prompt_logprobs:  # a hit serves only positions whose logprobs are already had
+                hits = hits[: seq.prompt_logprobs_planned // self.block_manager.block_size]
             # a swapped-out request brings back its computed tokens past the hits from the CPU
             num_computed = max(
                 len(hits) * self.block_manager.block_size, self.preemption.restorable_tokens(seq)
@@ -346,6 +352,13 @@ class Scheduler:
         token_ids = seq.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # the last one is the token a step in flight samples
             token_ids.append(PENDING_TOKEN)
+        prompt = None
+        if seq.wants_prompt_logprobs:
+            first = max(start, seq.prompt_logprobs_planned)
+            end = min(start + num_new, len(seq.prompt_logprobs))
+            if first < end:
+                prompt = (first - start, seq.prompt_token_ids[first + 1 : end + 1])
+                seq.prompt_logprobs_planned = end
         return ScheduledSeq(
             request_id=seq.request_id,
             token_ids=token_ids,
@@ -356,6 +369,7 @@ class Scheduler:
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
             banned=self._banned(seq),
+            prompt_logprobs=prompt,
         )
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:

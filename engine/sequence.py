@@ -66,9 +66,28 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # with params.prompt_logprobs: entry p - 1 is prompt token p's {token id: logprob}, from position p - 1's
+    # logits; None until the step computing it is read. Positions below prompt_logprobs_planned are computed or
+    # in a step on the device, so a prefix-cache hit may serve them (engine/scheduler.py).
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs_planned: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * max(len(self.prompt_token_ids) - 1, 0)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether some prompt position's logprobs are still to be computed."""
+        return self.prompt_logprobs_planned < len(self.prompt_logprobs)
+
+    def prompt_logprobs_out(self) -> list[dict[int, float] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs: None first (nothing predicts the first token), then each prompt
+        token's; None when not asked for."""
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None, *self.prompt_logprobs]
 
     @property
     def num_tokens(self) -> int:
