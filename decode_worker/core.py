@@ -28,7 +28,7 @@ from engine.stats import HistogramSnapshot
 from kvtransfer import KVTransferError
 from kvtransfer.stats import TransferStats
 from kvtransfer.tp import create_sharded_receiver
-from serving.engine_proc import id_list
+from serving.engine_proc import id_list, prompt_logprobs_of
 from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed, ToEngine
 from serving.worker_config import WorkerConfig
@@ -258,14 +258,17 @@ class DecodeCore:
             trace.mark(seq.request_id, "dcore.reserved")
 
     def _emit(self, seq: Sequence, logprobs: list[dict[int, float]]) -> None:
+        first = seq.num_output_tokens - seq.new_tokens
         self.outbox.append(
             Tokens(
                 seq.request_id,
-                tuple(seq.output_token_ids[seq.num_output_tokens - seq.new_tokens :]),
+                tuple(seq.output_token_ids[first:]),
                 tuple(logprobs),
                 seq.status.finish_reason,
                 _stop_text(seq),
                 max(seq.num_cached_tokens, 0),
+                # a prompt prefilled elsewhere had its first token (and these) streamed by the server
+                prompt_logprobs_of(seq) if first == 0 else (),
             )
         )
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Iterable
 
 import grpc
 import numpy as np
@@ -15,7 +16,12 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.drain import Drain
 from serving.engine_proc import EngineProcess
-from serving.grpc_common import logprobs_from_proto, logprobs_to_proto, params_from_proto
+from serving.grpc_common import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+)
 from serving.logs import bind_request
 from serving.messages.from_engine import BlocksReserved, Error, FirstToken, Landed, Tokens
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed
@@ -121,7 +127,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                     finished = not isinstance(msg, FirstToken) and msg.finish_reason is not None
                     if finished:
                         logger.info("request %s finished: %s", rid, msg.finish_reason)  # type: ignore[union-attr]
-                    if (chunk := _chunk(msg)) is not None:
+                    if (chunk := _chunk(msg, request.prompt_token_ids)) is not None:
                         yield chunk
         finally:
             self._promised -= promised
@@ -244,14 +250,20 @@ class DecodeServicer(pb_grpc.DecodeServicer):
 
 def _first_token(rid: str, reply: pb.PrefillResponse) -> FirstToken:
     logprobs = logprobs_from_proto(reply.first_logprobs) if reply.HasField("first_logprobs") else None
-    return FirstToken(rid, reply.first_token_id, logprobs, reply.num_cached_tokens)
+    prompt = tuple(logprobs_from_proto(lp) for lp in reply.prompt_logprobs)
+    return FirstToken(rid, reply.first_token_id, logprobs, reply.num_cached_tokens, prompt)
 
 
-def _chunk(msg: FirstToken | Tokens | Landed) -> pb.DecodeChunk | None:
+def _chunk(msg: FirstToken | Tokens | Landed, prompt_ids: Iterable[int]) -> pb.DecodeChunk | None:
     """The router's chunk for a message on a request's stream (None: nothing to tell it)."""
     if isinstance(msg, FirstToken):  # the prefill worker's, streamed on before its KV transfer completes
         lps = [] if msg.logprobs is None else [logprobs_to_proto(msg.token_id, msg.logprobs)]
-        return pb.DecodeChunk(token_ids=[msg.token_id], logprobs=lps, num_cached_tokens=msg.num_cached_tokens)
+        return pb.DecodeChunk(
+            token_ids=[msg.token_id],
+            logprobs=lps,
+            num_cached_tokens=msg.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs_to_proto(prompt_ids, msg.prompt_logprobs),
+        )
     if isinstance(msg, Landed):  # that first token joined the batch: only whether it ended the completion
         if msg.finish_reason is None:
             return None
@@ -262,6 +274,7 @@ def _chunk(msg: FirstToken | Tokens | Landed) -> pb.DecodeChunk | None:
         stop_reason=msg.stop_reason or "",
         logprobs=[logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs)],
         num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_to_proto(prompt_ids, msg.prompt_logprobs),
     )
 
 

@@ -46,6 +46,7 @@ from gateway.router_client import (
     build,
     chat_requests,
     completion_requests,
+    echo_of,
     refuse_unfit,
     tokenize_request,
 )
@@ -172,25 +173,29 @@ class Gateway:
                 msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
                 raise APIError(404, msg, "model", "model_not_found")
             refuse_unfit(body, info)  # before a long prompt is copied into router calls
+            assert self.stub is not None
+            echo = None
             if isinstance(body, ChatCompletionRequest):
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
+                echo = await echo_of(self.stub, body, reqs)
             salt = self.salts.salt(record.tenant, body.cache_salt)
             for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
                 req.request_id, req.cache_salt = rid, salt
-            assert self.stub is not None
             streams = RouterStreams(self.stub, reqs)
             self.drain.watch(streams)
             await _unless_disconnected(request, streams, streams.start())
             record.identify(streams.request_id)
             self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
             record.first_token()
-            fmt = Formatter(chat, info.model, body.num_logprobs(), self.token_text)
+            fmt = Formatter(
+                chat, info.model, body.num_logprobs(), self.token_text, body.n, body.prompt_logprobs, echo
+            )
             if body.stream:
                 events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))
                 return _EventStream(events, media_type="text/event-stream")
-            choices, totals = await _unless_disconnected(request, streams, _collect(streams))
+            choices, totals = await _unless_disconnected(request, streams, _collect(streams, fmt))
         except APIError as exc:
             self._finished((endpoint, start, record), exc.status, Totals())
             return exc.response()
@@ -252,19 +257,19 @@ class Gateway:
     ) -> AsyncIterator[str]:
         """Server-sent events; a client disconnect cancels this generator, which cancels the router calls.
         A failure mid-way, shutdown included, is a last error event; `data: [DONE]` always ends it."""
-        choices: dict[int, Choice] = {}
         totals, status, streamed = Totals(), 499, 0
         try:
             async for offset, resp in streams:
                 if resp.HasField("usage"):
                     totals.add(resp.usage)
                 streamed += len(resp.token_ids)
+                fmt.saw(offset, resp)
                 if not (resp.token_ids or resp.text or resp.finish_reason):
                     continue
-                index = offset + resp.index
-                first = index not in choices
-                choice = choices.setdefault(index, Choice())
-                yield _sse(fmt.chunk(index, resp, choice, first))
+                for chunk in fmt.stream(offset + resp.index, resp):
+                    yield _sse(chunk)
+            for chunk in fmt.flush():
+                yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(totals))
             status = 200
@@ -308,12 +313,13 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _collect(streams: RouterStreams) -> tuple[dict[int, Choice], Totals]:
+async def _collect(streams: RouterStreams, fmt: Formatter) -> tuple[dict[int, Choice], Totals]:
     choices: dict[int, Choice] = {}
     totals = Totals()
     async for offset, resp in streams:
         if resp.HasField("usage"):
             totals.add(resp.usage)
+        fmt.saw(offset, resp)
         if not (resp.token_ids or resp.text or resp.finish_reason):
             continue
         choice = choices.setdefault(offset + resp.index, Choice())

@@ -38,7 +38,6 @@ _REFUSED: dict[str, tuple[str, object]] = {
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
     },
     "bad_words": ("bad_words is not supported by this server", None),
-    "prompt_logprobs": ("prompt_logprobs is not supported by this server", None),
     "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported by this server", None),
     "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
     "logits_processors": ("logits_processors are not supported by this server", None),
@@ -85,6 +84,9 @@ class SamplingFields(_Body):
     min_tokens: Annotated[int, Field(ge=0, le=INT32)] = 0  # vLLM's: no stop before this many tokens
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=65536)] | None = None  # vLLM's
     skip_special_tokens: bool = True  # vLLM's: false shows special tokens' text
+    # vLLM's: the logprob of every prompt token after the first, with this many top ones beside it (capped as
+    # logprobs are)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None
@@ -202,6 +204,9 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
 
 NonEmptyIds = Annotated[list[TokenId], Field(min_length=1)]
 
@@ -213,15 +218,20 @@ class CompletionRequest(SamplingFields):
         | NonEmptyIds
         | Annotated[list[NonEmptyIds], Field(min_length=1)]
     )
+    # 0 only with echo: the prompt alone (lm-eval's loglikelihood), as OpenAI's legacy API took it
+    max_tokens: Annotated[int, Field(ge=0, le=INT32)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt's text (and, with logprobs, its tokens) before each choice's own
     # read only to refuse them (`unsupported`; left out of the OpenAPI schema)
     suffix: SkipJsonSchema[str | None] = None
     best_of: SkipJsonSchema[Annotated[int, Field(ge=1, le=128)] | None] = None
 
+    def conflict(self) -> tuple[str, str] | None:
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens must be at least 1; 0 is taken only with echo (the prompt alone)"
+        return super().conflict()
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
@@ -229,10 +239,22 @@ class CompletionRequest(SamplingFields):
         return super().unsupported()
 
     def token_limit(self) -> int:
-        return self.max_tokens or 16  # OpenAI's default for completions
+        """Tokens the engine is asked for: OpenAI's default 16, and one (dropped) for echo's max_tokens 0."""
+        return 16 if self.max_tokens is None else max(self.max_tokens, 1)
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """What the engine computes for the prompt: echo with logprobs needs them for the prompt's tokens
+        (vLLM's default), an explicit prompt_logprobs wins."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -1,9 +1,10 @@
-"""Router responses -> OpenAI JSON: whole responses, stream chunks, logprobs, usage."""
+"""Router responses -> OpenAI JSON: whole responses, stream chunks, logprobs, prompt logprobs, echo, usage."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
@@ -48,24 +49,62 @@ def chat_logprobs(lps: list[pb.TokenLogprobs], k: int, text: TokenText) -> dict:
     }
 
 
-def completion_logprobs(lps: list[pb.TokenLogprobs], k: int, text: TokenText, offset: int) -> dict:
-    tokens = [text(lp.token_id) for lp in lps]
+def completion_logprobs(
+    lps: Sequence[pb.TokenLogprobs], k: int, text: TokenText, offset: int, unscored: Sequence[int] = ()
+) -> dict:
+    """OpenAI's completions logprobs of `lps`, after `unscored`: tokens that have none (echo's first prompt
+    token), null as vLLM gives them. `offset`: where the first token's text starts in the choice's."""
+    tokens = [text(t) for t in unscored] + [text(lp.token_id) for lp in lps]
     offsets = []
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
+    none = [None] * len(unscored)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
+        "token_logprobs": [*none, *(lp.logprob for lp in lps)],
         "top_logprobs": [
-            {
-                text(t.token_id): t.logprob
-                for t in [*_top(lp, k), pb.TopLogprob(token_id=lp.token_id, logprob=lp.logprob)]
-            }
-            for lp in lps
+            *none,
+            *(
+                {
+                    text(t.token_id): t.logprob
+                    for t in [*_top(lp, k), pb.TopLogprob(token_id=lp.token_id, logprob=lp.logprob)]
+                }
+                for lp in lps
+            ),
         ],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_json(lps: Sequence[pb.TokenLogprobs], k: int, text: TokenText) -> list[dict | None]:
+    """vLLM's prompt_logprobs: null for the first prompt token (nothing predicts it), then per token
+    {token id: {logprob, rank, decoded_token}} holding the prompt's token and the top k. A rank is the place
+    among those top k (1: the likeliest), so the prompt's token has null where it is not among them: vLLM
+    gives its place in the whole vocabulary there, which the engine does not compute."""
+    out: list[dict | None] = [None]
+    for lp in lps:
+        top = _top(lp, k)
+        rank = {t.token_id: r for r, t in enumerate(top, 1)}
+        entry = {str(lp.token_id): _prompt_entry(lp.logprob, rank.get(lp.token_id), text(lp.token_id))}
+        for t in top:
+            entry.setdefault(str(t.token_id), _prompt_entry(t.logprob, rank[t.token_id], text(t.token_id)))
+        out.append(entry)
+    return out
+
+
+def _prompt_entry(logprob: float, rank: int | None, decoded: str) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": decoded}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """/v1/completions' echo, per prompt: its text and its token ids (a text prompt's only with logprobs).
+    `only` (max_tokens 0): the prompt alone; the one token generated for it is dropped."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    only: bool
 
 
 @dataclass
@@ -98,23 +137,75 @@ class Totals:
 
 
 class Formatter:
-    """One HTTP request's responses. `chat` picks the chat or the completions shape."""
+    """One HTTP request's responses. `chat` picks the chat or the completions shape; `n` completions of each
+    prompt are choices i * n ... i * n + n - 1. `prompt_logprobs`: the top ones vLLM's prompt_logprobs field
+    shows (None: not asked for); each prompt's come with its completion 0's first message (`saw`)."""
 
-    def __init__(self, chat: bool, model: str, num_logprobs: int | None, token_text: TokenText) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        num_logprobs: int | None,
+        token_text: TokenText,
+        n: int = 1,
+        prompt_logprobs: int | None = None,
+        echo: Echo | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.num_logprobs = num_logprobs
         self.text = token_text
+        self.n = n
+        self.num_prompt_logprobs = prompt_logprobs
+        self.echo = echo
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.prompts: dict[int, list[pb.TokenLogprobs]] = {}  # prompt i -> its logprobs
+        self.streamed: dict[int, Choice] = {}  # a stream's choices so far
+        # prompt i -> (choice, message) of its stream held back until its logprobs come
+        self._held: dict[int, list[tuple[int, pb.GenerateResponse]]] = {}
 
-    def _logprobs(self, lps: list[pb.TokenLogprobs], offset: int) -> dict | None:
+    def saw(self, offset: int, resp: pb.GenerateResponse) -> None:
+        """Every router message of the call whose choices start at `offset`: keeps its prompt's logprobs."""
+        prompt = offset // self.n
+        if resp.index == 0 and (resp.token_ids or resp.prompt_logprobs) and prompt not in self.prompts:
+            self.prompts[prompt] = list(resp.prompt_logprobs)
+
+    def _logprobs(
+        self, lps: Sequence[pb.TokenLogprobs], offset: int, unscored: Sequence[int] = ()
+    ) -> dict | None:
         if self.num_logprobs is None:
             return None
         if self.chat:
-            return chat_logprobs(lps, self.num_logprobs, self.text)
-        return completion_logprobs(lps, self.num_logprobs, self.text, offset)
+            return chat_logprobs(list(lps), self.num_logprobs, self.text)
+        return completion_logprobs(lps, self.num_logprobs, self.text, offset, unscored)
+
+    def _echoed(
+        self, index: int, text: str, lps: Sequence[pb.TokenLogprobs], first: bool
+    ) -> tuple[str, Sequence[pb.TokenLogprobs], list[int]]:
+        """Choice `index`'s text and logprobs with echo's prompt before them in its first part, and the
+        prompt's tokens that have no logprobs (its first; all of them where the engine sent none)."""
+        if self.echo is None:
+            return text, lps, []
+        if self.echo_only:
+            text, lps = "", []
+        if not first:
+            return text, lps, []
+        prompt = index // self.n
+        scored, ids = self.prompts.get(prompt, []), self.echo.token_ids[prompt]
+        return self.echo.texts[prompt] + text, [*scored, *lps], ids[: max(len(ids) - len(scored), 0)]
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo is not None and self.echo.only
+
+    def _finish(self, finish: str | None) -> str | None:
+        return "length" if finish and self.echo_only else finish
+
+    def _prompt_logprobs(self, prompt: int) -> list[dict | None]:
+        assert self.num_prompt_logprobs is not None
+        return prompt_logprobs_json(self.prompts.get(prompt, []), self.num_prompt_logprobs, self.text)
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -129,36 +220,65 @@ class Formatter:
         out = []
         for i in sorted(choices):
             c = choices[i]
+            text, lps, unscored = self._echoed(i, "".join(c.text), c.logprobs, first=True)
             item: dict = {
                 "index": i,
-                "logprobs": self._logprobs(c.logprobs, 0),
-                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(lps, 0, unscored),
+                "finish_reason": self._finish(c.finish_reason),
             }
-            text = "".join(c.text)
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
-            item["stop_reason"] = c.stop_reason
+            item["stop_reason"] = None if self.echo_only else c.stop_reason
+            if self.num_prompt_logprobs is not None and not self.chat:  # vLLM's: on each completions choice
+                item["prompt_logprobs"] = self._prompt_logprobs(i // self.n)
             out.append(item)
-        return {**self._envelope(self.object, out), "usage": totals.to_json()}
+        body = {**self._envelope(self.object, out), "usage": totals.to_json()}
+        if self.num_prompt_logprobs is not None and self.chat:  # vLLM's: on the chat response itself
+            body["prompt_logprobs"] = self._prompt_logprobs(0)
+        return body
 
-    def chunk(self, index: int, resp: pb.GenerateResponse, choice: Choice, first: bool) -> dict:
-        """A stream chunk for one router message of choice `index`."""
-        finish = resp.finish_reason or None
+    def stream(self, index: int, resp: pb.GenerateResponse) -> list[dict]:
+        """The stream chunks for a router message of choice `index`. An echo with logprobs holds a choice's
+        chunks back until its prompt's logprobs have come (with completion 0's first message), then sends them
+        in order."""
+        prompt = index // self.n
+        if self.echo is not None and self.num_logprobs is not None and prompt not in self.prompts:
+            self._held.setdefault(prompt, []).append((index, resp))
+            return []
+        chunks = [self._chunk(i, r) for i, r in [*self._held.pop(prompt, []), (index, resp)]]
+        return [c for c in chunks if c is not None]
+
+    def flush(self) -> list[dict]:
+        """The chunks still held when the calls end (a prompt whose completion 0 failed)."""
+        held, self._held = self._held, {}
+        chunks = [self._chunk(i, r) for p in sorted(held) for i, r in held[p]]
+        return [c for c in chunks if c is not None]
+
+    def _chunk(self, index: int, resp: pb.GenerateResponse) -> dict | None:
+        first = index not in self.streamed
+        choice = self.streamed.setdefault(index, Choice())
+        finish = self._finish(resp.finish_reason or None)
+        text, lps, unscored = self._echoed(index, resp.text, resp.logprobs, first)
+        if self.echo_only and not (first or finish):
+            return None  # the token generated for it, dropped
         item: dict = {"index": index, "logprobs": None, "finish_reason": finish}
-        if resp.logprobs:
-            item["logprobs"] = self._logprobs(list(resp.logprobs), choice.num_chars)
+        if lps or unscored:
+            item["logprobs"] = self._logprobs(lps, choice.num_chars, unscored)
         if self.chat:
-            delta: dict = {"role": "assistant", "content": resp.text} if first else {"content": resp.text}
-            item["delta"] = delta
+            item["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
-            item["text"] = resp.text
+            item["text"] = text
         if finish:
-            item["stop_reason"] = resp.stop_reason or None
-        choice.num_chars += len(resp.text)
+            item["stop_reason"] = None if self.echo_only else (resp.stop_reason or None)
+        choice.num_chars += len(text)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._envelope(obj, [item])
+        chunk = self._envelope(obj, [item])
+        if self.num_prompt_logprobs is not None and first and resp.index == 0:  # where `saw` found them
+            where = chunk if self.chat else item
+            where["prompt_logprobs"] = self._prompt_logprobs(index // self.n)
+        return chunk
 
     def usage_chunk(self, totals: Totals) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

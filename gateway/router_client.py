@@ -20,6 +20,7 @@ from gateway.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from gateway.responses import Echo
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import set_token_controls
@@ -60,6 +61,9 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     num = body.num_logprobs()
     if num is not None:
         msg.logprobs = num
+    num = body.num_prompt_logprobs()
+    if num is not None:
+        msg.prompt_logprobs = num
     set_token_controls(msg, bias, body.min_tokens, body.allowed_token_ids, body.skip_special_tokens)
     return msg
 
@@ -82,6 +86,37 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
             req.token_ids.ids.extend(prompt)
         out.append(req)
     return out
+
+
+async def echo_of(
+    stub: pb_grpc.RouterStub, body: CompletionRequest, requests: list[pb.GenerateRequest]
+) -> Echo | None:
+    """What echo shows of each prompt, from the router's tokenizer: a text prompt's own text and, with
+    logprobs, its token ids; a token-id prompt's ids and their text (special tokens kept, as vLLM decodes
+    it). A text prompt whose ids were fetched goes to the router as them (in `requests`): the tokens shown
+    are those that ran."""
+    if not body.echo:
+        return None
+
+    async def one(prompt: str | list[int]) -> tuple[str, list[int]]:
+        if isinstance(prompt, list):
+            reply = await stub.Detokenize(
+                pb.DetokenizeRequest(model=body.model, token_ids=prompt), timeout=60
+            )
+            return reply.text, prompt
+        if body.logprobs is None:
+            return prompt, []
+        request = pb.TokenizeRequest(prompt=pb.GenerateRequest(model=body.model, text=prompt))
+        return prompt, list((await stub.Tokenize(request, timeout=60)).token_ids)
+
+    try:
+        found = await asyncio.gather(*(one(p) for p in body.prompts()))
+    except grpc.aio.AioRpcError as exc:
+        raise from_grpc(exc) from exc
+    for request, (_, ids) in zip(requests, found, strict=True):
+        if ids and request.WhichOneof("prompt") == "text":
+            request.token_ids.ids.extend(ids)  # the prompt's oneof: the text is cleared
+    return Echo([text for text, _ in found], [ids for _, ids in found], body.echo_only)
 
 
 def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> pb.TokenizeRequest:

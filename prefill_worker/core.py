@@ -24,7 +24,7 @@ from engine.stats import HistogramSnapshot
 from kvtransfer import KVSender, KVTransferError
 from kvtransfer.stats import TransferStats
 from kvtransfer.tp import connect_sharded
-from serving.engine_proc import id_list
+from serving.engine_proc import id_list, prompt_logprobs_of
 from serving.kv_events import KVEventPublisher
 from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent, Snapshot
 from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot, ToEngine
@@ -170,6 +170,7 @@ class PrefillCore:
                         seq.output_token_ids[-1],
                         next(iter(logprobs.get(seq.request_id) or []), None),
                         max(seq.num_cached_tokens, 0),
+                        prompt_logprobs_of(seq),
                     )
                     self.outbox.append(first)
                     job.first_sent = True
@@ -226,7 +227,8 @@ class PrefillCore:
             seq = self.scheduler.seqs.get(item.request_id)
             if self._send_now is not None and seq is not None and item.request_id in sampled:
                 tokens, logprobs = sampled[item.request_id]  # one: the decode worker streams it on now
-                first = FirstToken(item.request_id, tokens[0], logprobs[0], max(seq.num_cached_tokens, 0))
+                cached = max(seq.num_cached_tokens, 0)
+                first = FirstToken(item.request_id, tokens[0], logprobs[0], cached, prompt_logprobs_of(seq))
                 self._send_now([first])
                 job.first_sent = True
             if job.error is not None or job.shipped:

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import numpy as np
@@ -16,7 +16,7 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.drain import Drain
 from serving.engine_proc import EngineProcess
-from serving.grpc_common import logprobs_to_proto, params_from_proto
+from serving.grpc_common import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
 from serving.kv_events import EventBatch
 from serving.logs import bind_request
 from serving.messages.from_engine import Error, FirstToken, KVEvents, KVSent, Snapshot
@@ -117,7 +117,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                     raise RpcAbort(STATUS[msg.code], msg.details)
                 if isinstance(msg, FirstToken):
                     trace.mark(rid, "pserver.first")
-                    yield _first_token(msg)
+                    yield _first_token(msg, request.prompt_token_ids)
                 elif isinstance(msg, KVSent):
                     done = True
                     trace.mark(rid, "pserver.kv_done")
@@ -148,8 +148,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         """Nothing of its own to close: its calls are the decode workers'."""
 
 
-def _first_token(msg: FirstToken) -> pb.PrefillResponse:
-    reply = pb.PrefillResponse(first_token_id=msg.token_id, num_cached_tokens=msg.num_cached_tokens)
+def _first_token(msg: FirstToken, prompt_ids: Iterable[int]) -> pb.PrefillResponse:
+    reply = pb.PrefillResponse(
+        first_token_id=msg.token_id,
+        num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs_to_proto(prompt_ids, msg.prompt_logprobs),
+    )
     if msg.logprobs is not None:
         reply.first_logprobs.CopyFrom(logprobs_to_proto(msg.token_id, msg.logprobs))
     return reply

@@ -571,6 +571,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     logprobs=chunk.logprobs if whole else chunk.logprobs[:kept],
                     finish_reason=finish,
                     stop_reason=stop_reason,
+                    prompt_logprobs=chunk.prompt_logprobs,  # on completion 0's first chunk, when asked for
                 )
                 if chunk.num_cached_tokens:
                     resp.usage.cached_tokens = chunk.num_cached_tokens

@@ -33,7 +33,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from serving.messages.from_engine import (
 )
 from serving.messages.to_engine import Abort, Shutdown, ToEngine
 
+if TYPE_CHECKING:
+    from engine.sequence import Sequence as EngineSequence
+
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.25
@@ -62,6 +65,20 @@ _LOAD_EVERY_S = 0.1
 def id_list(ids: np.ndarray | Sequence[int]) -> list[int]:
     """A message's token ids (the servers send int arrays) as the engine's list of ints."""
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
+def prompt_logprobs_of(seq: EngineSequence) -> tuple[dict[int, float], ...]:
+    """What a request's first Tokens / FirstToken carries of its prompt's logprobs: every prompt token's after
+    the first when asked for, else (). The engine has computed them all by the first sampled token; one
+    missing would be its bug, and is logged rather than sent as a hole the servers cannot tell apart."""
+    if seq.params.prompt_logprobs is None:
+        return ()
+    entries = [e for e in seq.prompt_logprobs if e is not None]
+    if len(entries) != len(seq.prompt_logprobs):
+        missing = len(seq.prompt_logprobs) - len(entries)
+        logger.error("request %s: %d prompt logprobs were never computed", seq.request_id, missing)
+        return ()
+    return tuple(entries)
 
 
 def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -22,6 +24,7 @@ _OPTIONAL = (
     "max_tokens",
     "seed",
     "logprobs",
+    "prompt_logprobs",
     "n",
     "presence_penalty",
     "frequency_penalty",
@@ -91,6 +94,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     set_token_controls(msg, p.logit_bias, p.min_tokens, p.allowed_token_ids, p.skip_special_tokens)
     return msg
 
@@ -121,6 +126,16 @@ def logprobs_to_proto(token_id: int, entry: dict[int, float] | None) -> pb.Token
         logprob=entry.get(token_id, 0.0),
         top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()],
     )
+
+
+def prompt_logprobs_to_proto(
+    prompt_ids: Iterable[int], entries: Sequence[dict[int, float]]
+) -> list[pb.TokenLogprobs]:
+    """A prompt's logprobs as GenerateResponse carries them: entry p is prompt token p + 1's (the first token
+    has none), in the shape of an output token's."""
+    if not entries:  # every chunk but a request's first
+        return []
+    return [logprobs_to_proto(t, e) for t, e in zip(itertools.islice(prompt_ids, 1, None), entries)]
 
 
 def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float]:

@@ -105,6 +105,19 @@ def test_stop_string_and_n(tcp_1x1, prompts):
     tcp_1x1.wait_all_blocks_free()
 
 
+def test_prompt_logprobs_come_once_on_completion_0s_first_chunk(tcp_1x1, prompts):
+    """From the prefill worker through the decode worker and the router: one per prompt token after the first,
+    on completion 0's first chunk only (n = 2 computes them once)."""
+    prompt = prompts[1]
+    req = greedy_request(prompt, 3, n=2, prompt_logprobs=1)
+    replies = list(tcp_1x1.stub().Generate(req))
+    first = next(r for r in replies if r.index == 0 and r.token_ids)
+    assert [r for r in replies if r.prompt_logprobs] == [first]
+    assert [lp.token_id for lp in first.prompt_logprobs] == prompt[1:]
+    assert all(1 <= len(lp.top) <= 2 and lp.logprob <= 0 for lp in first.prompt_logprobs)
+    tcp_1x1.wait_all_blocks_free()
+
+
 def test_repeated_prompt_hits_the_prefill_cache(tcp_1x1, prompts):
     stub = tcp_1x1.stub()
     collect(stub.Generate(greedy_request(prompts[-1], 2)))
@@ -121,6 +134,15 @@ def test_repeated_prompt_hits_the_prefill_cache(tcp_1x1, prompts):
         ({"text": "hi", "sampling": pb.SamplingParams(temperature=-1)}, "temperature"),
         ({"text": "hi", "sampling": pb.SamplingParams(top_p=2)}, "top_p"),
         ({"text": "hi", "sampling": pb.SamplingParams(max_tokens=-1)}, "max_tokens"),
+        (
+            {"text": "hi", "sampling": pb.SamplingParams(prompt_logprobs=-1)},
+            "prompt_logprobs must be non-negative",
+        ),
+        (
+            {"text": "hi", "sampling": pb.SamplingParams(prompt_logprobs=10**6)},
+            "prompt_logprobs must be at most the vocabulary size",
+        ),
+        ({"text": "hi", "sampling": pb.SamplingParams(logprobs=10**6)}, "logprobs must be at most"),
         (
             {"token_ids": pb.TokenIds(ids=[5] * 1000), "sampling": pb.SamplingParams(max_tokens=25)},
             "maximum context length is 1024 tokens, but 1025 were requested",

@@ -170,6 +170,136 @@ def test_logprobs_match_the_models_log_softmax(stack, tok, bundled_model_dir, ch
     assert c.choices[0].logprobs.token_logprobs[0] == pytest.approx(top.values[0].item(), abs=1e-3)
 
 
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def prompt_ref(tok, bundled_model_dir):
+    """PROMPT's ids and transformers' fp32 log-softmax at each of its positions, (len, vocab)."""
+    ids = tok.encode(PROMPT)
+    return ids, torch.log_softmax(hf_logits(bundled_model_dir, ids), -1)
+
+
+def scored(ids: list[int], ref: torch.Tensor) -> list[float]:
+    """The reference logprob of each prompt token after the first, from the position before it."""
+    return ref[torch.arange(len(ids) - 1), ids[1:]].tolist()
+
+
+def check_prompt_logprobs(got, ids: list[int], ref: torch.Tensor, k: int, tok) -> None:
+    """vLLM's prompt_logprobs: None, then per prompt token {id: {logprob, rank, decoded_token}} holding the token
+    and the top k (ranked 1..k), as transformers computes them at the position before it."""
+    assert got is not None and len(got) == len(ids) and got[0] is None
+    for i in range(1, len(ids)):
+        entry, want = got[i], ref[i - 1]
+        top = want.topk(k).indices.tolist() if k else []
+        assert set(entry) == {str(t) for t in [ids[i], *top]}, i
+        for t, value in entry.items():
+            assert value["logprob"] == pytest.approx(want[int(t)].item(), abs=1e-3), (i, t)
+            rank = top.index(int(t)) + 1 if int(t) in top else None
+            assert value["rank"] == rank and value["decoded_token"] == tok.decode(
+                [int(t)], skip_special_tokens=False
+            )
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers(stack, tok, prompt_ref, max_tokens):
+    """lm-eval's loglikelihood request: the prompt's text and tokens first, its first token without a logprob,
+    the others' as transformers' log-softmax gives them; max_tokens 0 returns the prompt alone."""
+    ids, ref = prompt_ref
+    client = stack.client()
+    r = client.completions.create(
+        model=stack.model, prompt=PROMPT, echo=True, logprobs=1, max_tokens=max_tokens, temperature=0
+    )
+    c, n = r.choices[0], len(ids)
+    assert c.logprobs.tokens[:n] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:n] == pytest.approx(scored(ids, ref), abs=1e-3)
+    for i in range(1, n):
+        best = ref[i - 1].argmax().item()
+        top = c.logprobs.top_logprobs[i]
+        assert top[tok.decode([best], skip_special_tokens=False)] == pytest.approx(
+            ref[i - 1, best].item(), abs=1e-3
+        )
+    assert c.logprobs.text_offset[0] == 0
+    assert c.model_extra.get("prompt_logprobs") is None  # echo's own: the field only when asked for
+    if max_tokens == 0:
+        assert (c.text, len(c.logprobs.tokens), c.finish_reason) == (PROMPT, n, "length")
+        return
+    plain = client.completions.create(model=stack.model, prompt=PROMPT, max_tokens=1, temperature=0)
+    assert c.text == PROMPT + plain.choices[0].text and len(c.logprobs.tokens) == n + 1
+    assert c.logprobs.token_logprobs[n] == pytest.approx(ref[-1].max().item(), abs=1e-3)
+
+
+def test_echo_streams_the_prompt_first_in_every_choice(stack, tok, prompt_ref):
+    """Streaming, n = 2, a token-id prompt: each choice's first chunk holds the prompt's decoded text and its
+    tokens' logprobs; the completion follows."""
+    ids, ref = prompt_ref
+    client, n = stack.client(), len(ids)
+    stream = client.completions.create(
+        model=stack.model, prompt=ids, echo=True, logprobs=1, max_tokens=3, n=2, temperature=0, stream=True
+    )
+    firsts: dict[int, str] = {}
+    texts, lps = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in stream:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.text)
+            texts[c.index] += c.text
+            lps[c.index] += c.logprobs.token_logprobs if c.logprobs else []
+    plain = client.completions.create(model=stack.model, prompt=ids, max_tokens=3, temperature=0)
+    echoed = tok.decode(ids, skip_special_tokens=False)
+    for i in (0, 1):
+        assert firsts[i].startswith(echoed) and texts[i] == echoed + plain.choices[0].text
+        assert lps[i][0] is None and lps[i][1:n] == pytest.approx(scored(ids, ref), abs=1e-3)
+        assert len(lps[i]) == n + plain.usage.completion_tokens
+
+
+def test_prompt_logprobs_on_completions_and_chat(stack, tok, prompt_ref, chat_ids, bundled_model_dir):
+    """vLLM's extra field: on every completions choice of the prompt (n = 2: computed once, by completion 0),
+    on the chat response itself, and on a stream's first chunk."""
+    ids, ref = prompt_ref
+    client = stack.client()
+    r = client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=2, n=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    assert len(r.choices) == 2
+    for c in r.choices:
+        check_prompt_logprobs(c.model_extra["prompt_logprobs"], ids, ref, 2, tok)
+    chat_ref = torch.log_softmax(hf_logits(bundled_model_dir, chat_ids), -1)
+    chat = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    check_prompt_logprobs(chat.model_extra["prompt_logprobs"], chat_ids, chat_ref, 2, tok)
+    stream = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=3, temperature=0, stream=True,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    got = [chunk.model_extra.get("prompt_logprobs") for chunk in stream]
+    assert all(g is None for g in got[1:])
+    check_prompt_logprobs(got[0], chat_ids, chat_ref, 0, tok)
+
+
+def test_bad_prompt_logprobs_and_max_tokens_get_400(stack):
+    for path, extra, param, words in [
+        ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs", "greater than or equal to 0"),
+        ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+        ("/v1/completions", {"prompt_logprobs": "all"}, "prompt_logprobs", "integer"),
+        ("/v1/completions", {"max_tokens": 0}, "max_tokens", "only with echo"),
+        ("/v1/completions", {"max_tokens": -1, "echo": True}, "max_tokens", "greater than or equal to 0"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ]:
+        body = {
+            "model": stack.model,
+            "max_tokens": 2,
+            **({"messages": CHAT} if "chat" in path else {"prompt": "Hi"}),
+        }
+        r = stack.post(path, {**body, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param and words in error["message"], (extra, error)
+        assert error["code"] == "invalid_request", error
+
+
 def test_penalties_reach_the_sampler(stack):
     body = dict(model=stack.model, prompt="one one one one one", max_tokens=12, temperature=0)
     plain = stack.client().completions.create(**body).choices[0].text
@@ -250,11 +380,9 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
-        ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
-        ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),

@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from engine.tokenizer import Tokenizer
 from serving.roles import free_port
 from tests.cluster import _Lines
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -121,6 +122,25 @@ def test_completion_greedy_matches_transformers(served, tok, bundled_model_dir):
     expected = hf_greedy(bundled_model_dir, [tok.encode(prompt)], [12])[0]
     r = served.client().completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].text == tok.decode(expected)
+
+
+def test_prompt_logprobs_match_transformers(served, tok, bundled_model_dir):
+    """Prompt logprobs computed by the decode worker (aggregated) or by the prefill worker and carried on by the
+    decode worker (disaggregated) are transformers' fp32 log-softmax, so the two ways serve the same."""
+    prompt = "The three primary colors are"
+    ids = tok.encode(prompt)
+    ref = torch.log_softmax(hf_logits(bundled_model_dir, ids), -1)
+    want = ref[torch.arange(len(ids) - 1), ids[1:]].tolist()
+    r = served.client().completions.create(
+        model=NAME, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1 : len(ids)] == pytest.approx(want, abs=1e-3)
+    got = c.model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    assert [got[i][str(t)]["logprob"] for i, t in enumerate(ids) if i] == pytest.approx(want, abs=1e-3)
 
 
 def test_api_key_is_required(served):

@@ -69,6 +69,9 @@ class Tokens:
     finish_reason: str | None = None
     stop_reason: str | None = None  # the stop token id as text
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # on a request's first message, when asked for: one per prompt token after the first (RequestOutput's
+    # prompt_logprobs without its leading None)
+    prompt_logprobs: tuple[dict[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class FirstToken:
     token_id: int
     logprobs: dict[int, float] | None
     num_cached_tokens: int
+    prompt_logprobs: tuple[dict[int, float], ...] = ()  # as Tokens'
 
 
 @dataclass(frozen=True)
