@@ -23,7 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import DTYPE_NAMES, EngineConfig, SchedulerConfig
 from engine.kv_scales import CALIBRATION_TEXT, setup_kv_scales
 from engine.model_runner import LaunchedStep, ModelRunner, Sampled, kv_bytes_per_block
-from engine.prompt_checks import check_param_token_ids, check_prompt
+from engine.prompt_checks import bad_word_ids, check_param_token_ids, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
@@ -360,6 +360,8 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         check_param_token_ids(params, self.model_config.vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none")
 
     def make_sequence(
         self,
@@ -370,7 +372,7 @@ class EngineCore:
         cache_salt: str | None = None,
         parent: Sequence | None = None,
     ) -> Sequence:
-        return Sequence(
+        seq = Sequence(
             request_id,
             prompt_ids,
             params,
@@ -379,6 +381,11 @@ class EngineCore:
             priority=priority,
             parent=parent,
         )
+        if params.bad_words and self.tokenizer is not None:
+            tok = self.tokenizer
+            words = bad_word_ids(params.bad_words, lambda s: tok.encode(s, add_special_tokens=False))
+            seq.bad_words_ids = tuple(w for w in words if max(w) < self.model_config.vocab_size)
+        return seq
 
     def step_core(
         self,
@@ -517,7 +524,9 @@ class EngineCore:
         return self._in_flight is not None
 
     def _can_overlap(self) -> bool:
-        return not self.scheduler.deferred and not any(s.params.has_penalties for s in self.scheduler.running)
+        return not self.scheduler.deferred and not any(
+            s.params.has_penalties or s.bad_words_ids for s in self.scheduler.running
+        )
 
     def _resolve(
         self, done: _InFlight, hold_frees: bool = False

@@ -9,6 +9,7 @@ from engine.args import engine_config
 from engine.llm_engine import LLMEngine
 from engine.metrics_reader import Metric, get_metrics
 from engine.outputs import RequestOutput
+from engine.prompt_checks import truncate_prompt
 from engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -40,7 +41,7 @@ class LLM:
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
         prios: list[int] = list(priority) if priority is not None else [0] * len(batch)
-        encoded = [self._encode(p) for p in batch]
+        encoded = [self._encode(p, sp) for p, sp in zip(batch, params)]
         for (ids, _), sp in zip(encoded, params):
             self.engine.validate(ids, sp)
         rids = [self._add(p, e, sp, prio) for p, e, sp, prio in zip(batch, encoded, params, prios)]
@@ -73,7 +74,12 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params)
 
-    def _encode(self, prompt: PromptType) -> tuple[list[int], dict]:
+    def _encode(self, prompt: PromptType, params: SamplingParams) -> tuple[list[int], dict]:
+        """The prompt's token ids, truncated as params ask (truncate_prompt_tokens), and its options."""
+        ids, opts = self._tokens(prompt)
+        return truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len), opts
+
+    def _tokens(self, prompt: PromptType) -> tuple[list[int], dict]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"]), prompt

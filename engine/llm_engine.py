@@ -8,6 +8,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
+from engine.prompt_checks import truncate_prompt
 from engine.sampling_params import SamplingParams, completion_params
 from engine.sequence import Sequence, SequenceStatus
 
@@ -30,7 +31,9 @@ class LLMEngine(EngineCore):
     ) -> str:
         """Queue a request (n completions); raise ValueError, adding nothing, if it is invalid."""
         params = params or SamplingParams()
-        prompt_ids = self.encode_prompt(prompt)
+        prompt_ids = truncate_prompt(
+            self.encode_prompt(prompt), params.truncate_prompt_tokens, self.max_model_len
+        )
         self.validate(prompt_ids, params)
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self.requests:

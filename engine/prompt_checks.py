@@ -10,9 +10,14 @@ model's maximum context length" or "but max_model_len is", which the gateway ans
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import numpy as np
 
 from engine.sampling_params import SamplingParams
+
+T = TypeVar("T", list[int], np.ndarray)
 
 
 def check_prompt(prompt_ids: list[int] | np.ndarray, max_model_len: int, vocab_size: int) -> None:
@@ -44,6 +49,44 @@ def check_vocabulary(prompt_ids: list[int] | np.ndarray, vocab_size: int) -> Non
     if not in_vocab:
         bad = [int(t) for t in prompt_ids if not 0 <= t < vocab_size]
         raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def truncate_prompt(ids: T, truncate: int | None, max_model_len: int) -> T:
+    """The prompt's last `truncate` tokens (vLLM's truncate_prompt_tokens; -1: max_model_len of them), the
+    whole prompt when it is shorter or nothing is asked."""
+    if truncate is None:
+        return ids
+    if truncate > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens ({truncate}) is greater than max_model_len ({max_model_len}): "
+            "set it to at most max_model_len, or -1"
+        )
+    keep = max_model_len if truncate == -1 else truncate
+    return ids[len(ids) - keep :] if len(ids) > keep else ids
+
+
+def bad_word_ids(words: list[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's token sequences for bad_words: each word as it stands (leading spaces dropped), and after one
+    space where that gives a sequence of as many tokens with another first token (the word in mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(spaced)
+    return tuple(w for w in out if w)
+
+
+def banned_by_bad_words(words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """The tokens the next one may not be: each bad word's last token where the output so far ends in the
+    tokens before it (vLLM's rule: the prompt is not looked at)."""
+    out = []
+    for ids in words:
+        n = len(ids) - 1
+        if n <= len(output) and (n == 0 or output[len(output) - n :] == list(ids[:n])):
+            out.append(ids[-1])
+    return out
 
 
 def check_param_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -30,6 +30,11 @@ class SamplingParams:
     # vLLM's: the logprob of each prompt token after the first, with this many top logprobs beside it. The
     # prompt's positions are all computed for it: a prefix-cache hit serves only positions already computed
     prompt_logprobs: int | None = None
+    # vLLM's: words never generated. Each is tokenized as it stands and after a space (engine/prompt_checks.py:
+    # bad_word_ids); a word's last token is banned where the output so far ends in the tokens before it
+    bad_words: list[str] | None = None
+    # vLLM's: only the prompt's last this many tokens run (left truncation); -1: max_model_len of them
+    truncate_prompt_tokens: int | None = None
     # OpenAI's: token id -> a value in [-100, 100] added to its logit before sampling (greedy too); the
     # logprobs reported stay the model's own
     logit_bias: dict[int, float] | None = None
@@ -61,6 +66,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        cut = self.truncate_prompt_tokens
+        if cut is not None and cut < 1 and cut != -1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (max_model_len), got {cut}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -82,6 +90,11 @@ class SamplingParams:
             if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed):
                 raise ValueError(f"allowed_token_ids must be token ids (integers >= 0), got {allowed[:5]!r}")
             self.allowed_token_ids = sorted(set(allowed))
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if any(not isinstance(w, str) or not w.strip() for w in words):
+                raise ValueError(f"bad_words must be non-blank strings, got {words[:5]!r}")
+            self.bad_words = words or None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
@@ -98,13 +111,14 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether its logits change before sampling: penalties, a logit bias, allowed_token_ids, or min_tokens
-        (banned stops)."""
+        """Whether its logits change before sampling: penalties, a logit bias, allowed_token_ids, min_tokens
+        (banned stops) or bad_words."""
         return (
             self.has_penalties
             or bool(self.logit_bias)
             or self.min_tokens > 0
             or self.allowed_token_ids is not None
+            or self.bad_words is not None
         )
 
     @property

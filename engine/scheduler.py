@@ -21,6 +21,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.preemption import Preemption
+from engine.prompt_checks import banned_by_bad_words
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import Proposer, SpecDecodeStats
@@ -373,13 +374,16 @@ class Scheduler:
         )
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
-        """The stops (stop tokens, and EOS unless ignored) the token sampled next may not be: every one while
-        the request has fewer than min_tokens output tokens (a token still on the device counts), as vLLM."""
+        """The tokens the token sampled next may not be: the stops (stop tokens, and EOS unless ignored) while
+        the request has fewer than min_tokens output tokens (a token still on the device counts), as vLLM; and
+        the bad words' last tokens that would complete one (the engine steps in order while a request has bad
+        words, so its output is all on the host here)."""
         params = seq.params
+        bad = tuple(banned_by_bad_words(seq.bad_words_ids, seq.output_token_ids)) if seq.bad_words_ids else ()
         if seq.num_output_tokens + seq.num_pending >= params.min_tokens:
-            return ()
+            return bad
         eos = () if params.ignore_eos else tuple(sorted(self.eos_token_ids))
-        return tuple(params.stop_token_ids or ()) + eos
+        return tuple(params.stop_token_ids or ()) + eos + bad
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

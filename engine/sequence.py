@@ -71,6 +71,8 @@ class Sequence:
     # in a step on the device, so a prefix-cache hit may serve them (engine/scheduler.py).
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     prompt_logprobs_planned: int = 0
+    # params.bad_words as token sequences (engine/prompt_checks.py: bad_word_ids), set by the engine
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

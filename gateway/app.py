@@ -179,7 +179,7 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body))
             else:
                 reqs = build(lambda: completion_requests(body))
-                echo = await echo_of(self.stub, body, reqs)
+                echo = await echo_of(self.stub, body, reqs, info.max_model_len)
             salt = self.salts.salt(record.tenant, body.cache_salt)
             for req, rid in zip(reqs, router_ids(record, len(reqs)), strict=True):
                 req.request_id, req.cache_salt = rid, salt
@@ -189,8 +189,9 @@ class Gateway:
             record.identify(streams.request_id)
             self.metrics.ttft.labels(endpoint).observe(time.monotonic() - start)
             record.first_token()
+            token_text = TokenText(None) if body.return_tokens_as_token_ids else self.token_text  # token_id:N
             fmt = Formatter(
-                chat, info.model, body.num_logprobs(), self.token_text, body.n, body.prompt_logprobs, echo
+                chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo
             )
             if body.stream:
                 events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))

@@ -37,11 +37,8 @@ _REFUSED: dict[str, tuple[str, object]] = {
         name: (_STRUCTURED, None)
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
     },
-    "bad_words": ("bad_words is not supported by this server", None),
-    "truncate_prompt_tokens": ("truncate_prompt_tokens is not supported by this server", None),
     "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
     "logits_processors": ("logits_processors are not supported by this server", None),
-    "return_tokens_as_token_ids": ("return_tokens_as_token_ids is not supported by this server", False),
     "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
     "continue_final_message": ("continue_final_message is not supported by this server", False),
     "chat_template": ("a request's own chat_template is not supported: the model's is used", None),
@@ -87,6 +84,14 @@ class SamplingFields(_Body):
     # vLLM's: the logprob of every prompt token after the first, with this many top ones beside it (capped as
     # logprobs are)
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: logprobs name each token `token_id:N`, for tokens whose text JSON cannot carry (a lone byte)
+    return_tokens_as_token_ids: bool = False
+    # vLLM's: only the prompt's last this many tokens run (-1: max_model_len of them); the router cuts it
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32)] | None = None
+    # vLLM's: words never generated (a word's last token is banned where the output ends in the ones before it)
+    bad_words: (
+        Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=256)] | None
+    ) = None
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engine.prompt_checks import check_fits_by_size, check_length, fit_max_tokens
+from engine.prompt_checks import check_fits_by_size, check_length, fit_max_tokens, truncate_prompt
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -64,6 +64,9 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     num = body.num_prompt_logprobs()
     if num is not None:
         msg.prompt_logprobs = num
+    if body.truncate_prompt_tokens is not None:
+        msg.truncate_prompt_tokens = body.truncate_prompt_tokens
+    msg.bad_words.extend(body.bad_words or ())
     set_token_controls(msg, bias, body.min_tokens, body.allowed_token_ids, body.skip_special_tokens)
     return msg
 
@@ -89,25 +92,27 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
 
 
 async def echo_of(
-    stub: pb_grpc.RouterStub, body: CompletionRequest, requests: list[pb.GenerateRequest]
+    stub: pb_grpc.RouterStub, body: CompletionRequest, requests: list[pb.GenerateRequest], max_model_len: int
 ) -> Echo | None:
     """What echo shows of each prompt, from the router's tokenizer: a text prompt's own text and, with
     logprobs, its token ids; a token-id prompt's ids and their text (special tokens kept, as vLLM decodes
-    it). A text prompt whose ids were fetched goes to the router as them (in `requests`): the tokens shown
-    are those that ran."""
+    it); with truncate_prompt_tokens, the tokens kept and their text. A text prompt whose ids were fetched goes
+    to the router as them (in `requests`): the tokens shown are those that ran."""
     if not body.echo:
         return None
+    cut = body.truncate_prompt_tokens
 
     async def one(prompt: str | list[int]) -> tuple[str, list[int]]:
-        if isinstance(prompt, list):
-            reply = await stub.Detokenize(
-                pb.DetokenizeRequest(model=body.model, token_ids=prompt), timeout=60
-            )
-            return reply.text, prompt
-        if body.logprobs is None:
-            return prompt, []
-        request = pb.TokenizeRequest(prompt=pb.GenerateRequest(model=body.model, text=prompt))
-        return prompt, list((await stub.Tokenize(request, timeout=60)).token_ids)
+        text = prompt if isinstance(prompt, str) else None
+        ids = prompt if isinstance(prompt, list) else []
+        if text is not None and (body.logprobs is not None or cut is not None):
+            request = pb.TokenizeRequest(prompt=pb.GenerateRequest(model=body.model, text=text))
+            ids = list((await stub.Tokenize(request, timeout=60)).token_ids)
+        kept = truncate_prompt(ids, cut, max_model_len)
+        if text is None or len(kept) < len(ids):
+            reply = await stub.Detokenize(pb.DetokenizeRequest(model=body.model, token_ids=kept), timeout=60)
+            text = reply.text
+        return text, kept
 
     try:
         found = await asyncio.gather(*(one(p) for p in body.prompts()))
@@ -146,8 +151,15 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
 def refuse_unfit(body: ChatCompletionRequest | CompletionRequest, info: pb.ModelInfo) -> None:
     """A prompt that cannot fit gets the router's own refusal here, from its characters (the router's bound of
     characters a token) or its count of ids, before its bytes are copied into a router call: a few megabytes
-    of prompt cost the gateway's event loop more to build and send than to count."""
+    of prompt cost the gateway's event loop more to build and send than to count. One the router cuts to its
+    last tokens (truncate_prompt_tokens) may be any size; the count may not pass max_model_len."""
     max_tokens = body.token_limit()
+    if body.truncate_prompt_tokens is not None:  # cut to its last tokens by the router: any size may fit
+        try:
+            truncate_prompt([], body.truncate_prompt_tokens, info.max_model_len)  # a count past max_model_len
+        except ValueError as exc:
+            raise APIError(400, str(exc), "truncate_prompt_tokens", "invalid_request") from exc
+        return
     try:
         if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
             chars = sum(len(m.text()) for m in body.messages)

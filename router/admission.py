@@ -18,6 +18,7 @@ from engine.prompt_checks import (
     check_param_token_ids,
     check_vocabulary,
     fit_max_tokens,
+    truncate_prompt,
 )
 from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
@@ -36,11 +37,14 @@ async def admit(
     check_model(request.model, served_model_name)
     try:
         params = params_from_proto(request.sampling)
+        cut = params.truncate_prompt_tokens
         if request.WhichOneof("prompt") == "token_ids":  # int64: checked before any narrowing
-            check_length(len(request.token_ids.ids), info.max_model_len)  # before copying millions of ids
-            prompt_ids = np.array(request.token_ids.ids, dtype=np.int64)
+            ids = truncate_prompt(request.token_ids.ids, cut, info.max_model_len)
+            check_length(len(ids), info.max_model_len)  # before copying millions of ids
+            prompt_ids = np.array(ids, dtype=np.int64)
         else:
-            prompt_ids = np.array(await _tokenize(request, params, info, prompts), dtype=np.int64)
+            ids = await _tokenize(request, params, info, prompts)
+            prompt_ids = np.array(truncate_prompt(ids, cut, info.max_model_len), dtype=np.int64)
         if params.stop_strings and prompts is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         check_not_empty(len(prompt_ids))
@@ -64,7 +68,10 @@ async def _tokenize(
         raise ValueError("the request has no prompt: set text, chat or token_ids")
     if prompts is None:
         raise ValueError("this model has no tokenizer: send token_ids")
-    check_fits_by_size(prompt_chars(request), prompts.max_token_chars, params.max_tokens, info.max_model_len)
+    if params.truncate_prompt_tokens is None:  # a prompt cut to its last tokens may be any size
+        check_fits_by_size(
+            prompt_chars(request), prompts.max_token_chars, params.max_tokens, info.max_model_len
+        )
     try:
         return await prompts.encode(request)
     except Overloaded:

@@ -494,7 +494,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         assert decision.decode_worker is not None
         sampling = params_to_proto(child)
         sampling.n = 1
-        by_ids = request.WhichOneof("prompt") == "token_ids"
+        # the client's ids as they came, unless truncate_prompt_tokens cut them at admission
+        by_ids = request.WhichOneof("prompt") == "token_ids" and len(prompt_ids) == len(request.token_ids.ids)
         as_list = None if by_ids else prompt_ids.tolist()  # the detokenizer's is made after the call went out
         logger.info(
             "request %s: %d prompt tokens to prefill %s, decode %s",

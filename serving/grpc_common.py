@@ -25,6 +25,7 @@ _OPTIONAL = (
     "seed",
     "logprobs",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
     "n",
     "presence_penalty",
     "frequency_penalty",
@@ -69,6 +70,7 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> S
         include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words=list(msg.bad_words) or None,
     )
 
 
@@ -96,6 +98,9 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.truncate_prompt_tokens is not None:
+        msg.truncate_prompt_tokens = p.truncate_prompt_tokens
+    msg.bad_words.extend(p.bad_words or ())
     set_token_controls(msg, p.logit_bias, p.min_tokens, p.allowed_token_ids, p.skip_special_tokens)
     return msg
 

@@ -89,6 +89,22 @@ class AllowOnly:
         return scores + keep
 
 
+class BanWords:
+    """A transformers logits processor with vLLM's bad_words rule: a word's last token is banned where the
+    tokens generated so far (not the prompt) end in the ones before it."""
+
+    def __init__(self, words: tuple[tuple[int, ...], ...], prompt_len: int) -> None:
+        self.words, self.prompt_len = words, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[0, self.prompt_len :].tolist()
+        for w in self.words:
+            n = len(w) - 1
+            if n <= len(out) and out[len(out) - n :] == list(w[:n]):
+                scores[:, w[-1]] = float("-inf")
+        return scores
+
+
 # ---- tiny random checkpoints ---------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.cluster import start_cluster, start_gateway
-from tests.hf_reference import AllowOnly, hf_greedy, hf_logits
+from tests.hf_reference import AllowOnly, BanWords, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -168,6 +168,19 @@ def test_logprobs_match_the_models_log_softmax(stack, tok, bundled_model_dir, ch
         model=stack.model, prompt=chat_ids, max_tokens=1, temperature=0, logprobs=3
     )
     assert c.choices[0].logprobs.token_logprobs[0] == pytest.approx(top.values[0].item(), abs=1e-3)
+    # vLLM's return_tokens_as_token_ids: the same logprobs, each token named by its id
+    ids = stack.client().chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=1, temperature=0, logprobs=True, top_logprobs=5,
+        extra_body={"return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.content[0]  # fmt: skip
+    assert ids.token == f"token_id:{top.indices[0].item()}"
+    assert [t.token for t in ids.top_logprobs] == [f"token_id:{i}" for i in top.indices.tolist()]
+    assert [t.logprob for t in ids.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-3)
+    c = stack.client().completions.create(
+        model=stack.model, prompt=chat_ids, max_tokens=1, temperature=0, logprobs=3,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert c.choices[0].logprobs.tokens == [f"token_id:{top.indices[0].item()}"]
 
 
 PROMPT = "The capital of France is"
@@ -278,6 +291,36 @@ def test_prompt_logprobs_on_completions_and_chat(stack, tok, prompt_ref, chat_id
     check_prompt_logprobs(got[0], chat_ids, chat_ref, 0, tok)
 
 
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(stack, tok):
+    """vLLM's truncate_prompt_tokens: a text prompt past max_model_len (1024 here) runs as its last 40 tokens,
+    as those ids alone do; echo shows what ran; past max_model_len it is a 400 naming the field."""
+    text = "Caches, pages and careful layouts matter. " * 200
+    ids = tok.encode(text)
+    assert len(ids) > 1024
+    client = stack.client()
+    alone = client.completions.create(model=stack.model, prompt=ids[-40:], max_tokens=4, temperature=0)
+    for prompt in (text, ids):
+        r = client.completions.create(
+            model=stack.model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+            extra_body={"truncate_prompt_tokens": 40},
+        )  # fmt: skip
+        kept = tok.decode(ids[-40:], skip_special_tokens=False)
+        assert r.choices[0].text == kept + alone.choices[0].text
+        assert r.usage.prompt_tokens == 40
+    chat = client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": text}], max_tokens=2, temperature=0,
+        extra_body={"truncate_prompt_tokens": 30},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 30
+    for extra, words in [({"truncate_prompt_tokens": 2000}, "greater than max_model_len"),
+                         ({"truncate_prompt_tokens": -3}, "greater than or equal to -1")]:  # fmt: skip
+        for echo in (False, True):
+            r = stack.post("/v1/completions", {"model": stack.model, "prompt": "Hi", "echo": echo, **extra})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "truncate_prompt_tokens" and words in error["message"], error
+
+
 def test_bad_prompt_logprobs_and_max_tokens_get_400(stack):
     for path, extra, param, words in [
         ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs", "greater than or equal to 0"),
@@ -343,6 +386,26 @@ def test_logit_bias_min_tokens_and_allowed_token_ids_match_transformers(
     )
     assert kept.choices[0].text == tok.decode(want[2])
     assert kept.usage.completion_tokens == len(want[2])
+
+
+def test_bad_words_match_transformers(stack, tok, bundled_model_dir, chat_ids, chat_expected):
+    """vLLM's bad_words through a prefill worker (the first token) and a decode worker (the rest): the answer
+    is transformers' with the words' last tokens banned vLLM's way."""
+    from engine.prompt_checks import bad_word_ids
+
+    words = ["Paris", "capital of"]
+    ids = bad_word_ids(words, lambda s: tok.encode(s, add_special_tokens=False))
+    want = hf_greedy(
+        bundled_model_dir, [chat_ids], [24], [{"logits_processor": [BanWords(ids, len(chat_ids))]}]
+    )[0]
+    assert want != chat_expected
+    r = stack.client().chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=24, temperature=0, extra_body={"bad_words": words}
+    )
+    assert r.choices[0].message.content == tok.decode(want)
+    assert r.usage.completion_tokens == len(want)
+    blank = stack.post("/v1/completions", {"model": stack.model, "prompt": "Hi", "bad_words": [" "]})
+    assert blank.status_code == 400 and "bad_words must be non-blank" in blank.json()["error"]["message"]
 
 
 def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat_expected):

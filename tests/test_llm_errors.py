@@ -25,6 +25,38 @@ def test_prompt_over_max_model_len_names_both_numbers(llm):
     assert no_leak(llm)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: a prompt past max_model_len runs as its last k tokens (-1: as many as
+    max_model_len allows), exactly as those tokens alone; a shorter prompt runs whole."""
+    long = llm.engine.tokenizer.encode("The sky is blue and the grass is green. " * 40)
+    assert len(long) > 256
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    alone = llm.generate({"prompt_token_ids": long[-50:]}, greedy)[0]
+    cut = llm.generate(
+        {"prompt_token_ids": long}, SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=50)
+    )
+    text = llm.generate(
+        "The sky is blue and the grass is green. " * 40,
+        SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=50),
+    )
+    for out in (cut[0], text[0]):
+        assert out.prompt_token_ids == long[-50:] and out.outputs[0].token_ids == alone.outputs[0].token_ids
+    short = llm.generate(
+        {"prompt_token_ids": long[:20]}, SamplingParams(max_tokens=2, truncate_prompt_tokens=50)
+    )
+    assert short[0].prompt_token_ids == long[:20]
+    rid = llm.engine.add_request(long, SamplingParams(max_tokens=2, truncate_prompt_tokens=200))
+    assert llm.engine.requests[rid].prompt_token_ids == long[-200:]
+    llm.engine.abort_request(rid)
+    with pytest.raises(ValueError, match="maximum context length|max_model_len"):  # 256 kept: no room left
+        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    with pytest.raises(
+        ValueError, match=r"truncate_prompt_tokens \(300\) is greater than max_model_len \(256\)"
+    ):
+        llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=300))
+    assert no_leak(llm)
+
+
 def test_empty_prompt(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
@@ -50,6 +82,9 @@ def test_a_bad_prompt_in_a_batch_runs_nothing(llm):
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be at least 1, or -1"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, word):

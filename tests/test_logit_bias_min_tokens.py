@@ -1,7 +1,7 @@
-"""logit_bias, min_tokens and allowed_token_ids against transformers (fp32, CPU, the bundled SmolLM2): greedy
-output with a bias equals generate's with `sequence_bias`, with min_tokens generate's with `min_new_tokens` (stop
-token ids counted as EOS there), and with allowed_token_ids generate's with a processor that masks the rest,
-batched beside plain rows. tests/test_gateway.py takes both through the OpenAI
+"""logit_bias, min_tokens, allowed_token_ids and bad_words against transformers (fp32, CPU, the bundled SmolLM2):
+greedy output with a bias equals generate's with `sequence_bias`, with min_tokens generate's with `min_new_tokens`
+(stop token ids counted as EOS there), with allowed_token_ids generate's with a processor that masks the rest,
+and with bad_words generate's with a processor that bans vLLM's way, batched beside plain rows. tests/test_gateway.py takes both through the OpenAI
 gateway and a prefill and a decode worker."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.hf_reference import AllowOnly, hf_greedy
+from engine.prompt_checks import bad_word_ids
+from tests.hf_reference import AllowOnly, BanWords, hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,18 @@ def cases(tok, chats, plain):
             {"logits_processor": [AllowOnly([*allowed, *eos])]},
         ),
     ]
+    # bad_words: a one-token word the answer holds (as it stands and after a space), and a two-token word whose
+    # last token is banned only after its first
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    for words in (["Paris"], ["capital of", "of France"]):
+        ids = bad_word_ids(words, enc)
+        rows.append(
+            (
+                chats[0],
+                SamplingParams(temperature=0, max_tokens=16, bad_words=words),
+                {"logits_processor": [BanWords(ids, len(chats[0]))]},
+            )
+        )
     return rows
 
 
@@ -86,6 +99,10 @@ def expected(bundled_model_dir, cases, plain):
     assert len(want[3]) > 3 and plain[2][2] not in want[3][:6]  # the stop token held back for 6 tokens
     assert len(want[4]) >= 18
     assert want[5] != plain[0] and set(want[5]) <= set(cases[5][1].allowed_token_ids)  # the mask bit
+    for row in (6, 7):  # each row's words moved the answer, and none of their sequences is in it
+        words = cases[row][2]["logits_processor"][0].words
+        assert want[row] != plain[0] and len(words) >= 2
+        assert not any(list(w) == want[row][i : i + len(w)] for w in words for i in range(len(want[row])))
     return want
 
 
