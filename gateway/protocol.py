@@ -27,6 +27,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, which this server refuses
 
 
 _STRUCTURED = "structured output (guided decoding) is not supported by this server"
@@ -41,6 +42,9 @@ _REFUSED: dict[str, tuple[str, object]] = {
     "logits_processors": ("logits_processors are not supported by this server", None),
     "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
     "continue_final_message": ("continue_final_message is not supported by this server", False),
+    # vLLM's chat echo (the last message's content before the answer, where the roles match); completions
+    # declare their own echo, so this reaches chat requests only
+    "echo": ("echo on chat completions is not supported by this server (/v1/completions takes it)", False),
     "chat_template": ("a request's own chat_template is not supported: the model's is used", None),
     "chat_template_kwargs": ("chat_template_kwargs are not supported by this server", None),
     "documents": ("documents are not supported by this server", None),
@@ -126,6 +130,10 @@ class SamplingFields(_Body):
                 reason, default = _REFUSED[name]
                 if value != default and value not in (None, [], {}, ""):
                     return name, reason if name in reason else f"{name}: {reason}"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options", (
+                "stream_options.continuous_usage_stats is not supported: usage comes once, in the last chunk"
+            )
         modalities = (self.model_extra or {}).get("modalities")
         if isinstance(modalities, list) and any(m != "text" for m in modalities):
             return "modalities", "modalities other than text are not supported: this model writes text only"

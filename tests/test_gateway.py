@@ -449,6 +449,7 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
     ],
 )
 def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, param):
@@ -466,6 +467,17 @@ def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, para
     # a field that needs another (OpenAI's own refusals) or a bad value is invalid, the rest unsupported
     invalid = param in ("top_logprobs", "stream_options", "logit_bias")
     assert error["code"] == ("invalid_request" if invalid else "unsupported"), error
+
+
+def test_continuous_usage_stats_is_refused_by_name(stack):
+    """vLLM's usage in every chunk is not given; asking for it is a 400, not a stream without it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": stack.model, "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": options}
+    r = stack.post("/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stream_options" and "continuous_usage_stats" in error["message"]
+    assert error["code"] == "unsupported"
 
 
 def test_bad_logit_bias_and_min_tokens_get_400(stack):
