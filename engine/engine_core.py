@@ -29,6 +29,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import Proposer, SpeculativeConfig
 from engine.stats import HistogramSnapshot
+from engine.structured_output import GuideFactory
 from engine.swap_setup import build_preemption
 from engine.tokenizer import Tokenizer
 
@@ -63,6 +64,7 @@ class EngineCore:
         self.ranks: Ranks | None = None  # tensor parallelism's other ranks (engine/tp/)
         model, self.model_config = self._load(model_path)
         self.tokenizer = self._load_tokenizer(config.tokenizer or model_path)
+        self._guides: GuideFactory | None = None  # structured output's, made on first use
         spec = config.speculative_config
         draft = self._load_draft(spec) if isinstance(spec, SpeculativeConfig) and spec.model else None
         self.max_model_len = self._max_model_len(config)
@@ -362,6 +364,18 @@ class EngineCore:
         check_param_token_ids(params, self.model_config.vocab_size)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model has none")
+        if params.structured_outputs is not None:
+            self.guides().index(
+                params.structured_outputs
+            )  # compiled now (cached): a bad pattern adds nothing
+
+    def guides(self) -> GuideFactory:
+        """Structured output's guides over this model's tokenizer (engine/structured_output.py)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer; this model has none")
+        if self._guides is None:
+            self._guides = GuideFactory(self.tokenizer, self.model_config.vocab_size)
+        return self._guides
 
     def make_sequence(
         self,
@@ -381,6 +395,9 @@ class EngineCore:
             priority=priority,
             parent=parent,
         )
+        if params.structured_outputs is not None:
+            seq.guide = self.guides().guide(params.structured_outputs)
+            seq.guide_words = self.guides().mask_words()
         if params.bad_words and self.tokenizer is not None:
             tok = self.tokenizer
             words = bad_word_ids(params.bad_words, lambda s: tok.encode(s, add_special_tokens=False))
@@ -525,7 +542,7 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         return not self.scheduler.deferred and not any(
-            s.params.has_penalties or s.bad_words_ids for s in self.scheduler.running
+            s.params.has_penalties or s.bad_words_ids or s.guide is not None for s in self.scheduler.running
         )
 
     def _resolve(

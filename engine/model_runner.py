@@ -317,6 +317,7 @@ class ModelRunner:
             [items[i].history for i in owners],
             positions=[items[i].seq_len + j for i, j in zip(owners, offsets)],
             banned=[items[i].banned for i in owners],
+            masks=[items[i].allowed_mask for i in owners],
         )
         drafts = [items[i].token_ids[len(items[i].token_ids) - items[i].num_draft :] for i in sampling]
         return LaunchedStep(

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_ops import (
@@ -93,15 +94,19 @@ class Sampler:
         histories: Sequence[History | None] | None = None,
         positions: Sequence[int] | None = None,
         banned: Sequence[Sequence[int]] | None = None,
+        masks: Sequence[np.ndarray | None] | None = None,
     ) -> PendingSample:
         """Queue the sampling of every row and the copy of its results to the host; nothing waits.
 
         The position a row samples is `positions[i]`, else len(prompt) + len(output) of its history (0
         without one); its seed is `params.seed`, else its generator's initial seed, else one drawn from
         this sampler. `banned[i]`: token ids row i may not take (a request's stops before its min_tokens).
+        `masks[i]`: the only tokens row i may take, as int32 words of bits (structured output), or None.
         Logprobs are the model's own, before penalties, bias and bans (vLLM's raw logprobs)."""
         raw = logits
         logits = adjust_logits(logits, params, banned)
+        if masks is not None and any(m is not None for m in masks):
+            logits = apply_masks(logits, masks)
         stages = stages_of(params, logits.shape[1])
         penalized = histories is not None and any(p.has_penalties for p in params)
         if stages.sample or penalized:
@@ -209,6 +214,22 @@ def sampling_tensors(
     ints = torch.tensor([seeds, positions], dtype=torch.int64).T  # (rows, 2)
     packed = torch.cat([ints, words.reshape(len(params), -1)], dim=1)  # (rows, 6)
     return SamplingTensors.unpack(upload(packed, device))
+
+
+def apply_masks(logits: torch.Tensor, masks: Sequence[np.ndarray | None]) -> torch.Tensor:
+    """The logits with every token a row's mask leaves out at -inf (rows without a mask keep all): one
+    upload of the rows' bit words, unpacked on the device."""
+    rows, vocab = logits.shape
+    words = -(-vocab // 32)
+    packed = np.full((rows, words), -1, dtype=np.int32)  # all bits set: every token allowed
+    for r, m in enumerate(masks):
+        if m is not None:
+            packed[r, : min(words, m.size)] = m[:words]
+            packed[r, m.size :] = 0
+    bits = upload(torch.from_numpy(packed), logits.device).unsqueeze(-1)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((bits >> shifts) & 1).bool().reshape(rows, words * 32)[:, :vocab]
+    return logits.float().masked_fill(~allowed, -math.inf)
 
 
 def adjust_logits(

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -33,6 +35,8 @@ class SamplingParams:
     # vLLM's: words never generated. Each is tokenized as it stands and after a space (engine/prompt_checks.py:
     # bad_word_ids); a word's last token is banned where the output so far ends in the tokens before it
     bad_words: list[str] | None = None
+    # vLLM's: the output held to a JSON schema, any JSON object, a regex or a choice (engine/structured_output.py)
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's: only the prompt's last this many tokens run (left truncation); -1: max_model_len of them
     truncate_prompt_tokens: int | None = None
     # OpenAI's: token id -> a value in [-100, 100] added to its logit before sampling (greedy too); the
@@ -112,13 +116,14 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether its logits change before sampling: penalties, a logit bias, allowed_token_ids, min_tokens
-        (banned stops) or bad_words."""
+        (banned stops), bad_words or structured output."""
         return (
             self.has_penalties
             or bool(self.logit_bias)
             or self.min_tokens > 0
             or self.allowed_token_ids is not None
             or self.bad_words is not None
+            or self.structured_outputs is not None
         )
 
     @property

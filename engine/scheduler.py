@@ -16,6 +16,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.block_manager import BlockManager
@@ -26,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import Proposer, SpecDecodeStats
 from engine.stats import EngineStats
+from engine.structured_output import allowed_mask
 
 # where a scheduled token is not known on the host yet (a step in flight samples it), its place in the
 # host's inputs; the runner writes the real token on the device before the forward pass reads it
@@ -55,6 +57,8 @@ class ScheduledSeq:
     # prompt logprobs to compute (SamplingParams.prompt_logprobs): (the chunk's first row that needs them, the
     # prompt's next token at each such row), one row a prompt position not computed for them before
     prompt_logprobs: tuple[int, list[int]] | None = None
+    # structured output: the tokens the sampled one may be, as int32 words of bits (engine/structured_output.py)
+    allowed_mask: np.ndarray | None = None
 
     @property
     def seq_len(self) -> int:
@@ -353,6 +357,10 @@ class Scheduler:
         token_ids = seq.all_token_ids[start : start + num_new]
         if len(token_ids) < num_new:  # the last one is the token a step in flight samples
             token_ids.append(PENDING_TOKEN)
+        sample = start + num_new == seq.num_tokens + seq.num_pending
+        mask = None
+        if sample and seq.guide is not None:  # the engine steps in order: the guide has every output token
+            mask = allowed_mask(seq.guide, seq.guide_words)
         prompt = None
         if seq.wants_prompt_logprobs:
             first = max(start, seq.prompt_logprobs_planned)
@@ -365,12 +373,13 @@ class Scheduler:
             token_ids=token_ids,
             start_pos=start,
             block_table=list(seq.block_table),
-            sample=start + num_new == seq.num_tokens + seq.num_pending,
+            sample=sample,
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
             banned=self._banned(seq),
             prompt_logprobs=prompt,
+            allowed_mask=mask,
         )
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
@@ -449,6 +458,10 @@ class Scheduler:
             return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
+        if (
+            seq.guide_failed
+        ):  # a token its structured output does not allow: never sampled here, ended if given
+            return SequenceStatus.FINISHED_ABORTED
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.block_hash import NONE_HASH, BlockHash, hash_prompt_blocks
 from engine.sampling_params import SamplingParams
@@ -73,6 +73,11 @@ class Sequence:
     prompt_logprobs_planned: int = 0
     # params.bad_words as token sequences (engine/prompt_checks.py: bad_word_ids), set by the engine
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # params.structured_outputs' walk through its pattern (engine/structured_output.py), set by the engine and
+    # advanced by every token appended; guide_failed: a token it does not allow was appended (the request ends)
+    guide: Any = None
+    guide_words: int = 0  # int32 words of its masks: the model's vocabulary / 32, rounded up
+    guide_failed: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -110,6 +115,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.guide is not None and not self.guide_failed:
+            try:
+                self.guide.advance(token_id, return_tokens=False)
+            except ValueError:  # masked out, so only a token sampled without the mask (never by this engine)
+                self.guide_failed = True
 
     def truncate_output(self, num_output: int) -> None:
         """Keep only the first `num_output` output tokens (a stop string ended the text inside a step's

@@ -4,12 +4,13 @@ Only shapes and types are checked here; ranges of sampling values are the engine
 (`SamplingParams`), so the message a user sees is the same through every front end. Integers that go
 into int32 proto fields are bounded here so a huge number is a 400, not a conversion error.
 
-Fields whose meaning this server does not implement (tools, structured output, best_of, suffix) are refused
+Fields whose meaning this server does not implement (tools, grammars, best_of, suffix) are refused
 with a 400 naming them (`unsupported`), never ignored: an answer that ignored them would look right and not be.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,14 +31,10 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, which this server refuses
 
 
-_STRUCTURED = "structured output (guided decoding) is not supported by this server"
 # Fields of OpenAI's and vLLM's APIs that change what a request returns and that this server does not
 # implement: each is refused by name when set (other than to its default, the value after the reason).
 _REFUSED: dict[str, tuple[str, object]] = {
-    **{
-        name: (_STRUCTURED, None)
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-    },
+    "guided_whitespace_pattern": ("guided_whitespace_pattern is not supported by this server", None),
     "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
     "logits_processors": ("logits_processors are not supported by this server", None),
     "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
@@ -51,6 +48,31 @@ _REFUSED: dict[str, tuple[str, object]] = {
     "audio": ("audio output is not supported: this model writes text only", None),
     "web_search_options": ("web search is not supported by this server", None),
 }
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    json_schema: dict | None = None  # OpenAI's {"name", "schema", "strict"}
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, json_object, grammar."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    def fields(self) -> dict:
+        out: dict = {}
+        if self.json_ is not None:
+            out["json"] = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+        for name in ("regex", "choice", "json_object", "grammar"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        return out
 
 
 class SamplingFields(_Body):
@@ -99,6 +121,49 @@ class SamplingFields(_Body):
     # requests with different salts never share prefix-cache blocks (vLLM's extra); with tenants it is
     # scoped to the caller's tenant (gateway/tenants.py)
     cache_salt: Annotated[str, Field(max_length=1024)] | None = None
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs (one at most)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: Annotated[str, Field(max_length=65536)] | None = None
+    guided_choice: (
+        Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None
+    ) = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+
+    def structured(self) -> dict | None:
+        """The structured output asked for, as pb.StructuredOutputs' fields; ValueError naming the field when
+        more than one way is given or response_format's type is not one this server takes."""
+        asked: dict[str, dict] = {}
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            if rf.type == "json_object":
+                asked["response_format"] = {"json_object": True}
+            elif rf.type == "json_schema":
+                schema = (rf.json_schema or {}).get("schema") if isinstance(rf.json_schema, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError(
+                        "response_format json_schema needs json_schema.schema, a JSON schema object"
+                    )
+                asked["response_format"] = {"json": json.dumps(schema)}
+            else:
+                raise ValueError(
+                    f"response_format {rf.type!r} is not supported: text, json_object or json_schema"
+                )
+        if self.guided_json is not None:
+            g = self.guided_json
+            asked["guided_json"] = {"json": g if isinstance(g, str) else json.dumps(g)}
+        if self.guided_regex is not None:
+            asked["guided_regex"] = {"regex": self.guided_regex}
+        if self.guided_choice is not None:
+            asked["guided_choice"] = {"choice": list(self.guided_choice)}
+        if self.guided_grammar is not None:
+            asked["guided_grammar"] = {"grammar": self.guided_grammar}
+        if self.structured_outputs is not None:
+            asked["structured_outputs"] = self.structured_outputs.fields()
+        if len(asked) > 1:
+            raise ValueError(f"structured output is asked for more than once: {', '.join(asked)}")
+        return next(iter(asked.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -161,11 +226,6 @@ class ChatMessage(_Body):
         return [part.type for part in parts if part.type != "text"]
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=INT32)] | None = None
@@ -178,7 +238,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: SkipJsonSchema[Any] = None
     functions: SkipJsonSchema[list[Any] | None] = None
     function_call: SkipJsonSchema[Any] = None
-    response_format: SkipJsonSchema[ResponseFormat | None] = None
 
     def conflict(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
@@ -204,11 +263,6 @@ class ChatCompletionRequest(SamplingFields):
             )
         if self.functions or self.function_call not in (None, "none"):
             return "functions", "functions are not supported: this server calls no functions"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", (
-                f"response_format {self.response_format.type!r} is not supported: this server has no "
-                "structured-output decoding"
-            )
         return super().unsupported()
 
     def token_limit(self) -> int | None:

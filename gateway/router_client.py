@@ -67,6 +67,12 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     if body.truncate_prompt_tokens is not None:
         msg.truncate_prompt_tokens = body.truncate_prompt_tokens
     msg.bad_words.extend(body.bad_words or ())
+    try:
+        structured = body.structured()
+    except ValueError as exc:
+        raise APIError(400, str(exc), "response_format", "invalid_request") from None
+    if structured is not None:
+        msg.structured_outputs.CopyFrom(pb.StructuredOutputs(**structured))
     set_token_controls(msg, bias, body.min_tokens, body.allowed_token_ids, body.skip_special_tokens)
     return msg
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputsParams
 from protos import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
@@ -71,6 +73,19 @@ def params_from_proto(msg: pb.SamplingParams, defaults: dict | None = None) -> S
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words=list(msg.bad_words) or None,
+        structured_outputs=_structured_from_proto(msg.structured_outputs)
+        if msg.HasField("structured_outputs")
+        else None,
+    )
+
+
+def _structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    return StructuredOutputsParams(
+        json=msg.json or None,
+        regex=msg.regex or None,
+        choice=list(msg.choice) or None,
+        json_object=msg.json_object or None,
+        grammar=msg.grammar or None,
     )
 
 
@@ -101,6 +116,15 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
     if p.truncate_prompt_tokens is not None:
         msg.truncate_prompt_tokens = p.truncate_prompt_tokens
     msg.bad_words.extend(p.bad_words or ())
+    so = p.structured_outputs
+    if so is not None:
+        schema = so.json if so.json is None or isinstance(so.json, str) else json.dumps(so.json)
+        msg.structured_outputs.CopyFrom(
+            pb.StructuredOutputs(
+                json=schema or "", regex=so.regex or "", choice=list(so.choice or ()),
+                json_object=bool(so.json_object), grammar=so.grammar or "",
+            )
+        )  # fmt: skip
     set_token_controls(msg, p.logit_bias, p.min_tokens, p.allowed_token_ids, p.skip_special_tokens)
     return msg
 

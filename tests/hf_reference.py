@@ -105,6 +105,23 @@ class BanWords:
         return scores
 
 
+class GuideMask:
+    """A transformers logits processor that holds generation to an outlines-core Guide (structured output):
+    the guide takes each token generated since the last call, then every token it does not allow is -inf."""
+
+    def __init__(self, guide: Any, prompt_len: int) -> None:
+        self.guide, self.prompt_len, self.seen = guide, prompt_len, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        new = input_ids[0, self.prompt_len + self.seen :].tolist()
+        for token in new:
+            self.guide.advance(token, return_tokens=False)
+        self.seen += len(new)
+        keep = torch.full_like(scores, float("-inf"))
+        keep[:, self.guide.get_tokens()] = 0.0
+        return scores + keep
+
+
 # ---- tiny random checkpoints ---------------------------------------------------------------------
 
 

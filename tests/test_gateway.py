@@ -4,6 +4,7 @@ process, the official `openai` client (sync and async, streaming and not), trans
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import time
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from tests.cluster import start_cluster, start_gateway
-from tests.hf_reference import AllowOnly, BanWords, hf_greedy, hf_logits
+from tests.hf_reference import AllowOnly, BanWords, GuideMask, hf_greedy, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -408,6 +409,55 @@ def test_bad_words_match_transformers(stack, tok, bundled_model_dir, chat_ids, c
     assert blank.status_code == 400 and "bad_words must be non-blank" in blank.json()["error"]["message"]
 
 
+def test_structured_output_matches_transformers_held_to_the_pattern(stack, tok, bundled_model_dir, chat_ids):
+    """response_format json_schema (chat), guided_choice and structured_outputs' regex (completions), through a
+    prefill worker (the first token) and a decode worker (the rest): transformers' greedy answer under the same
+    pattern; two ways at once and a grammar are 400s."""
+    import json
+
+    from engine.structured_output import GuideFactory, StructuredOutputsParams
+
+    factory = GuideFactory(tok, tok.vocab_size)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    }
+    want = hf_greedy(
+        bundled_model_dir, [chat_ids] * 2, [32, 8],
+        [{"logits_processor": [GuideMask(factory.guide(StructuredOutputsParams(json=schema)), len(chat_ids))]},
+         {"logits_processor": [GuideMask(factory.guide(StructuredOutputsParams(choice=["Paris", "Lyon"])), len(chat_ids))]}],
+    )  # fmt: skip
+    client = stack.client()
+    r = client.chat.completions.create(
+        model=stack.model, messages=CHAT, max_tokens=32, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )  # fmt: skip
+    assert r.choices[0].message.content == tok.decode(want[0]) and "city" in json.loads(
+        r.choices[0].message.content
+    )
+    c = client.completions.create(
+        model=stack.model,
+        prompt=chat_ids,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": ["Paris", "Lyon"]},
+    )
+    assert c.choices[0].text == tok.decode(want[1]) and c.choices[0].text in ("Paris", "Lyon")
+    phone = client.completions.create(
+        model=stack.model, prompt="Call me at", max_tokens=12, temperature=0.8, seed=3, n=2,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+    )  # fmt: skip
+    assert all(re.fullmatch("[0-9]{3}-[0-9]{4}", ch.text) for ch in phone.choices)
+    for extra, words in [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "asked for more than once"),
+        ({"guided_grammar": "root ::= 'a'"}, "grammar (EBNF) is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    ]:
+        r = stack.post("/v1/completions", {"model": stack.model, "prompt": "Hi", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat_expected):
     """EOS ends the answer without text of its own; include_stop_str_in_output with skip_special_tokens false
     shows it; a stop token id's text is left out too."""
@@ -433,7 +483,6 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         (
             "/v1/chat/completions",
@@ -444,8 +493,7 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
-        ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),

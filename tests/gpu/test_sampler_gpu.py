@@ -121,3 +121,29 @@ def test_sampling_replays_in_a_cuda_graph():
         static_logits.copy_(logits)
         graph.replay()
         assert static_tokens.tolist() == sample_tokens(logits, fresh, stages).tolist()
+
+
+def test_structured_output_masks_leave_the_same_tokens_on_the_device():
+    """apply_masks (structured output's bit words) on CUDA keeps exactly the tokens it keeps on the CPU, a row
+    without a mask keeps all, and the greedy pick is the best allowed token."""
+    import numpy as np
+
+    from engine.sampler import apply_masks
+
+    logits = well_separated_logits(7)[:4]
+    g = np.random.default_rng(0)
+    words = -(-VOCAB // 32)
+    masks = [
+        g.integers(-(2**31), 2**31, words, dtype=np.int64).astype(np.int32),
+        None,
+        np.zeros(words, np.int32),
+    ]
+    masks[2][5] = 1 << 3  # token 5 * 32 + 3 alone
+    masks.append(masks[0])
+    cpu = apply_masks(logits, masks)
+    gpu = apply_masks(logits.cuda(), masks)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.isfinite(cpu[1]).all() and torch.isfinite(cpu[2]).sum() == 1 and torch.isfinite(cpu[2, 163])
+    bits = np.unpackbits(masks[0].view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+    assert torch.equal(torch.isfinite(cpu[0]), torch.from_numpy(bits))
+    assert greedy_argmax(gpu).tolist()[2] == 163
