@@ -81,6 +81,36 @@ def test_prompt_logprobs_on_cuda_match_transformers(tiny):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_structured_output_on_cuda_matches_transformers(tiny):
+    """A regex and a choice held by masks unpacked on the device (CUDA graphs captured, steps in order): the
+    tokens transformers' greedy generate gives under the same patterns, and texts that match them."""
+    import re
+
+    from engine.structured_output import GuideFactory, StructuredOutputsParams
+    from tests.hf_reference import GuideMask
+
+    llm = LLM(str(tiny), device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.05)
+    so = [
+        StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}"),
+        StructuredOutputsParams(choice=["red", "green"]),
+    ]
+    batch = prompts(llm.engine.model_config.vocab_size, seed=4)[2:4]
+    factory = GuideFactory(llm.engine.tokenizer, llm.engine.model_config.vocab_size)
+    extra = [{"logits_processor": [GuideMask(factory.guide(s), len(p))]} for p, s in zip(batch, so)]
+    want = hf_greedy(tiny, batch, [12, 12], extra)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        [SamplingParams(temperature=0, max_tokens=12, structured_outputs=s) for s in so],
+    )
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", outs[0].outputs[0].text) and outs[1].outputs[0].text in (
+        "red",
+        "green",
+    )
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_triton_and_torch_paths_agree(tiny, monkeypatch):
     llm = LLM(
         str(tiny),
