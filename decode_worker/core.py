@@ -169,6 +169,7 @@ class DecodeCore:
         self.blocks.cache_computed_blocks(seq)
         if arrived.first_logprobs is not None:
             seq.logprobs.append(arrived.first_logprobs)
+        seq.settle_guide(wait=True)  # structured output: its pattern compiled while the prompt was prefilled
         seq.append_token(arrived.first_token_id)
         self.scheduler.admit_prefilled(seq)
         self.outbox.append(Landed(rid, seq.status.finish_reason, _stop_text(seq)))

@@ -365,9 +365,7 @@ class EngineCore:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model has none")
         if params.structured_outputs is not None:
-            self.guides().index(
-                params.structured_outputs
-            )  # compiled now (cached): a bad pattern adds nothing
+            self.guides().check(params.structured_outputs)  # its pattern compiles in the background
 
     def guides(self) -> GuideFactory:
         """Structured output's guides over this model's tokenizer (engine/structured_output.py)."""
@@ -396,8 +394,9 @@ class EngineCore:
             parent=parent,
         )
         if params.structured_outputs is not None:
-            seq.guide = self.guides().guide(params.structured_outputs)
+            seq.guide_future = self.guides().index_future(params.structured_outputs)
             seq.guide_words = self.guides().mask_words()
+            seq.settle_guide(wait=False)  # compiled already: ready at once
         if params.bad_words and self.tokenizer is not None:
             tok = self.tokenizer
             words = bad_word_ids(params.bad_words, lambda s: tok.encode(s, add_special_tokens=False))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from concurrent import futures
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +138,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.deferred: list[Sequence] = []  # n > 1 children waiting for their parent's prompt blocks
+        self.compiling: list[Sequence] = []  # requests whose structured output's pattern still compiles
         self.num_preemptions = 0
         self.seqs: dict[str, Sequence] = {}  # every unfinished request by id
         # running counts for metrics: prompt tokens first admitted, tokens generated, requests finished
@@ -147,7 +149,9 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.request_id] = seq
-        if seq.parent is not None and self.block_manager.enable_prefix_caching:
+        if not seq.settle_guide(wait=False):  # its structured output still compiling: it waits aside
+            self.compiling.append(seq)
+        elif seq.parent is not None and self.block_manager.enable_prefix_caching:
             self.deferred.append(seq)
         else:
             self.waiting.push(seq)
@@ -175,11 +179,12 @@ class Scheduler:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.running or len(self.waiting) or self.deferred)
+        return bool(self.running or len(self.waiting) or self.deferred or self.compiling)
 
     def schedule(self, drafts: bool = True) -> SchedulerOutput:
         """The next step's plan. `drafts=False`: no speculative drafts in it (an overlapped step, planned
         before the tokens a draft would start from are known)."""
+        self._release_compiled()
         self._release_deferred()
         self.preemption.poll()
         self.num_steps += 1
@@ -361,6 +366,10 @@ class Scheduler:
         mask = None
         if sample and seq.guide is not None:  # the engine steps in order: the guide has every output token
             mask = allowed_mask(seq.guide, seq.guide_words)
+        elif sample and seq.guide_failed:  # its pattern did not compile: end at once (stop_status: aborted)
+            mask = np.zeros(seq.guide_words, dtype=np.int32)
+            eos = min(self.eos_token_ids)
+            mask[eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
         prompt = None
         if seq.wants_prompt_logprobs:
             first = max(start, seq.prompt_logprobs_planned)
@@ -400,6 +409,20 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.push(seq, front=True)
+
+    def _release_compiled(self) -> None:
+        """Queue the requests whose patterns have compiled. With nothing else to run, wait a moment for one
+        (the engine's loop would otherwise spin through empty steps meanwhile)."""
+        if not self.compiling:
+            return
+        if not self.running and not len(self.waiting):
+            futures.wait([s.guide_future for s in self.compiling if s.guide_future is not None], timeout=0.01,
+                         return_when=futures.FIRST_COMPLETED)  # fmt: skip
+        for seq in list(self.compiling):
+            if seq.settle_guide(wait=False):
+                self.compiling.remove(seq)
+                self.seqs.pop(seq.request_id, None)
+                self.add(seq)
 
     def _release_deferred(self) -> None:
         for seq in list(self.deferred):
@@ -451,6 +474,10 @@ class Scheduler:
         """How the request's newest token ends it (stop token, EOS, max_tokens, max_model_len), or None."""
         token = seq.output_token_ids[-1]
         params = seq.params
+        # its structured output could not be held: its pattern did not compile, or a token it does not allow was
+        # appended (engine/sequence.py)
+        if seq.guide_failed:
+            return SequenceStatus.FINISHED_ABORTED
         if token in (params.stop_token_ids or ()):
             seq.stop_reason = token
             return SequenceStatus.FINISHED_STOPPED
@@ -458,10 +485,6 @@ class Scheduler:
             return SequenceStatus.FINISHED_STOPPED
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if (
-            seq.guide_failed
-        ):  # a token its structured output does not allow: never sampled here, ended if given
-            return SequenceStatus.FINISHED_ABORTED
         if seq.num_tokens >= self.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
@@ -524,6 +547,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.deferred:
             self.deferred.remove(seq)
+        elif seq in self.compiling:
+            self.compiling.remove(seq)
         elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
             self.waiting.remove(seq)
         self.block_manager.free(seq)

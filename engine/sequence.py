@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +16,8 @@ from engine.stats import RequestTimes
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 class SequenceStatus(enum.IntEnum):
@@ -78,11 +82,32 @@ class Sequence:
     guide: Any = None
     guide_words: int = 0  # int32 words of its masks: the model's vocabulary / 32, rounded up
     guide_failed: bool = False
+    # the pattern's index while it compiles in the background (GuideFactory.index_future); the request waits
+    guide_future: Future | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * max(len(self.prompt_token_ids) - 1, 0)
+
+    def settle_guide(self, wait: bool) -> bool:
+        """Whether its structured output's guide is ready (or none is asked for), once its pattern compiled; a
+        pattern that failed to compile leaves guide_failed (the request ends at its first token). `wait`: block
+        until it has compiled."""
+        future = self.guide_future
+        if future is None:
+            return True
+        if not wait and not future.done():
+            return False
+        self.guide_future = None
+        try:
+            from outlines_core import Guide
+
+            self.guide = Guide(future.result())
+        except Exception as exc:
+            logger.error("request %s: its structured output cannot be compiled: %s", self.request_id, exc)
+            self.guide_failed = True
+        return True
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -118,8 +143,9 @@ class Sequence:
         if self.guide is not None and not self.guide_failed:
             try:
                 self.guide.advance(token_id, return_tokens=False)
-            except ValueError:  # masked out, so only a token sampled without the mask (never by this engine)
-                self.guide_failed = True
+            except ValueError:  # the end-of-sequence token past a match has nowhere to go: that one is fine;
+                # any other was masked out, so only one sampled without the mask (never by this engine)
+                self.guide_failed = not self.guide.is_finished()
 
     def truncate_output(self, num_output: int) -> None:
         """Keep only the first `num_output` output tokens (a stop string ended the text inside a step's

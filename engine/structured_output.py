@@ -11,6 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -89,30 +90,47 @@ class GuideFactory:
         self.vocab_size = vocab_size
         self.eos_id = min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
         self._vocab: Vocabulary | None = None
-        self._indexes: OrderedDict[str, Index] = OrderedDict()
+        self._indexes: OrderedDict[str, Future[Index]] = OrderedDict()
         self._lock = threading.Lock()
+        # one compiling thread: outlines-core's Rust lets the engine's loop run meanwhile (a JSON-object pattern
+        # takes seconds), and a request waits for its pattern without stalling the others (engine/scheduler.py)
+        self._pool: ThreadPoolExecutor | None = None
 
-    def index(self, params: StructuredOutputsParams) -> Index:
-        """The compiled index for params' pattern; ValueError when outlines-core cannot compile it."""
-        from outlines_core import Index
-
+    def check(self, params: StructuredOutputsParams) -> None:
+        """ValueError unless params can be compiled here: a tokenizer with an end-of-sequence token, a schema
+        outlines-core translates (the pattern itself compiles in the background: index_future)."""
         if self.eos_id is None:
             raise ValueError("structured output needs an end-of-sequence token; this tokenizer has none")
+        params.pattern()
+
+    def index_future(self, params: StructuredOutputsParams) -> Future[Index]:
+        """params' pattern compiled into an index, in the background; cached by pattern."""
+        self.check(params)
         pattern = params.pattern()
         with self._lock:
-            index = self._indexes.get(pattern)
-            if index is not None:
+            future = self._indexes.get(pattern)
+            if future is not None:
                 self._indexes.move_to_end(pattern)
-                return index
-        try:
-            index = Index(pattern, self.vocabulary())
-        except Exception as exc:
-            raise ValueError(f"structured output pattern cannot be compiled: {exc}") from None
-        with self._lock:
-            self._indexes[pattern] = index
+                return future
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guide-compile")
+            future = self._pool.submit(self._compile, pattern)
+            self._indexes[pattern] = future
             while len(self._indexes) > INDEX_CACHE:
                 self._indexes.popitem(last=False)
-        return index
+        return future
+
+    def _compile(self, pattern: str) -> Index:
+        from outlines_core import Index
+
+        try:
+            return Index(pattern, self.vocabulary())
+        except Exception as exc:
+            raise ValueError(f"structured output pattern cannot be compiled: {exc}") from None
+
+    def index(self, params: StructuredOutputsParams) -> Index:
+        """The compiled index for params' pattern, waited for; ValueError when it cannot be compiled."""
+        return self.index_future(params).result()
 
     def guide(self, params: StructuredOutputsParams) -> Guide:
         from outlines_core import Guide
@@ -122,10 +140,11 @@ class GuideFactory:
     def vocabulary(self) -> Vocabulary:
         from outlines_core import Vocabulary
 
-        if self._vocab is None:
-            assert self.eos_id is not None
-            self._vocab = Vocabulary(self.eos_id, token_bytes(self.tokenizer))
-        return self._vocab
+        with self._lock:
+            if self._vocab is None:
+                assert self.eos_id is not None
+                self._vocab = Vocabulary(self.eos_id, token_bytes(self.tokenizer))
+            return self._vocab
 
     def mask_words(self) -> int:
         return -(-self.vocab_size // 32)

@@ -111,3 +111,34 @@ def test_the_vocabulary_is_each_tokens_bytes_without_special_tokens(llm):
 def test_bad_structured_output_is_refused(kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         StructuredOutputsParams(**kwargs)
+
+
+def test_a_pattern_compiling_holds_only_its_own_request(bundled_model_dir, prompts):
+    """Any JSON object's pattern takes seconds to compile: meanwhile a plain request runs to its end and the
+    structured one waits aside, then runs held to it. A pattern outlines-core cannot compile (lookahead, which
+    Python's re takes) ends its request as aborted, with no text."""
+    llm = LLM(dtype="float32", device="cpu", cpu_kv_cache_space=0.1, max_model_len=512)
+    engine = llm.engine
+    obj = engine.add_request(
+        prompts[2],
+        SamplingParams(
+            temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json_object=True)
+        ),
+    )
+    plain = engine.add_request(prompts[3], SamplingParams(temperature=0, max_tokens=6))
+    bad = engine.add_request(
+        prompts[1],
+        SamplingParams(
+            temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(regex="(?=1)1")
+        ),
+    )
+    done, order = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+                order.append(out.request_id)
+    assert order.index(plain) < order.index(obj)
+    assert done[obj].outputs[0].text.startswith("{")
+    assert (done[bad].outputs[0].finish_reason, done[bad].outputs[0].text) == ("abort", "")
+    assert no_leak(llm)
