@@ -25,6 +25,7 @@ from engine.kv_scales import kv_cache_dtype
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.sampler import PendingSample, Sampler, SamplerOutput
+from engine.sampling_ops import logprob_tensors
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.spec_decode import accepted_length
 from engine.uploads import upload
@@ -345,15 +346,15 @@ class ModelRunner:
             own, top_v, top_i = [], [], []
             for s in range(0, len(targets), PROMPT_ROWS):
                 rows = targets[s : s + PROMPT_ROWS]
-                lp = torch.log_softmax(
-                    self.model.compute_logits(hidden[base + s : base + s + len(rows)]), dim=-1
-                )
+                logits = self.model.compute_logits(hidden[base + s : base + s + len(rows)])
                 tgt = upload(torch.tensor(rows, dtype=torch.long), self.device)
-                own.append(lp.gather(1, tgt[:, None])[:, 0])
+                got = logprob_tensors(
+                    logits, tgt, min(k, logits.shape[1])
+                )  # as the sampled tokens' are taken
+                own.append(got[0])
                 if k:
-                    v, i = lp.topk(min(k, lp.shape[1]), dim=-1)
-                    top_v.append(v)
-                    top_i.append(i)
+                    top_v.append(got[1])
+                    top_i.append(got[2])
             out.append(
                 PromptLogprobs(
                     it.request_id, it.start_pos + offset, targets, _to_host(torch.cat(own)),
