@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.spec_decode import Proposer, SpecDecodeStats
 from engine.stats import EngineStats
-from engine.structured_output import allowed_mask
+from engine.structured_output import allowed_mask, allows_other_than
 
 # where a scheduled token is not known on the host yet (a step in flight samples it), its place in the
 # host's inputs; the runner writes the real token on the device before the forward pass reads it
@@ -370,6 +370,11 @@ class Scheduler:
             mask = np.zeros(seq.guide_words, dtype=np.int32)
             eos = min(self.eos_token_ids)
             mask[eos // 32] = np.int32(np.uint32(1 << (eos % 32)).view(np.int32))
+        banned = self._banned(seq)
+        if mask is not None and banned and not allows_other_than(mask, banned):
+            # the pattern allows only tokens min_tokens or bad_words hold back (EOS where a match ends): the
+            # pattern wins, else the row has no token left and the sampler would pick one outside it
+            banned = ()
         prompt = None
         if seq.wants_prompt_logprobs:
             first = max(start, seq.prompt_logprobs_planned)
@@ -386,7 +391,7 @@ class Scheduler:
             params=seq.params,
             generator=seq.generator,
             history=(seq.prompt_token_ids, seq.output_token_ids),
-            banned=self._banned(seq),
+            banned=banned,
             prompt_logprobs=prompt,
             allowed_mask=mask,
         )

@@ -204,3 +204,12 @@ def allowed_mask(guide: Guide, words: int) -> np.ndarray:
     mask = np.zeros(words, dtype=np.int32)
     guide.write_mask_into(mask.ctypes.data, mask.size, 4)
     return mask
+
+
+def allows_other_than(mask: np.ndarray, tokens: tuple[int, ...]) -> bool:
+    """Whether `mask` (allowed_mask's words) allows a token outside `tokens`."""
+    left = mask.view(np.uint32).copy()
+    for t in tokens:
+        if t // 32 < left.size:
+            left[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+    return bool(left.any())

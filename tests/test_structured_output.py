@@ -97,6 +97,23 @@ def test_the_vocabulary_is_each_tokens_bytes_without_special_tokens(llm):
     assert not set(tok.eos_token_ids) & set(by_id) and len(by_id) > 40000
 
 
+def test_a_pattern_that_ends_before_min_tokens_ends_the_output(llm, prompts):
+    """min_tokens holds EOS back, but where the pattern's match is complete EOS is the only token it allows:
+    the pattern wins, so every token stays inside it (greedy and sampled) and the output ends at the match."""
+    choice = CASES[0][1]
+    for temperature in (0.0, 1.0):
+        params = [
+            SamplingParams(
+                temperature=temperature, seed=3, max_tokens=8, min_tokens=m, structured_outputs=choice
+            )
+            for m in (0, 6)
+        ]
+        free, held = (llm.generate({"prompt_token_ids": prompts[0]}, p)[0].outputs[0] for p in params)
+        assert held.token_ids == free.token_ids and held.text in ("yes", "no")
+        assert held.finish_reason == "stop"
+    assert no_leak(llm)
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [
