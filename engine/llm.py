@@ -59,14 +59,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template or `chat_template`
+        (its text) and run as `generate` runs prompts. `tools`: OpenAI's tool definitions, the template's
+        `tools`; messages may carry `tool_calls` (arguments as dicts), `tool_call_id` and `name`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         prompts = [
             {
                 "prompt": self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                    tools=tools,
                 ),
                 "add_special_tokens": False,
             }

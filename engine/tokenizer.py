@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from functools import cached_property
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """`chat_template`: template text that replaces the model's (vLLM's --chat-template)."""
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
@@ -74,6 +75,8 @@ class Tokenizer:
             config["chat_template"] = (path / "chat_template.jinja").read_text()
         elif "chat_template" not in config:
             config["chat_template"] = _read_json(path / "chat_template.json").get("chat_template")
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         return cls(backend, config, _read_json(path / "generation_config.json"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -87,31 +90,39 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Render messages with the model's chat template (encode the result with add_special_tokens=False)."""
-        if self.chat_template is None:
+        """Render messages with the model's chat template, or `chat_template` (text) in its place; kwargs
+        (`tools`, ...) are the template's variables. Encode the result with add_special_tokens=False."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
             raise ValueError("this model has no chat template")
         variables = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **kwargs}
         try:
-            return self._template.render(
+            return compile_chat_template(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
-        except jinja2.exceptions.TemplateError as e:
+        except (jinja2.exceptions.TemplateError, TypeError) as e:  # TypeError: tojson of a missing field
             raise ValueError(f"chat template error: {e}") from e
 
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template or "")
-        except jinja2.exceptions.TemplateError as e:
-            raise ValueError(f"chat template does not parse: {e}") from e
+
+@lru_cache(maxsize=8)
+def compile_chat_template(text: str) -> jinja2.Template:
+    """A chat template compiled as transformers compiles it (ValueError if it does not parse)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(text)
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template does not parse: {e}") from e
 
 
 def _pick_template(value: Any) -> str | None:

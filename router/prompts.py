@@ -104,10 +104,37 @@ class PromptEncoder:
     def _encode(self, request: pb.GenerateRequest) -> list[int]:
         tok = self.tokenizer
         if request.WhichOneof("prompt") == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            text = tok.apply_chat_template(messages, add_generation_prompt=request.chat.add_generation_prompt)
+            chat = request.chat
+            tools = _json_array(chat.tools_json, "tools_json") if chat.tools_json else None
+            messages = [_message(i, m) for i, m in enumerate(chat.messages)]
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=chat.add_generation_prompt, tools=tools
+            )
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(request.text)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
+    """A chat message as Hugging Face chat templates read it: tool_calls, tool_call_id and name where set."""
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        message["tool_calls"] = _json_array(m.tool_calls_json, f"messages[{i}].tool_calls_json")
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _json_array(text: str, field: str) -> list[Any]:
+    """A request field holding a JSON array of objects; ValueError naming the field otherwise."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{field} is not valid JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"{field} must be a JSON array of objects")
+    return value

@@ -30,7 +30,7 @@ from engine import trace
 from engine.block_hash import LazyBlockHashes, extra_keys
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams, completion_params
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, compile_chat_template
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.admission import admit, detokenize, tokenize
@@ -81,8 +81,11 @@ class RouterConfig:
     max_pending_prompt_chars: int = 1 << 24
     tls: TLSConfig = PLAINTEXT  # its server and its channels to the workers (serving/tls.py)
     log_prompts: bool = False  # each prompt's text at DEBUG (never at INFO)
+    chat_template: str | None = None  # template text that replaces the model's (--chat-template)
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            compile_chat_template(self.chat_template)  # ValueError: it does not parse
         if min(self.poll_s, self.heartbeat_ttl_s, self.redis_timeout_s) <= 0 or self.drain_timeout_s < 0:
             raise ValueError(
                 "poll_s, heartbeat_ttl_s and redis_timeout_s must be positive, drain_timeout_s >= 0"
@@ -117,7 +120,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         self.config = config
         # a dummy-weights model has no tokenizer: token-id prompts only, no text
         has_tokenizer = Path(config.model_dir, "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer.from_dir(config.model_dir) if has_tokenizer else None
+        self.tokenizer = Tokenizer.from_dir(config.model_dir, config.chat_template) if has_tokenizer else None
         self.prompts = (
             PromptEncoder(
                 self.tokenizer,

@@ -9,6 +9,7 @@ import sys
 from engine.args import add_engine_args, engine_kwargs
 from engine.sampling_params import SamplingParams
 from kvtransfer import TRANSPORTS
+from serving.chat_template import CHAT_TEMPLATE_HELP
 from serving.logs import LogSetup, add_log_format_arg, setup_logging
 from serving.roles import METRICS_COMPAT, METRICS_COMPAT_HELP
 from serving.tls import TLSConfig, add_kv_secret_arg, add_tls_args
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them (0: only the workers' events)",
     )
     r.add_argument("--log-prompts", action="store_true", help=LOG_PROMPTS_HELP)
+    r.add_argument("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
     add_tls_args(r)
     r.set_defaults(func=cmd_router)
     up = sub.add_parser(
@@ -196,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--log-prompts", action="store_true", help="the router's --log-prompts: " + LOG_PROMPTS_HELP
+    )
+    up.add_argument(
+        "--chat-template", default=None, help="the router's --chat-template: " + CHAT_TEMPLATE_HELP
     )
     add_tls_args(up)
     add_kv_secret_arg(up)

@@ -127,6 +127,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from engine.bundled import model_dir
     from router.main import serve_router
     from router.server import RouterConfig
+    from serving.chat_template import read_chat_template
 
     tls = TLSConfig.from_args(args)
     tls.check_listen(args.host, "the router's gRPC")
@@ -145,6 +146,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         speculate_ttl_s=args.speculate_ttl_s,
         tls=tls,
         log_prompts=args.log_prompts,
+        chat_template=None if args.chat_template is None else read_chat_template(args.chat_template)[0],
     )
     identify("router", f"{args.host}:{args.port}")
     asyncio.run(serve_router(config, f"{args.host}:{args.port}"))
@@ -243,8 +245,10 @@ def _announce(children: list[Child]) -> None:
 def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[Child]:
     """Every worker, then the router; each with the command line it is started (and restarted) with."""
     from engine.bundled import model_dir
+    from serving.chat_template import chat_template_argv
     from serving.gpus import assign_gpus, cpu_threads, role_sizes, visible_gpus
 
+    template = chat_template_argv(args.chat_template)  # read and checked before anything starts
     directory = model_dir(args.model)  # convert once here, not in every worker at the same time
     exe = pdserve_command(args)
     tls = TLSConfig.from_args(args)
@@ -281,6 +285,7 @@ def cluster_children(args: argparse.Namespace, passthrough: list[str]) -> list[C
     cmd += ["--redis-url", args.redis_url] if args.redis_url else []
     cmd += ["--speculate-ttl-s", f"{args.speculate_ttl_s:g}", *tls.argv()]
     cmd += ["--log-prompts"] if args.log_prompts else []
+    cmd += template
     metrics = free_port() if args.metrics else None
     cmd += ["--metrics-port", str(metrics)] if metrics else []
     cmd += _compat(args)
