@@ -51,6 +51,7 @@ from gateway.router_client import (
     tokenize_request,
 )
 from gateway.tenants import CacheSalts, TenantKeys
+from gateway.tools import PARSERS, tool_plan
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.logs import new_request_id
@@ -75,8 +76,19 @@ class GatewayConfig:
     cache_salt_secret: str | None = field(default=None, repr=False)  # tenants' cache salts' HMAC key
     rate_limit_requests_per_s: float | None = None  # per tenant (gateway/rate_limit.py); None: no limit
     rate_limit_tokens_per_s: float | None = None
+    # tool_choice "auto" (gateway/tools.py): on, with the parser that picks calls out of the model's text
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of gateway/tools.py's PARSERS
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "--enable-auto-tool-choice needs --tool-call-parser (one of " + ", ".join(PARSERS) + ")"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(
+                f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(PARSERS)}"
+            )
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be at least 1, got {self.max_request_bytes}")
         if self.drain_timeout_s < 0:
@@ -175,8 +187,12 @@ class Gateway:
             refuse_unfit(body, info)  # before a long prompt is copied into router calls
             assert self.stub is not None
             echo = None
+            plan = None
             if isinstance(body, ChatCompletionRequest):
-                reqs = build(lambda: chat_requests(body))
+                plan = tool_plan(
+                    body, self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
+                )
+                reqs = build(lambda: chat_requests(body, plan))
             else:
                 reqs = build(lambda: completion_requests(body))
                 echo = await echo_of(self.stub, body, reqs, info.max_model_len)
@@ -191,7 +207,7 @@ class Gateway:
             record.first_token()
             token_text = TokenText(None) if body.return_tokens_as_token_ids else self.token_text  # token_id:N
             fmt = Formatter(
-                chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo
+                chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo, plan
             )
             if body.stream:
                 events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))

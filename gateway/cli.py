@@ -40,11 +40,29 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         "--model", default=None, help="tokenizer directory for logprobs' token text (default: bundled)"
     )
     add_serving_args(p)
+    add_tool_args(p)
     p.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's own log level (default: warning)"
     )
     add_metrics_compat_arg(p)
     add_tls_args(p)  # for its channel to the router
+
+
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    from gateway.tools import PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default where a request gives tools): the model may call tools, and '
+        "--tool-call-parser picks the calls out of its text (named and required tool choices need neither)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call> blocks) or llama3_json",
+    )
 
 
 def add_tenant_args(p: argparse.ArgumentParser) -> None:
@@ -125,6 +143,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         cache_salt_secret=args.cache_salt_secret,
         rate_limit_requests_per_s=args.rate_limit_requests_per_s,
         rate_limit_tokens_per_s=args.rate_limit_tokens_per_s,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     identify("gateway", f"{args.host}:{args.port}")
     app = create_app(config)

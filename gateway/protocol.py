@@ -4,7 +4,7 @@ Only shapes and types are checked here; ranges of sampling values are the engine
 (`SamplingParams`), so the message a user sees is the same through every front end. Integers that go
 into int32 proto fields are bounded here so a huge number is a 400, not a conversion error.
 
-Fields whose meaning this server does not implement (tools, grammars, best_of, suffix) are refused
+Fields whose meaning this server does not implement (grammars, best_of, suffix) are refused
 with a 400 naming them (`unsupported`), never ignored: an answer that ignored them would look right and not be.
 """
 
@@ -210,10 +210,52 @@ class ContentPart(_Body):
     text: str = ""
 
 
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments' object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict:
+        """As chat templates take a call: its arguments a JSON object where they parse as one (vLLM's way)."""
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": args}}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -232,17 +274,40 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True  # vLLM's extra
-    # read only to refuse them (`unsupported`; left out of the OpenAPI schema): this server calls no tools and
-    # constrains no output
-    tools: SkipJsonSchema[list[Any] | None] = None
-    tool_choice: SkipJsonSchema[Any] = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=1024)] | None = None
+    # "auto" where tools are given (gateway/tools.py), else "none"
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: one call at most
+    # the API's deprecated function calling, read only to refuse it (left out of the OpenAPI schema)
     functions: SkipJsonSchema[list[Any] | None] = None
     function_call: SkipJsonSchema[Any] = None
 
     def conflict(self) -> tuple[str, str] | None:
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs set to true"
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            return "tool_choice", f"tool_choice {self.choice_name()!r} needs tools"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.function_names():
+            return (
+                "tool_choice",
+                f"tool_choice names function {choice.function.name!r}, which is not among tools",
+            )
+        names = self.function_names()
+        if len(set(names)) < len(names):
+            return "tools", "tools name a function more than once"
         return super().conflict()
+
+    def function_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or ()]
+
+    def choice_name(self) -> str:
+        """tool_choice as a word: none / auto / required / function (named), "auto" where tools are given
+        without one, as OpenAI takes them."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return "function" if isinstance(choice, NamedToolChoice) else choice
 
     def unsupported(self) -> tuple[str, str] | None:
         other = [kind for m in self.messages for kind in m.other_parts()]
@@ -251,18 +316,8 @@ class ChatCompletionRequest(SamplingFields):
                 "messages",
                 f"messages hold a content part of type {other[0]!r}: this model reads text only",
             )
-        if self.tools and self.tool_choice != "none":
-            return (
-                "tools",
-                'tools are not supported: this server calls none (it takes tool_choice "none" only)',
-            )
-        if self.tool_choice not in (None, "none", "auto"):
-            return (
-                "tool_choice",
-                f"tool_choice {self.tool_choice!r} is not supported: this server calls no tools",
-            )
         if self.functions or self.function_call not in (None, "none"):
-            return "functions", "functions are not supported: this server calls no functions"
+            return "functions", "functions and function_call are deprecated and not supported: use tools"
         return super().unsupported()
 
     def token_limit(self) -> int | None:
@@ -343,7 +398,7 @@ class TokenizeCompletionRequest(_Body):
 
 class TokenizeChatRequest(_Body):
     """vLLM's /tokenize of chat messages: their token ids as /v1/chat/completions would encode them. vLLM's
-    fields that change the rendering (tools, a template of the request's own, ...) are refused by name, since
+    fields that change the rendering (a template of the request's own, ...) are refused by name, since
     the count would otherwise be of another prompt than the one asked about."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -354,10 +409,12 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: bool = False  # the chat template writes them: another value is refused
     return_token_strs: bool = False
 
+    tools: Annotated[list[ToolDefinition], Field(max_length=1024)] | None = (
+        None  # rendered as chat renders them
+    )
+
     def unsupported(self) -> tuple[str, str] | None:
         extra = self.model_extra or {}
-        if extra.get("tools"):
-            return "tools", "tools are not supported: this server renders no tools into the chat template"
         for name in (
             "continue_final_message",
             "chat_template",

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
+from gateway.tools import CallStream, Delta, ToolPlan
 from protos import pdserve_pb2 as pb
 
 
@@ -150,8 +151,11 @@ class Formatter:
         n: int = 1,
         prompt_logprobs: int | None = None,
         echo: Echo | None = None,
+        tools: ToolPlan | None = None,
     ) -> None:
         self.chat = chat
+        self.tools = tools  # chat's tool calls (gateway/tools.py), None: plain text
+        self.calls: dict[int, CallStream] = {}  # a stream's choices' tool-call parsers
         self.model = model
         self.num_logprobs = num_logprobs
         self.text = token_text
@@ -226,7 +230,9 @@ class Formatter:
                 "logprobs": self._logprobs(lps, 0, unscored),
                 "finish_reason": self._finish(c.finish_reason),
             }
-            if self.chat:
+            if self.chat and self.tools is not None:
+                item["message"], item["finish_reason"] = self.tools.message(text, item["finish_reason"])
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
@@ -263,11 +269,27 @@ class Formatter:
         text, lps, unscored = self._echoed(index, resp.text, resp.logprobs, first)
         if self.echo_only and not (first or finish):
             return None  # the token generated for it, dropped
+        delta: dict = {"role": "assistant"} if first else {}
+        if self.chat and self.tools is not None:
+            calls = self.calls.setdefault(index, self.tools.stream())
+            found = Delta()
+            found.add(calls.feed(text))
+            if finish:
+                found.add(calls.finish())
+                finish = self.tools.finish_reason(finish, calls)
+            if not (first or found or finish or lps):
+                return None  # text the parser holds back (a call being read)
+            text = found.content
+            delta["content"] = text or (None if found.calls else "")
+            if found.calls:
+                delta["tool_calls"] = found.calls
+        else:
+            delta["content"] = text
         item: dict = {"index": index, "logprobs": None, "finish_reason": finish}
         if lps or unscored:
             item["logprobs"] = self._logprobs(lps, choice.num_chars, unscored)
         if self.chat:
-            item["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            item["delta"] = delta
         else:
             item["text"] = text
         if finish:

@@ -8,6 +8,7 @@ so a refused request (bad params, too long, no capacity) gets its own status cod
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,11 +17,13 @@ from engine.prompt_checks import check_fits_by_size, check_length, fit_max_token
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 from gateway.responses import Echo
+from gateway.tools import ToolPlan, plan_schema, tools_json
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import set_token_controls
@@ -77,10 +80,35 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     return msg
 
 
-def chat_requests(body: ChatCompletionRequest) -> list[pb.GenerateRequest]:
-    messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
-    chat = pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
+def chat_messages(messages: list[ChatMessage], add_generation_prompt: bool, tools: str) -> pb.ChatMessages:
+    """The messages as the router renders them with the chat template; `tools`: tools_json's."""
+    out = []
+    for m in messages:
+        msg = pb.ChatMessage(
+            role=m.role, content=m.text(), tool_call_id=m.tool_call_id or "", name=m.name or ""
+        )
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.for_template() for c in m.tool_calls], ensure_ascii=False)
+        out.append(msg)
+    return pb.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt, tools_json=tools)
+
+
+def chat_requests(body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[pb.GenerateRequest]:
+    """plan (gateway/tools.py: tool_plan): a named or required tool choice holds the text to its schema;
+    the hermes parser needs special tokens' text, as vLLM's asks for it."""
+    chat = chat_messages(body.messages, body.add_generation_prompt, tools_json(body.tools))
     sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
+    schema = plan_schema(plan, body) if plan is not None else None
+    if schema is not None:
+        if sampling.HasField("structured_outputs"):
+            message = (
+                f"tool_choice {body.choice_name()!r} holds the output to its tools' schema: it cannot be "
+            )
+            raise APIError(400, message + "combined with another structured output", "tool_choice",
+                           "invalid_request")  # fmt: skip
+        sampling.structured_outputs.json = json.dumps(schema, ensure_ascii=False)
+    if plan is not None and plan.parser == "hermes":
+        sampling.skip_special_tokens = False
     return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model, priority=body.priority)]
 
 
@@ -145,10 +173,7 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
         if other:
             message = f"messages hold a content part of type {other[0]!r}: this model reads text only"
             raise APIError(400, message, "messages", "unsupported")
-        messages = [pb.ChatMessage(role=m.role, content=m.text()) for m in body.messages]
-        prompt.chat.CopyFrom(
-            pb.ChatMessages(messages=messages, add_generation_prompt=body.add_generation_prompt)
-        )
+        prompt.chat.CopyFrom(chat_messages(body.messages, body.add_generation_prompt, tools_json(body.tools)))
     else:
         prompt.text = body.prompt
     return pb.TokenizeRequest(prompt=prompt, return_token_strs=body.return_token_strs)
@@ -167,8 +192,11 @@ def refuse_unfit(body: ChatCompletionRequest | CompletionRequest, info: pb.Model
             raise APIError(400, str(exc), "truncate_prompt_tokens", "invalid_request") from exc
         return
     try:
-        if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
-            chars = sum(len(m.text()) for m in body.messages)
+        if isinstance(body, ChatCompletionRequest):  # every message's content, its calls and the tools
+            chars = len(tools_json(body.tools)) + sum(
+                len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                for m in body.messages
+            )
             check_fits_by_size(chars, info.max_token_chars, max_tokens, info.max_model_len)
             return
         for prompt in body.prompts():

@@ -480,7 +480,8 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # tools without tool_choice are "auto", which needs the gateway's --enable-auto-tool-choice
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
@@ -513,7 +514,7 @@ def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, para
     error = r.json()["error"]
     assert error["param"] == param and param in error["message"]
     # a field that needs another (OpenAI's own refusals) or a bad value is invalid, the rest unsupported
-    invalid = param in ("top_logprobs", "stream_options", "logit_bias")
+    invalid = param in ("top_logprobs", "stream_options", "logit_bias", "tool_choice")
     assert error["code"] == ("invalid_request" if invalid else "unsupported"), error
 
 
@@ -920,7 +921,13 @@ def test_tokenize_and_detokenize_use_the_routers_encoding(stack, tok):
         ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model_not_found", "gpt-4"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "unsupported", "add_special_tokens"),
         ("/tokenize", {"messages": []}, 400, "invalid_request", "messages"),
-        ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "unsupported", "tools"),
+        (
+            "/tokenize",
+            {"messages": CHAT, "tools": [{"type": "function"}]},
+            400,
+            "invalid_request",
+            "tools.0.function",
+        ),
         ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, 400, "unsupported", "chat_template"),
         (
             "/tokenize",
