@@ -207,8 +207,9 @@ class Gateway:
             record.first_token()
             token_text = TokenText(None) if body.return_tokens_as_token_ids else self.token_text  # token_id:N
             fmt = Formatter(
-                chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo, plan
-            )
+                chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo, plan,
+                body.continuous_usage,
+            )  # fmt: skip
             if body.stream:
                 events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))
                 return _EventStream(events, media_type="text/event-stream")

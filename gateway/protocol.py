@@ -28,7 +28,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk, which this server refuses
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage so far in every chunk
 
 
 # Fields of OpenAI's and vLLM's APIs that change what a request returns and that this server does not
@@ -169,6 +169,11 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous usage stats: every chunk carries the usage of its choice so far."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def token_bias(self) -> dict[int, float]:
         """logit_bias with integer keys; a key that is not a token id is a ValueError naming it."""
         bias = {}
@@ -186,6 +191,15 @@ class SamplingFields(_Body):
         """(field, message) of a field that makes no sense without another (OpenAI refuses these), or None."""
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options can only be set when stream is true"
+        if (
+            self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+            and not self.include_usage
+        ):
+            return (
+                "stream_options",
+                "stream_options.continuous_usage_stats needs stream_options.include_usage",
+            )
         return None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -195,10 +209,6 @@ class SamplingFields(_Body):
                 reason, default = _REFUSED[name]
                 if value != default and value not in (None, [], {}, ""):
                     return name, reason if name in reason else f"{name}: {reason}"
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            return "stream_options", (
-                "stream_options.continuous_usage_stats is not supported: usage comes once, in the last chunk"
-            )
         modalities = (self.model_extra or {}).get("modalities")
         if isinstance(modalities, list) and any(m != "text" for m in modalities):
             return "modalities", "modalities other than text are not supported: this model writes text only"

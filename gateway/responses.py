@@ -115,6 +115,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: str | None = None
     num_chars: int = 0  # text already streamed (completions' text_offset)
+    num_tokens: int = 0  # tokens already streamed (continuous usage stats)
 
 
 @dataclass
@@ -152,8 +153,10 @@ class Formatter:
         prompt_logprobs: int | None = None,
         echo: Echo | None = None,
         tools: ToolPlan | None = None,
+        continuous_usage: bool = False,
     ) -> None:
         self.chat = chat
+        self.continuous_usage = continuous_usage  # every chunk carries its choice's usage so far (vLLM's)
         self.tools = tools  # chat's tool calls (gateway/tools.py), None: plain text
         self.calls: dict[int, CallStream] = {}  # a stream's choices' tool-call parsers
         self.model = model
@@ -265,6 +268,7 @@ class Formatter:
     def _chunk(self, index: int, resp: pb.GenerateResponse) -> dict | None:
         first = index not in self.streamed
         choice = self.streamed.setdefault(index, Choice())
+        choice.num_tokens += len(resp.token_ids)
         finish = self._finish(resp.finish_reason or None)
         text, lps, unscored = self._echoed(index, resp.text, resp.logprobs, first)
         if self.echo_only and not (first or finish):
@@ -297,6 +301,12 @@ class Formatter:
         choice.num_chars += len(text)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = self._envelope(obj, [item])
+        if self.continuous_usage:
+            chunk["usage"] = {
+                "prompt_tokens": resp.prompt_tokens,
+                "completion_tokens": choice.num_tokens,
+                "total_tokens": resp.prompt_tokens + choice.num_tokens,
+            }
         if self.num_prompt_logprobs is not None and first and resp.index == 0:  # where `saw` found them
             where = chunk if self.chat else item
             where["prompt_logprobs"] = self._prompt_logprobs(index // self.n)

@@ -415,6 +415,7 @@ class RouterServicer(pb_grpc.RouterServicer):
                     if item.index == 0 and item.HasField("usage"):
                         usage.cached_tokens = item.usage.cached_tokens
                     item.ClearField("usage")
+                    item.prompt_tokens = usage.prompt_tokens
                     yield item
             logger.info(
                 "request %s finished: %d prompt tokens, %d completion tokens",

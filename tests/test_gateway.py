@@ -518,15 +518,36 @@ def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, para
     assert error["code"] == ("invalid_request" if invalid else "unsupported"), error
 
 
-def test_continuous_usage_stats_is_refused_by_name(stack):
-    """vLLM's usage in every chunk is not given; asking for it is a 400, not a stream without it."""
+def test_continuous_usage_stats_count_each_choices_tokens_so_far(stack, chat_ids, chat_expected):
+    """vLLM's continuous usage stats: every chunk carries the prompt's count and its own choice's tokens so
+    far (n = 2, choices interleaved), the last of each choice its whole count; without include_usage: a 400."""
     options = {"include_usage": True, "continuous_usage_stats": True}
-    body = {"model": stack.model, "prompt": "Hi", "max_tokens": 2, "stream": True, "stream_options": options}
-    r = stack.post("/v1/completions", body)
+    chunks = stack.client().chat.completions.create(
+        model=stack.model,
+        messages=CHAT,
+        max_tokens=24,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options=options,
+    )
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    final = None
+    for chunk in chunks:
+        assert chunk.usage is not None and chunk.usage.prompt_tokens == len(chat_ids)
+        if not chunk.choices:
+            final = chunk.usage
+            continue
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        counts[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    for seen in counts.values():
+        assert seen == sorted(seen) and seen[-1] == len(chat_expected)
+    assert final is not None and final.completion_tokens == 2 * len(chat_expected)
+    body = {"model": stack.model, "prompt": "Hi", "max_tokens": 2, "stream": True}
+    r = stack.post("/v1/completions", {**body, "stream_options": {"continuous_usage_stats": True}})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "stream_options" and "continuous_usage_stats" in error["message"]
-    assert error["code"] == "unsupported"
+    assert error["param"] == "stream_options" and "include_usage" in error["message"]
 
 
 def test_bad_logit_bias_and_min_tokens_get_400(stack):
