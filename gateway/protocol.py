@@ -43,7 +43,6 @@ _REFUSED: dict[str, tuple[str, object]] = {
     # declare their own echo, so this reaches chat requests only
     "echo": ("echo on chat completions is not supported by this server (/v1/completions takes it)", False),
     "chat_template": ("a request's own chat_template is not supported: the model's is used", None),
-    "chat_template_kwargs": ("chat_template_kwargs are not supported by this server", None),
     "documents": ("documents are not supported by this server", None),
     "audio": ("audio output is not supported: this model writes text only", None),
     "web_search_options": ("web search is not supported by this server", None),
@@ -288,6 +287,8 @@ class ChatCompletionRequest(SamplingFields):
     # "auto" where tools are given (gateway/tools.py), else "none"
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True  # false: one call at most
+    # vLLM's: more variables for the chat template (say enable_thinking); the router renders with them
+    chat_template_kwargs: dict[str, Any] | None = None
     # the API's deprecated function calling, read only to refuse it (left out of the OpenAPI schema)
     functions: SkipJsonSchema[list[Any] | None] = None
     function_call: SkipJsonSchema[Any] = None
@@ -419,16 +420,15 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: bool = False  # the chat template writes them: another value is refused
     return_token_strs: bool = False
 
-    tools: Annotated[list[ToolDefinition], Field(max_length=1024)] | None = (
-        None  # rendered as chat renders them
-    )
+    # rendered as chat renders them
+    tools: Annotated[list[ToolDefinition], Field(max_length=1024)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         extra = self.model_extra or {}
         for name in (
             "continue_final_message",
             "chat_template",
-            "chat_template_kwargs",
             "mm_processor_kwargs",
         ):
             if extra.get(name) not in (None, False, {}, ""):

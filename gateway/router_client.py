@@ -17,7 +17,6 @@ from engine.prompt_checks import check_fits_by_size, check_length, fit_max_token
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
@@ -80,23 +79,29 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     return msg
 
 
-def chat_messages(messages: list[ChatMessage], add_generation_prompt: bool, tools: str) -> pb.ChatMessages:
-    """The messages as the router renders them with the chat template; `tools`: tools_json's."""
+def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> pb.ChatMessages:
+    """The request's messages, tools and template variables, as the router renders them with the chat template."""
     out = []
-    for m in messages:
+    for m in body.messages:
         msg = pb.ChatMessage(
             role=m.role, content=m.text(), tool_call_id=m.tool_call_id or "", name=m.name or ""
         )
         if m.tool_calls:
             msg.tool_calls_json = json.dumps([c.for_template() for c in m.tool_calls], ensure_ascii=False)
         out.append(msg)
-    return pb.ChatMessages(messages=out, add_generation_prompt=add_generation_prompt, tools_json=tools)
+    kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False) if body.chat_template_kwargs else ""
+    return pb.ChatMessages(
+        messages=out,
+        add_generation_prompt=body.add_generation_prompt,
+        tools_json=tools_json(body.tools),
+        template_kwargs_json=kwargs,
+    )
 
 
 def chat_requests(body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[pb.GenerateRequest]:
     """plan (gateway/tools.py: tool_plan): a named or required tool choice holds the text to its schema;
     the hermes parser needs special tokens' text, as vLLM's asks for it."""
-    chat = chat_messages(body.messages, body.add_generation_prompt, tools_json(body.tools))
+    chat = chat_messages(body)
     sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
     schema = plan_schema(plan, body) if plan is not None else None
     if schema is not None:
@@ -173,7 +178,7 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
         if other:
             message = f"messages hold a content part of type {other[0]!r}: this model reads text only"
             raise APIError(400, message, "messages", "unsupported")
-        prompt.chat.CopyFrom(chat_messages(body.messages, body.add_generation_prompt, tools_json(body.tools)))
+        prompt.chat.CopyFrom(chat_messages(body))
     else:
         prompt.text = body.prompt
     return pb.TokenizeRequest(prompt=prompt, return_token_strs=body.return_token_strs)

@@ -107,8 +107,9 @@ class PromptEncoder:
             chat = request.chat
             tools = _json_array(chat.tools_json, "tools_json") if chat.tools_json else None
             messages = [_message(i, m) for i, m in enumerate(chat.messages)]
+            kwargs = _template_kwargs(chat.template_kwargs_json) if chat.template_kwargs_json else {}
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=chat.add_generation_prompt, tools=tools
+                messages, add_generation_prompt=chat.add_generation_prompt, tools=tools, **kwargs
             )
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(request.text)
@@ -127,6 +128,27 @@ def _message(i: int, m: pb.ChatMessage) -> dict[str, Any]:
     if m.name:
         message["name"] = m.name
     return message
+
+
+# the template's own variables, which the request's fields set
+_RESERVED_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "chat_template", "bos_token", "eos_token"}
+)
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: a JSON object of template variables; ValueError naming the field or the
+    variable otherwise."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"chat_template_kwargs is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object")
+    taken = sorted(_RESERVED_KWARGS & value.keys())
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do")
+    return value
 
 
 def _json_array(text: str, field: str) -> list[Any]:

@@ -146,6 +146,40 @@ def test_bad_tool_fields_are_invalid_argument_naming_the_field(tok, encoder, too
         assert stop.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in stop.value.details
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ('{"tools": []}', "chat_template_kwargs may not set tools"),
+        ('["x"]', "chat_template_kwargs must be a JSON object"),
+        ("{", "chat_template_kwargs is not valid JSON"),
+    ],
+)
+def test_chat_template_kwargs_are_the_templates_variables(bundled_model_dir, kwargs, words) -> None:
+    """vLLM's chat_template_kwargs: a template variable the request sets (say Qwen3's enable_thinking); one
+    that the request's own fields set, or a body that is not a JSON object, is INVALID_ARGUMENT naming it."""
+    template = "{{ '<|im_start|>' + (greeting or 'none') + '<|im_end|>' }}"
+    tok = Tokenizer.from_dir(bundled_model_dir, chat_template=template)
+    enc = PromptEncoder(tok, threads=1)
+    try:
+        for given, text in (("", "none"), ('{"greeting": "bonjour"}', "bonjour")):
+            messages = pb.ChatMessages(
+                messages=[pb.ChatMessage(role="user", content="hi")], template_kwargs_json=given
+            )
+            ids = asyncio.run(enc.encode(pb.GenerateRequest(chat=messages)))
+            assert tok.decode(ids, skip_special_tokens=False) == f"<|im_start|>{text}<|im_end|>"
+        bad = pb.GenerateRequest(
+            model=NAME,
+            chat=pb.ChatMessages(
+                messages=[pb.ChatMessage(role="user", content="hi")], template_kwargs_json=kwargs
+            ),
+        )
+        with pytest.raises(Stop) as stop:
+            asyncio.run(tokenize(pb.TokenizeRequest(prompt=bad), info(tok), NAME, enc))
+        assert stop.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in stop.value.details
+    finally:
+        enc.close()
+
+
 def test_chat_template_flag_replaces_the_routers_template(bundled_model_dir, template_file) -> None:
     args = build_parser().parse_args(
         ["router", "--prefill", "p:1", "--decode", "d:1", "--chat-template", str(template_file)]

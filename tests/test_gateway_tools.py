@@ -141,6 +141,19 @@ def test_tools_reach_the_chat_template(stack, tok):
     assert '"get_time"' in tok.decode(want) and "<tool_response>\n21 C, sunny" in tok.decode(want)
 
 
+def test_chat_template_kwargs_reach_the_template(stack, tok):
+    """vLLM's chat_template_kwargs are the template's variables (this template reads none, so the prompt is the
+    same); one that a request field sets is a 400 naming it, on /tokenize and on chat alike."""
+    body = {"model": stack.model, "messages": CHAT, "tools": TOOLS}
+    plain = stack.post("/tokenize", body)
+    given = stack.post("/tokenize", {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.status_code == given.status_code == 200 and plain.json()["tokens"] == given.json()["tokens"]
+    assert plain.json()["tokens"] == prompt_ids(tok, CHAT, TOOLS)
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = stack.post(path, {**body, "max_tokens": 2, "chat_template_kwargs": {"messages": []}})
+        assert r.status_code == 400 and "chat_template_kwargs may not set messages" in r.text, r.text
+
+
 def test_a_named_tool_choice_calls_it_with_transformers_answer_held_to_its_parameters(
     stack, tok, bundled_model_dir
 ):
