@@ -40,6 +40,8 @@ from gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from gateway.rate_limit import TenantLimits, retry_after
+from gateway.reasoning import PARSERS as REASONING_PARSERS
+from gateway.reasoning import Reasoning
 from gateway.responses import Choice, Formatter, TokenText, Totals
 from gateway.router_client import (
     RouterStreams,
@@ -79,11 +81,16 @@ class GatewayConfig:
     # tool_choice "auto" (gateway/tools.py): on, with the parser that picks calls out of the model's text
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of gateway/tools.py's PARSERS
+    reasoning_parser: str | None = None  # one of gateway/reasoning.py's PARSERS: chat's reasoning split off
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError(
                 "--enable-auto-tool-choice needs --tool-call-parser (one of " + ", ".join(PARSERS) + ")"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser {self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}"
             )
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(
@@ -187,12 +194,14 @@ class Gateway:
             refuse_unfit(body, info)  # before a long prompt is copied into router calls
             assert self.stub is not None
             echo = None
-            plan = None
+            plan, reasoning = None, None
             if isinstance(body, ChatCompletionRequest):
-                plan = tool_plan(
-                    body, self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
-                )
+                auto = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
+                plan = tool_plan(body, auto)
                 reqs = build(lambda: chat_requests(body, plan))
+                if self.config.reasoning_parser is not None:
+                    constrained = reqs[0].sampling.HasField("structured_outputs")
+                    reasoning = Reasoning(self.config.reasoning_parser, body.include_reasoning, constrained)
             else:
                 reqs = build(lambda: completion_requests(body))
                 echo = await echo_of(self.stub, body, reqs, info.max_model_len)
@@ -208,7 +217,7 @@ class Gateway:
             token_text = TokenText(None) if body.return_tokens_as_token_ids else self.token_text  # token_id:N
             fmt = Formatter(
                 chat, info.model, body.num_logprobs(), token_text, body.n, body.prompt_logprobs, echo, plan,
-                body.continuous_usage,
+                body.continuous_usage, reasoning,
             )  # fmt: skip
             if body.stream:
                 events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))

@@ -49,6 +49,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tool_args(p: argparse.ArgumentParser) -> None:
+    from gateway.reasoning import PARSERS as REASONING_PARSERS
     from gateway.tools import PARSERS
 
     p.add_argument(
@@ -62,6 +63,13 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         choices=PARSERS,
         default=None,
         help="how the model writes tool calls: hermes (<tool_call> blocks) or llama3_json",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="split a reasoning model's thinking (<think> ... </think>) off chat answers into `reasoning`: "
+        "deepseek_r1 or qwen3",
     )
 
 
@@ -145,6 +153,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         rate_limit_tokens_per_s=args.rate_limit_tokens_per_s,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     identify("gateway", f"{args.host}:{args.port}")
     app = create_app(config)

@@ -289,6 +289,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True  # false: one call at most
     # vLLM's: more variables for the chat template (say enable_thinking); the router renders with them
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (--reasoning-parser) out
     # the API's deprecated function calling, read only to refuse it (left out of the OpenAPI schema)
     functions: SkipJsonSchema[list[Any] | None] = None
     function_call: SkipJsonSchema[Any] = None

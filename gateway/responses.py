@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
+from gateway.reasoning import Reasoning, ReasoningStream
 from gateway.tools import CallStream, Delta, ToolPlan
 from protos import pdserve_pb2 as pb
 
@@ -154,8 +155,11 @@ class Formatter:
         echo: Echo | None = None,
         tools: ToolPlan | None = None,
         continuous_usage: bool = False,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.chat = chat
+        self.reasoning = reasoning  # chat's reasoning split off (gateway/reasoning.py), None: none
+        self.thinking: dict[int, ReasoningStream] = {}  # a stream's choices' reasoning parsers
         self.continuous_usage = continuous_usage  # every chunk carries its choice's usage so far (vLLM's)
         self.tools = tools  # chat's tool calls (gateway/tools.py), None: plain text
         self.calls: dict[int, CallStream] = {}  # a stream's choices' tool-call parsers
@@ -233,10 +237,8 @@ class Formatter:
                 "logprobs": self._logprobs(lps, 0, unscored),
                 "finish_reason": self._finish(c.finish_reason),
             }
-            if self.chat and self.tools is not None:
-                item["message"], item["finish_reason"] = self.tools.message(text, item["finish_reason"])
-            elif self.chat:
-                item["message"] = {"role": "assistant", "content": text}
+            if self.chat:
+                item["message"], item["finish_reason"] = self._message(text, item["finish_reason"])
             else:
                 item["text"] = text
             item["stop_reason"] = None if self.echo_only else c.stop_reason
@@ -265,6 +267,40 @@ class Formatter:
         chunks = [self._chunk(i, r) for p in sorted(held) for i, r in held[p]]
         return [c for c in chunks if c is not None]
 
+    def _message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A whole chat choice's message: its reasoning split off, its tool calls picked out of the rest."""
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+        if self.tools is not None:
+            message, finish = self.tools.message(text, finish)
+        else:
+            message = {"role": "assistant", "content": text if text or self.reasoning is None else None}
+        if reasoning and self.reasoning is not None and self.reasoning.show:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        return message, finish
+
+    def _parsed(self, index: int, text: str, finish: str | None) -> tuple[str, str, list[dict], str | None]:
+        """A streamed chat piece through the reasoning and tool-call parsers: (reasoning, content, tool_calls
+        entries, finish reason)."""
+        reasoning = ""
+        if self.reasoning is not None:
+            thinking = self.thinking.setdefault(index, self.reasoning.stream())
+            reasoning, text = thinking.feed(text)
+            if finish:
+                more, rest = thinking.finish()
+                reasoning, text = reasoning + more, text + rest
+            reasoning = reasoning if self.reasoning.show else ""
+        if self.tools is None:
+            return reasoning, text, [], finish
+        calls = self.calls.setdefault(index, self.tools.stream())
+        found = Delta()
+        found.add(calls.feed(text))
+        if finish:
+            found.add(calls.finish())
+            finish = self.tools.finish_reason(finish, calls)
+        return reasoning, found.content, found.calls, finish
+
     def _chunk(self, index: int, resp: pb.GenerateResponse) -> dict | None:
         first = index not in self.streamed
         choice = self.streamed.setdefault(index, Choice())
@@ -274,19 +310,15 @@ class Formatter:
         if self.echo_only and not (first or finish):
             return None  # the token generated for it, dropped
         delta: dict = {"role": "assistant"} if first else {}
-        if self.chat and self.tools is not None:
-            calls = self.calls.setdefault(index, self.tools.stream())
-            found = Delta()
-            found.add(calls.feed(text))
-            if finish:
-                found.add(calls.finish())
-                finish = self.tools.finish_reason(finish, calls)
-            if not (first or found or finish or lps):
-                return None  # text the parser holds back (a call being read)
-            text = found.content
-            delta["content"] = text or (None if found.calls else "")
-            if found.calls:
-                delta["tool_calls"] = found.calls
+        if self.chat and (self.tools is not None or self.reasoning is not None):
+            reasoning, text, calls, finish = self._parsed(index, text, finish)
+            if not (first or reasoning or text or calls or finish or lps):
+                return None  # text a parser holds back (a tag's start, a call being read)
+            if reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
+            delta["content"] = text or (None if calls or reasoning else "")
+            if calls:
+                delta["tool_calls"] = calls
         else:
             delta["content"] = text
         item: dict = {"index": index, "logprobs": None, "finish_reason": finish}

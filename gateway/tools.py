@@ -213,13 +213,15 @@ def _held_prefix(text: str, tag: str) -> int:
 
 class HermesCalls(CallStream):
     """`hermes`: calls in `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (a closing tag inside
-    a JSON string is the string's); the text outside them is content (whitespace only, once a call has been
-    made, is dropped). A block whose JSON holds no call is content as written; one the text ends inside is a
-    call where its JSON is whole."""
+    a JSON string is the string's); the text outside them is content, less the whitespace next to a call. A
+    block whose JSON holds no call is content as written; one the text ends inside is a call where its JSON is
+    whole."""
 
     def __init__(self) -> None:
         super().__init__()
         self.pending = ""  # text outside blocks not yet sent: a possible opening tag's start
+        self.space = ""  # whitespace at the content's end, held until what follows says (a call drops it)
+        self.before = ""  # the whitespace held when the block being read opened
         self.block: list[str] | None = None  # the block being read
         self.in_string = self.escaped = False
 
@@ -237,6 +239,7 @@ class HermesCalls(CallStream):
                 out.content += self._content(self.pending[:at])
                 text, i, self.pending = self.pending[at + len(HERMES_START) :], 0, ""
                 self.block, self.in_string, self.escaped = [], False, False
+                self.before, self.space = self.space, ""
             else:
                 keep = _held_prefix(self.pending, HERMES_START)
                 out.content += self._content(self.pending[: len(self.pending) - keep])
@@ -264,16 +267,23 @@ class HermesCalls(CallStream):
             body, self.block = "".join(self.block), None
             return self._block(body, closed=False)
         rest, self.pending = self.pending, ""
-        return Delta(content=self._content(rest))
+        content = self._content(rest)
+        space, self.space = self.space, ""
+        return Delta(content=content if self.called else content + space)
 
     def _block(self, body: str, closed: bool) -> Delta:
         call = self._parsed(body.strip(), ("arguments", "parameters"))
+        before, self.before = self.before, ""
         if call is not None:
             return Delta(calls=[call])
-        return Delta(content=HERMES_START + body + (HERMES_END if closed else ""))
+        return Delta(content=before + HERMES_START + body + (HERMES_END if closed else ""))
 
     def _content(self, text: str) -> str:
-        return "" if self.called and not text.strip() else text
+        """Content that may go out now: the text after the held whitespace, less its own trailing whitespace."""
+        text = self.space + text
+        body = text.rstrip()
+        self.space = text[len(body) :]
+        return body
 
 
 class Llama3JsonCalls(CallStream):

@@ -62,7 +62,8 @@ class Stack:
 def stack(bundled_model_dir):
     cluster = start_cluster(1, 1, "tcp", "--chat-template", str(TEMPLATE))
     try:
-        proc, url = start_gateway(cluster.router, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+        flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+        proc, url = start_gateway(cluster.router, *flags)
         try:
             model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
             yield Stack(cluster.router, url, model)
@@ -213,6 +214,29 @@ def test_auto_picks_hermes_calls_out_of_the_text(stack):
         none.message.content,
         None,
         none.finish_reason,
+    )
+
+
+def test_reasoning_is_split_off_and_calls_are_looked_for_after_it(stack):
+    """--reasoning-parser qwen3: a <think> block (here held to by a regex) is the message's reasoning, and the
+    call after it is a call; streamed the same; include_reasoning false leaves the reasoning out."""
+    thought = "\nThe user wants the weather.\n"
+    text = f'<think>{thought}</think>\n\n<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n</tool_call>'
+    pattern = "".join("\\" + ch if ch in "{}." else ch for ch in text)
+    kw = dict(messages=CHAT, tools=TOOLS, max_tokens=64, temperature=0, extra_body={"guided_regex": pattern})
+    message = stack.client.chat.completions.create(model=stack.model, **kw).choices[0].message
+    assert (message.reasoning, message.reasoning_content, message.content) == (thought, thought, None)
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    reasoning = ""
+    for chunk in stack.client.chat.completions.create(model=stack.model, stream=True, **kw):
+        reasoning += getattr(chunk.choices[0].delta, "reasoning", None) or ""
+    assert reasoning == thought
+    hidden = dict(kw, extra_body={**kw["extra_body"], "include_reasoning": False})
+    message = stack.client.chat.completions.create(model=stack.model, **hidden).choices[0].message
+    assert (
+        getattr(message, "reasoning", None) is None and message.tool_calls[0].function.name == "get_weather"
     )
 
 
