@@ -245,7 +245,7 @@ class ToolCall(_Body):
         """As chat templates take a call: its arguments a JSON object where they parse as one (vLLM's way)."""
         try:
             args: Any = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             args = self.function.arguments
         return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": args}}
 

@@ -106,7 +106,7 @@ class CallStream:
         """The call a JSON object's text holds ({"name", one of args_key}), or None where it holds none."""
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None

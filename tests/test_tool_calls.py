@@ -84,6 +84,9 @@ def test_text_without_calls_stays_content(size):
     # the text ends inside a block: its JSON, where whole, is still a call
     open_block = run(HermesCalls(), 'x<tool_call>{"name": "f", "arguments": {"q": 1}}', size)
     assert (open_block.content, calls(open_block)) == ("x", [(0, "f", {"q": 1})])
+    # JSON nested deeper than the parser goes is no call either
+    deep = "<tool_call>" + "[" * 50_000 + "</tool_call>"
+    assert run(HermesCalls(), deep, max(size, 500)).content == deep
     # required cut short before any element closed (max_tokens): the text is the content
     cut = run(RequiredCalls(), '[{"name": "get_weather", "para', size)
     assert (cut.content, cut.calls) == ('[{"name": "get_weather", "para', [])
@@ -170,3 +173,18 @@ def test_the_choice_defaults_to_auto_where_tools_are_given():
     assert (
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]).choice_name() == "none"
     )
+
+
+def test_a_calls_arguments_go_to_the_template_as_an_object_where_they_parse():
+    def call(arguments: str) -> dict:
+        message = {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": arguments}}],
+        }
+        request = ChatCompletionRequest(model="m", messages=[message])
+        assert request.messages[0].tool_calls is not None
+        return request.messages[0].tool_calls[0].for_template()["function"]
+
+    assert call('{"city": "Paris"}') == {"name": "f", "arguments": {"city": "Paris"}}
+    for kept in ("not json", "[" * 50_000):  # as the client wrote them, nested too deep included
+        assert call(kept)["arguments"] == kept
