@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
 from engine.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ from gateway.rate_limit import TenantLimits, retry_after
 from gateway.reasoning import PARSERS as REASONING_PARSERS
 from gateway.reasoning import Reasoning
 from gateway.responses import Choice, Formatter, TokenText, Totals
+from gateway.responses_api import ResponsesOutput, ResponsesRequest, ResponseStore, messages_of
 from gateway.router_client import (
     RouterStreams,
     build,
@@ -129,6 +131,7 @@ class Gateway:
         self.keys = TenantKeys(config.api_keys_file, config.api_key) if has_keys else None
         self.salts = CacheSalts(config.cache_salt_secret)
         self.limits = TenantLimits(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s)
+        self.responses = ResponseStore()  # /v1/responses' stored responses (gateway/responses_api.py)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -179,9 +182,41 @@ class Gateway:
             return "the router is not serving"
         return None
 
+    async def respond(self, request: Request, body: ResponsesRequest) -> Response:
+        """OpenAI's Responses API: the request runs as a chat request (gateway/responses_api.py)."""
+        record = record_of(request.scope)
+        try:
+            refused = body.refused()
+            if refused is not None:
+                raise refused
+            history = (
+                self.responses.get(record.tenant, body.previous_response_id)[1]
+                if body.previous_response_id
+                else []
+            )
+            chat_body = body.chat_body(history)
+            try:
+                chat = ChatCompletionRequest.model_validate(chat_body)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise APIError(400, f"{first['msg']} (as a chat request: {'.'.join(map(str, first['loc']))})",
+                               None, "invalid_request") from None  # fmt: skip
+        except APIError as exc:
+            self.metrics.done("responses", exc.status)
+            return exc.response()
+        info = await self.model_info()
+        turns = history + messages_of(body.items())  # what a later previous_response_id continues
+        out = ResponsesOutput(body, turns, info.model, self.responses, record.tenant)
+        return await self.serve(request, chat, "responses", out)
+
     async def serve(
-        self, request: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        endpoint: str,
+        out: ResponsesOutput | None = None,
     ) -> Response:
+        """`out`: a /v1/responses request's own answer (gateway/responses_api.py), else chat's or completions'."""
         start = time.monotonic()
         record = record_of(request.scope)
         chat = isinstance(body, ChatCompletionRequest)
@@ -220,14 +255,16 @@ class Gateway:
                 body.continuous_usage, reasoning,
             )  # fmt: skip
             if body.stream:
-                events = self._events(streams, fmt, body.include_usage, (endpoint, start, record))
+                sse = out if out is not None else ChatEvents(fmt, body.include_usage)
+                events = self._events(streams, fmt, sse, (endpoint, start, record))
                 return _EventStream(events, media_type="text/event-stream")
             choices, totals = await _unless_disconnected(request, streams, _collect(streams, fmt))
         except APIError as exc:
             self._finished((endpoint, start, record), exc.status, Totals())
             return exc.response()
         self._finished((endpoint, start, record), 200, totals)
-        return JSONResponse(fmt.whole(choices, totals))
+        whole = fmt.whole(choices, totals)
+        return JSONResponse(out.whole(whole) if out is not None else whole)
 
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         """vLLM's /tokenize: the router encodes the prompt as Generate would, so `count` is the
@@ -279,13 +316,16 @@ class Gateway:
         self,
         streams: RouterStreams,
         fmt: Formatter,
-        include_usage: bool,
+        sse: ChatEvents | ResponsesOutput,
         where: tuple[str, float, AccessRecord],
     ) -> AsyncIterator[str]:
-        """Server-sent events; a client disconnect cancels this generator, which cancels the router calls.
-        A failure mid-way, shutdown included, is a last error event; `data: [DONE]` always ends it."""
+        """Server-sent events, each chunk of `fmt` as `sse` writes it; a client disconnect cancels this generator,
+        which cancels the router calls. A failure mid-way, shutdown included, is a last error event; `sse`'s end
+        (chat's `data: [DONE]`) always ends it."""
         totals, status, streamed = Totals(), 499, 0
         try:
+            for event in sse.start():
+                yield event
             async for offset, resp in streams:
                 if resp.HasField("usage"):
                     totals.add(resp.usage)
@@ -294,20 +334,24 @@ class Gateway:
                 if not (resp.token_ids or resp.text or resp.finish_reason):
                     continue
                 for chunk in fmt.stream(offset + resp.index, resp):
-                    yield _sse(chunk)
+                    for event in sse.chunk(chunk):
+                        yield event
             for chunk in fmt.flush():
-                yield _sse(chunk)
-            if include_usage:
-                yield _sse(fmt.usage_chunk(totals))
+                for event in sse.chunk(chunk):
+                    yield event
+            for event in sse.end(totals):
+                yield event
             status = 200
         except APIError as exc:
             status = exc.status
-            yield _sse(exc.body())
+            for event in sse.error(exc.body()):
+                yield event
         finally:
             streams.cancel()
             totals.completion_tokens = totals.completion_tokens or streamed  # no usage on a cut stream
             self._finished(where, status, totals)
-        yield "data: [DONE]\n\n"
+        for event in sse.done():
+            yield event
 
 
 def router_ids(record: AccessRecord, n: int) -> list[str]:
@@ -338,6 +382,29 @@ class _EventStream(StreamingResponse):
 
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class ChatEvents:
+    """Chat's and completions' server-sent events: each chunk as it is, the usage chunk where asked for, then
+    `data: [DONE]`."""
+
+    def __init__(self, fmt: Formatter, include_usage: bool) -> None:
+        self.fmt, self.include_usage = fmt, include_usage
+
+    def start(self) -> list[str]:
+        return []
+
+    def chunk(self, chunk: dict) -> list[str]:
+        return [_sse(chunk)]
+
+    def end(self, totals: Totals) -> list[str]:
+        return [_sse(self.fmt.usage_chunk(totals))] if self.include_usage else []
+
+    def error(self, body: dict) -> list[str]:
+        return [_sse(body)]
+
+    def done(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
 
 
 async def _collect(streams: RouterStreams, fmt: Formatter) -> tuple[dict[int, Choice], Totals]:
@@ -411,6 +478,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await gw.serve(request, body, "chat")
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await gw.respond(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str, request: Request) -> dict:
+        return gw.responses.get(record_of(request.scope).tenant, response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> dict:
+        gw.responses.delete(record_of(request.scope).tenant, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -142,7 +142,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def endpoint_of(path: str) -> str | None:
     """The metrics label of an OpenAI endpoint's path; None for other paths."""
-    return {"/v1/chat/completions": "chat", "/v1/completions": "completions"}.get(path)
+    return {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completions",
+        "/v1/responses": "responses",
+    }.get(path)
 
 
 def _count(request: Request, status: int) -> None:

@@ -10,7 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import grpc
 import httpx
@@ -272,3 +275,38 @@ def start_gateway(router: str, *extra: str, timeout: float = 60.0) -> tuple[subp
         time.sleep(0.3)
     proc.kill()
     raise RuntimeError("the gateway did not become healthy")
+
+
+@dataclass
+class OpenAIStack:
+    """A cluster behind a gateway, with the official openai client on it."""
+
+    router: str
+    url: str
+    model: str
+
+    @cached_property
+    def client(self):  # an openai.OpenAI (imported here: most users of this module need no openai)
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=180)
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=180)
+
+
+@contextmanager
+def openai_stack(
+    up_flags: tuple[str, ...] = (), gateway_flags: tuple[str, ...] = ()
+) -> Iterator[OpenAIStack]:
+    """`pdserve up` (a prefill and a decode worker over tcp, `up_flags`) behind a gateway (`gateway_flags`)."""
+    cluster = start_cluster(1, 1, "tcp", *up_flags)
+    try:
+        proc, url = start_gateway(cluster.router, *gateway_flags)
+        try:
+            yield OpenAIStack(cluster.router, url, httpx.get(url + "/v1/models").json()["data"][0]["id"])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        cluster.stop()

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.cluster import start_cluster, start_gateway
+from tests.cluster import OpenAIStack, openai_stack, start_gateway
 from tests.hf_reference import GuideMask, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -49,29 +48,11 @@ CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-class Stack:
-    def __init__(self, router: str, url: str, model: str) -> None:
-        self.router, self.url, self.model = router, url, model
-        self.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=180)
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=180)
-
-
 @pytest.fixture(scope="module")
 def stack(bundled_model_dir):
-    cluster = start_cluster(1, 1, "tcp", "--chat-template", str(TEMPLATE))
-    try:
-        flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-        proc, url = start_gateway(cluster.router, *flags)
-        try:
-            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            yield Stack(cluster.router, url, model)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-    finally:
-        cluster.stop()
+    flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    with openai_stack(("--chat-template", str(TEMPLATE)), flags) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +82,7 @@ def held_to(tok, bundled_model_dir, ids: list[int], schema: dict, max_new: int) 
     return tok.decode(out)
 
 
-def streamed(stack: Stack, **kw) -> tuple[str, list[tuple[str, str]], str | None]:
+def streamed(stack: OpenAIStack, **kw) -> tuple[str, list[tuple[str, str]], str | None]:
     """A streamed choice summed as clients sum it: content, [(name, arguments)] by index, finish reason."""
     content, calls, finish = "", {}, None
     for chunk in stack.client.chat.completions.create(model=stack.model, stream=True, **kw):
