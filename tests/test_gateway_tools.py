@@ -157,21 +157,35 @@ def test_a_named_tool_choice_calls_it_with_transformers_answer_held_to_its_param
     )
 
 
-def test_required_calls_are_transformers_answer_held_to_the_tools_array(stack, tok, bundled_model_dir):
+def test_required_calls_are_the_structured_output_of_the_tools_array(stack):
+    """The calls are what response_format's json_schema gives for the array of the tools' calls (the path the
+    named choice's test and tests/test_structured_output.py hold to transformers), streamed the same; without
+    parallel tool calls the array holds one call."""
     from gateway.tools import required_schema
 
     functions = [(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
-    ids = prompt_ids(tok, CHAT, TOOLS)
-    for parallel in (True, False):
-        want = json.loads(held_to(tok, bundled_model_dir, ids, required_schema(functions, parallel), 96))
-        expected = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in want]
-        kw = dict(messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0)
-        r = stack.client.chat.completions.create(model=stack.model, parallel_tool_calls=parallel, **kw)
-        choice = r.choices[0]
-        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == expected
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        assert len(expected) >= 1 and (parallel or len(expected) == 1)
-        assert streamed(stack, parallel_tool_calls=parallel, **kw) == ("", expected, "tool_calls")
+    base = dict(model=stack.model, messages=CHAT, tools=TOOLS, max_tokens=96, temperature=0)
+    schema = {"name": "calls", "schema": required_schema(functions, True)}
+    held = stack.client.chat.completions.create(
+        **base, tool_choice="none", response_format={"type": "json_schema", "json_schema": schema}
+    )
+    expected = [
+        (c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+        for c in json.loads(held.choices[0].message.content)
+    ]
+    choice = stack.client.chat.completions.create(**base, tool_choice="required").choices[0]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == expected
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and len(expected) >= 1
+    kw = dict(messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=96, temperature=0)
+    assert streamed(stack, **kw) == ("", expected, "tool_calls")
+    one = stack.client.chat.completions.create(
+        **base, tool_choice="required", parallel_tool_calls=False
+    ).choices[0]
+    assert len(one.message.tool_calls) == 1 and one.message.tool_calls[0].function.name in (
+        "get_weather",
+        "get_time",
+    )
+    assert one.finish_reason == "tool_calls"
 
 
 def test_auto_picks_hermes_calls_out_of_the_text(stack):
