@@ -46,6 +46,7 @@ from gateway.reasoning import Reasoning
 from gateway.responses import Choice, Formatter, TokenText, Totals
 from gateway.responses_api import ResponsesOutput, ResponsesRequest, ResponseStore, messages_of
 from gateway.router_client import (
+    Rendering,
     RouterStreams,
     build,
     chat_requests,
@@ -84,6 +85,9 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of gateway/tools.py's PARSERS
     reasoning_parser: str | None = None  # one of gateway/reasoning.py's PARSERS: chat's reasoning split off
+    # chat templates: variables a request's chat_template_kwargs override; no tools where tool_choice is "none"
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -132,6 +136,9 @@ class Gateway:
         self.salts = CacheSalts(config.cache_salt_secret)
         self.limits = TenantLimits(config.rate_limit_requests_per_s, config.rate_limit_tokens_per_s)
         self.responses = ResponseStore()  # /v1/responses' stored responses (gateway/responses_api.py)
+        self.rendering = Rendering(
+            dict(config.default_chat_template_kwargs), config.exclude_tools_when_tool_choice_none
+        )
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -233,7 +240,7 @@ class Gateway:
             if isinstance(body, ChatCompletionRequest):
                 auto = self.config.tool_call_parser if self.config.enable_auto_tool_choice else None
                 plan = tool_plan(body, auto)
-                reqs = build(lambda: chat_requests(body, plan))
+                reqs = build(lambda: chat_requests(body, plan, self.rendering))
                 if self.config.reasoning_parser is not None:
                     constrained = reqs[0].sampling.HasField("structured_outputs")
                     reasoning = Reasoning(self.config.reasoning_parser, body.include_reasoning, constrained)
@@ -271,7 +278,7 @@ class Gateway:
         `usage.prompt_tokens` the same prompt gets."""
         assert self.stub is not None
         try:
-            request = build(lambda: tokenize_request(body))
+            request = build(lambda: tokenize_request(body, self.rendering))
             reply = await self.stub.Tokenize(request, timeout=60)
         except grpc.aio.AioRpcError as exc:
             return from_grpc(exc).response()

@@ -7,6 +7,7 @@ SIGTERM or Ctrl-C drains it (gateway/drain.py) and it exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -65,12 +66,35 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls: hermes (<tool_call> blocks) or llama3_json",
     )
     p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='a request with tool_choice "none" renders no tools into the chat template (default: it does)',
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        help="chat template variables, a JSON object, that a request's chat_template_kwargs override (say "
+        "'{\"enable_thinking\": false}')",
+    )
+    p.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
         default=None,
         help="split a reasoning model's thinking (<think> ... </think>) off chat answers into `reasoning`: "
         "deepseek_r1 or qwen3",
     )
+
+
+def _json_object(text: str) -> str:
+    """The flag's text where it is a JSON object (kept as text, so that `pdserve serve` passes it on as is)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return text
 
 
 def add_tenant_args(p: argparse.ArgumentParser) -> None:
@@ -154,6 +178,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=json.loads(args.default_chat_template_kwargs or "{}"),
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     identify("gateway", f"{args.host}:{args.port}")
     app = create_app(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -79,7 +80,19 @@ def sampling_proto(body: ChatCompletionRequest | CompletionRequest, max_tokens: 
     return msg
 
 
-def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> pb.ChatMessages:
+@dataclass(frozen=True)
+class Rendering:
+    """The gateway's settings for chat templates (vLLM's flags): `default_kwargs`, chat_template_kwargs a
+    request's own override (--default-chat-template-kwargs); `exclude_tools_when_none`, a request with
+    tool_choice "none" renders no tools (--exclude-tools-when-tool-choice-none)."""
+
+    default_kwargs: dict = field(default_factory=dict)
+    exclude_tools_when_none: bool = False
+
+
+def chat_messages(
+    body: ChatCompletionRequest | TokenizeChatRequest, rendering: Rendering = Rendering()
+) -> pb.ChatMessages:
     """The request's messages, tools and template variables, as the router renders them with the chat template."""
     out = []
     for m in body.messages:
@@ -89,19 +102,29 @@ def chat_messages(body: ChatCompletionRequest | TokenizeChatRequest) -> pb.ChatM
         if m.tool_calls:
             msg.tool_calls_json = json.dumps([c.for_template() for c in m.tool_calls], ensure_ascii=False)
         out.append(msg)
-    kwargs = json.dumps(body.chat_template_kwargs, ensure_ascii=False) if body.chat_template_kwargs else ""
+    variables = {**rendering.default_kwargs, **(body.chat_template_kwargs or {})}
+    kwargs = json.dumps(variables, ensure_ascii=False) if variables else ""
+    tools = body.tools
+    if (
+        rendering.exclude_tools_when_none
+        and isinstance(body, ChatCompletionRequest)
+        and body.tool_choice == "none"
+    ):
+        tools = None
     return pb.ChatMessages(
         messages=out,
         add_generation_prompt=body.add_generation_prompt,
-        tools_json=tools_json(body.tools),
+        tools_json=tools_json(tools),
         template_kwargs_json=kwargs,
     )
 
 
-def chat_requests(body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[pb.GenerateRequest]:
+def chat_requests(
+    body: ChatCompletionRequest, plan: ToolPlan | None = None, rendering: Rendering = Rendering()
+) -> list[pb.GenerateRequest]:
     """plan (gateway/tools.py: tool_plan): a named or required tool choice holds the text to its schema;
     the hermes parser needs special tokens' text, as vLLM's asks for it."""
-    chat = chat_messages(body)
+    chat = chat_messages(body, rendering)
     sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
     schema = plan_schema(plan, body) if plan is not None else None
     if schema is not None:
@@ -163,7 +186,9 @@ async def echo_of(
     return Echo([text for text, _ in found], [ids for _, ids in found], body.echo_only)
 
 
-def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> pb.TokenizeRequest:
+def tokenize_request(
+    body: TokenizeCompletionRequest | TokenizeChatRequest, rendering: Rendering = Rendering()
+) -> pb.TokenizeRequest:
     chat = isinstance(body, TokenizeChatRequest)
     if body.add_special_tokens != (not chat):
         field = "add_special_tokens"
@@ -178,7 +203,7 @@ def tokenize_request(body: TokenizeCompletionRequest | TokenizeChatRequest) -> p
         if other:
             message = f"messages hold a content part of type {other[0]!r}: this model reads text only"
             raise APIError(400, message, "messages", "unsupported")
-        prompt.chat.CopyFrom(chat_messages(body))
+        prompt.chat.CopyFrom(chat_messages(body, rendering))
     else:
         prompt.text = body.prompt
     return pb.TokenizeRequest(prompt=prompt, return_token_strs=body.return_token_strs)
@@ -197,11 +222,8 @@ def refuse_unfit(body: ChatCompletionRequest | CompletionRequest, info: pb.Model
             raise APIError(400, str(exc), "truncate_prompt_tokens", "invalid_request") from exc
         return
     try:
-        if isinstance(body, ChatCompletionRequest):  # every message's content, its calls and the tools
-            chars = len(tools_json(body.tools)) + sum(
-                len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
-                for m in body.messages
-            )
+        if isinstance(body, ChatCompletionRequest):  # the router counts every message's content
+            chars = sum(len(m.text()) for m in body.messages)  # (not tools: a template may leave them out)
             check_fits_by_size(chars, info.max_token_chars, max_tokens, info.max_model_len)
             return
         for prompt in body.prompts():

@@ -48,10 +48,21 @@ def longest_token_chars(tokenizer: Tokenizer) -> int:
 
 
 def prompt_chars(request: pb.GenerateRequest) -> int:
-    """Characters of prompt text: the text, or every chat message's content (the template adds more)."""
+    """Characters of prompt text: the text, or every chat message's content (the template adds more, and
+    may leave tools and calls out: a bound on the prompt's tokens counts only these)."""
     if request.WhichOneof("prompt") == "chat":
         return sum(len(m.content) for m in request.chat.messages)
     return len(request.text)
+
+
+def work_chars(request: pb.GenerateRequest) -> int:
+    """Characters a prompt's encoding reads: prompt_chars', with a chat's tools, calls and template variables."""
+    chars = prompt_chars(request)
+    if request.WhichOneof("prompt") == "chat":
+        chat = request.chat
+        chars += len(chat.tools_json) + len(chat.template_kwargs_json)
+        chars += sum(len(m.tool_calls_json) for m in chat.messages)
+    return chars
 
 
 class PromptEncoder:
@@ -74,7 +85,7 @@ class PromptEncoder:
 
     async def encode(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt's token ids (ValueError for a prompt that cannot be encoded; Overloaded)."""
-        return await self._run(prompt_chars(request), self._encode, request)
+        return await self._run(work_chars(request), self._encode, request)
 
     async def decode(self, ids: list[int]) -> str:
         """Token ids back to text, special tokens kept; in the pool, each id counted as a character."""

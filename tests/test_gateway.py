@@ -518,6 +518,16 @@ def test_what_the_server_does_not_do_is_refused_by_name(stack, path, extra, para
     assert error["code"] == ("invalid_request" if invalid else "unsupported"), error
 
 
+def test_tools_a_template_leaves_out_do_not_count_against_the_context(stack):
+    """The bundled model's template renders no tools: tools that would overflow the context, were they
+    rendered, do not get a request refused (tool_choice "none": this gateway has no tool-call parser)."""
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 40_000}}]
+    body = {"model": stack.model, "messages": CHAT, "max_tokens": 2, "tools": tools, "tool_choice": "none"}
+    r = stack.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] < 100
+
+
 def test_continuous_usage_stats_count_each_choices_tokens_so_far(stack, chat_ids, chat_expected):
     """vLLM's continuous usage stats: every chunk carries the prompt's count and its own choice's tokens so
     far (n = 2, choices interleaved), the last of each choice its whole count; without include_usage: a 400."""

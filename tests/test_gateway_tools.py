@@ -261,16 +261,22 @@ def test_tool_requests_that_cannot_be_met_get_400(stack, extra, param, words):
     assert words in error["message"] and (param is None or error["param"] == param), error
 
 
-def test_auto_needs_the_parser_flags(stack):
+def test_auto_needs_the_parser_flags_and_none_may_leave_tools_out(stack, tok):
     """A gateway without --enable-auto-tool-choice refuses "auto", the default where tools are given, as vLLM's
-    server does; named and required choices need no flag."""
-    proc, url = start_gateway(stack.router)
+    server does; named and required choices need no flag. With --exclude-tools-when-tool-choice-none a "none"
+    request's prompt has no tools in it."""
+    proc, url = start_gateway(stack.router, "--exclude-tools-when-tool-choice-none")
     try:
         body = {"model": stack.model, "messages": CHAT, "tools": TOOLS, "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"], r.text
         named = httpx.post(url + "/v1/chat/completions", json={**body, "tool_choice": NAMED}, timeout=180)
         assert named.status_code == 200 and named.json()["choices"][0]["message"]["tool_calls"], named.text
+        assert named.json()["usage"]["prompt_tokens"] == len(prompt_ids(tok, CHAT, TOOLS))
+        none = httpx.post(url + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=180)
+        assert none.status_code == 200 and none.json()["usage"]["prompt_tokens"] == len(
+            prompt_ids(tok, CHAT, None)
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -283,10 +289,9 @@ def test_gateway_refuses_a_parser_flag_it_does_not_know():
         GatewayConfig(router="x:1", enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="not one of"):
         GatewayConfig(router="x:1", enable_auto_tool_choice=True, tool_call_parser="nope")
-    bad = subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "--tool-call-parser", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bad.returncode != 0 and "--tool-call-parser" in bad.stderr
+    for flags, words in ((("--tool-call-parser", "nope"), "--tool-call-parser"),
+                         (("--default-chat-template-kwargs", "[1]"), "JSON object")):  # fmt: skip
+        bad = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *flags], capture_output=True, text=True, timeout=60
+        )
+        assert bad.returncode != 0 and words in bad.stderr, bad.stderr
