@@ -63,7 +63,8 @@ def add_tool_args(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=PARSERS,
         default=None,
-        help="how the model writes tool calls: hermes (<tool_call> blocks) or llama3_json",
+        help="how the model writes tool calls: hermes (<tool_call> blocks), llama3_json, mistral ([TOOL_CALLS] "
+        "and a JSON array) or pythonic ([f(a=1), g()])",
     )
     p.add_argument(
         "--exclude-tools-when-tool-choice-none",

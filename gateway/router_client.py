@@ -23,7 +23,7 @@ from gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from gateway.responses import Echo
-from gateway.tools import ToolPlan, plan_schema, tools_json
+from gateway.tools import SPECIAL_MARKERS, ToolPlan, plan_schema, tools_json
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.grpc_common import set_token_controls
@@ -123,7 +123,7 @@ def chat_requests(
     body: ChatCompletionRequest, plan: ToolPlan | None = None, rendering: Rendering = Rendering()
 ) -> list[pb.GenerateRequest]:
     """plan (gateway/tools.py: tool_plan): a named or required tool choice holds the text to its schema;
-    the hermes parser needs special tokens' text, as vLLM's asks for it."""
+    the hermes and mistral parsers need special tokens' text, as vLLM's ask for it."""
     chat = chat_messages(body, rendering)
     sampling = sampling_proto(body, body.token_limit() or 0)  # OpenAI: unset is up to the context (0)
     schema = plan_schema(plan, body) if plan is not None else None
@@ -135,7 +135,7 @@ def chat_requests(
             raise APIError(400, message + "combined with another structured output", "tool_choice",
                            "invalid_request")  # fmt: skip
         sampling.structured_outputs.json = json.dumps(schema, ensure_ascii=False)
-    if plan is not None and plan.parser == "hermes":
+    if plan is not None and plan.parser in SPECIAL_MARKERS:
         sampling.skip_special_tokens = False
     return [pb.GenerateRequest(chat=chat, sampling=sampling, model=body.model, priority=body.priority)]
 

@@ -8,8 +8,9 @@ A request's `tools` go to the chat template (the router renders them) whatever `
   objects, one shape per tool (`required_schema`); each element is a call.
 - "auto", the default where tools are given: the model writes freely, and the gateway's tool-call parser
   (`--tool-call-parser`, with `--enable-auto-tool-choice`) picks the calls out of the text: `hermes`
-  (`<tool_call>{"name", "arguments"}</tool_call>` blocks) or `llama3_json` ({"name", "parameters"} objects
-  separated by ";", after an optional `<|python_tag|>`). Text outside the calls is the message's content.
+  (`<tool_call>{"name", "arguments"}</tool_call>` blocks), `llama3_json` ({"name", "parameters"} objects
+  separated by ";", after an optional `<|python_tag|>`), `mistral` (`[TOOL_CALLS]` and a JSON array) or
+  `pythonic` (a Python list of calls, Llama 3.2's and 4's). Text outside the calls is the message's content.
 
 Each mode is a parser fed one choice's text as it streams (`CallStream.feed`, then `finish`). A whole response
 is the same parser fed the whole text, so a streamed response and a whole one carry the same calls.
@@ -17,6 +18,7 @@ is the same parser fed the whole text, so a streamed response and a whole one ca
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -25,9 +27,12 @@ from typing import Any
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+# parsers whose markers are special tokens, which the text leaves out unless asked for (vLLM's adjust_request)
+SPECIAL_MARKERS = ("hermes", "mistral")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 
 
 def call_id() -> str:
@@ -85,6 +90,14 @@ class CallStream:
 
     def __init__(self) -> None:
         self.called = 0
+        self.space = ""  # whitespace at the content's end, held until what follows says (a call drops it)
+
+    def _content(self, text: str) -> str:
+        """Content that may go out now: the text after the held whitespace, less its own trailing whitespace."""
+        text = self.space + text
+        body = text.rstrip()
+        self.space = text[len(body) :]
+        return body
 
     def feed(self, text: str) -> Delta:
         raise NotImplementedError
@@ -220,7 +233,6 @@ class HermesCalls(CallStream):
     def __init__(self) -> None:
         super().__init__()
         self.pending = ""  # text outside blocks not yet sent: a possible opening tag's start
-        self.space = ""  # whitespace at the content's end, held until what follows says (a call drops it)
         self.before = ""  # the whitespace held when the block being read opened
         self.block: list[str] | None = None  # the block being read
         self.in_string = self.escaped = False
@@ -278,13 +290,6 @@ class HermesCalls(CallStream):
             return Delta(calls=[call])
         return Delta(content=before + HERMES_START + body + (HERMES_END if closed else ""))
 
-    def _content(self, text: str) -> str:
-        """Content that may go out now: the text after the held whitespace, less its own trailing whitespace."""
-        text = self.space + text
-        body = text.rstrip()
-        self.space = text[len(body) :]
-        return body
-
 
 class Llama3JsonCalls(CallStream):
     """`llama3_json`: a text that starts (after whitespace and an optional `<|python_tag|>`) with "{" is
@@ -330,6 +335,98 @@ class Llama3JsonCalls(CallStream):
         return Delta(content=rest if rest.strip(" \n\t;") else "")
 
 
+class MistralCalls(CallStream):
+    """`mistral`: content, then `[TOOL_CALLS]` and a JSON array of {"name", "arguments"} objects (Mistral's
+    v0.3 format). The content streams; the array is read whole, so its calls go out when the text ends. An
+    array that does not parse as calls is content, as written, tag and all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = ""  # content held back: a possible tag's start
+        self.after: list[str] | None = None  # the text after the tag
+
+    def feed(self, text: str) -> Delta:
+        if self.after is not None:
+            self.after.append(text)
+            return Delta()
+        self.pending += text
+        at = self.pending.find(MISTRAL_TAG)
+        if at >= 0:
+            content = self._content(self.pending[:at])
+            self.after, self.pending = [self.pending[at + len(MISTRAL_TAG) :]], ""
+            return Delta(content=content)
+        keep = _held_prefix(self.pending, MISTRAL_TAG)
+        content = self._content(self.pending[: len(self.pending) - keep])
+        self.pending = self.pending[len(self.pending) - keep :]
+        return Delta(content=content)
+
+    def finish(self) -> Delta:
+        space, self.space = self.space, ""
+        if self.after is None:
+            rest, self.pending = self.pending, ""
+            return Delta(content=(space + rest) if rest.strip() or not self.called else "")
+        text = "".join(self.after)
+        try:
+            found = json.loads(text)
+        except (ValueError, RecursionError):
+            found = None
+        items = found if isinstance(found, list) and found else None
+        if items is None or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in items):
+            return Delta(content=space + MISTRAL_TAG + text)
+        calls = [self._parsed(json.dumps(c), ("arguments", "parameters")) for c in items]
+        return Delta(calls=[c for c in calls if c is not None])
+
+
+class PythonicCalls(CallStream):
+    """`pythonic` (Llama 3.2 and 4): a text that is a Python list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time()]`; any other text is content. Such a list is read whole, so its
+    calls go out when the text ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+        self.plain = False
+
+    def feed(self, text: str) -> Delta:
+        if self.plain:
+            return Delta(content=text)
+        self.text += text
+        lead = self.text.lstrip()
+        if lead and not lead.startswith("["):
+            self.plain = True
+            held, self.text = self.text, ""
+            return Delta(content=held)
+        return Delta()
+
+    def finish(self) -> Delta:
+        if self.plain:
+            return Delta()
+        text, self.text = self.text, ""
+        calls = _python_calls(text.strip())
+        if calls is None:
+            return Delta(content=text)
+        return Delta(calls=[self._call(name, json.dumps(args, ensure_ascii=False)) for name, args in calls])
+
+
+def _python_calls(text: str) -> list[tuple[str, dict]] | None:
+    """[(name, keyword arguments)] of a Python list of calls whose arguments are literals, or None."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        out = []
+        for call in tree.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
+                return None
+            if any(k.arg is None for k in call.keywords):  # **kwargs
+                return None
+            out.append((call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg}))
+        json.dumps(out)  # literals JSON cannot carry (sets, bytes, complex) are no call
+        return out
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """How a request's choices carry tool calls: mode "named" (`name`), "required" or "auto" (`parser`)."""
@@ -344,7 +441,8 @@ class ToolPlan:
             return NamedCall(self.name)
         if self.mode == "required":
             return RequiredCalls()
-        return HermesCalls() if self.parser == "hermes" else Llama3JsonCalls()
+        parsers = {"hermes": HermesCalls, "llama3_json": Llama3JsonCalls, "mistral": MistralCalls}
+        return parsers.get(self.parser or "", PythonicCalls)()
 
     def finish_reason(self, finish: str | None, stream: CallStream) -> str | None:
         """OpenAI's: "tool_calls" where calls ended the choice ("auto", "required"); a named call's keeps the

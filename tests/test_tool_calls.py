@@ -14,7 +14,9 @@ from gateway.tools import (
     Delta,
     HermesCalls,
     Llama3JsonCalls,
+    MistralCalls,
     NamedCall,
+    PythonicCalls,
     RequiredCalls,
     ToolPlan,
     required_schema,
@@ -29,6 +31,8 @@ REQUIRED = (
     '[{"name": "get_weather", "parameters": {"city": "P}]{ \\"x"}}, {"name": "get_time", "parameters": {}}]'
 )
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+MISTRAL = 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "P]"}}, {"name": "get_time", "arguments": {}}]'
+PYTHONIC = ' [get_weather(city="Paris", days=[1, 2]), get_time()]'
 
 
 def run(stream, text: str, size: int) -> Delta:
@@ -65,6 +69,25 @@ def test_every_parser_finds_the_same_calls_however_the_text_is_cut(size):
         and named.calls[0]["function"]["arguments"] == '{"a": [1, 2]}'
     )
     assert len({c["id"] for c in [*hermes.calls, *required.calls, *llama.calls]}) == 6  # ids are unique
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_the_mistral_and_pythonic_parsers_find_the_same_calls_however_the_text_is_cut(size):
+    mistral = run(MistralCalls(), MISTRAL, size)
+    assert (
+        calls(mistral) == [(0, "get_weather", {"city": "P]"}), (1, "get_time", {})]
+        and mistral.content == "Sure."
+    )
+    pythonic = run(PythonicCalls(), PYTHONIC, size)
+    assert calls(pythonic) == [(0, "get_weather", {"city": "Paris", "days": [1, 2]}), (1, "get_time", {})]
+    assert pythonic.content == ""
+    # what is no list of literal keyword calls stays content, as written
+    for plain in ("It is [sunny].", "[f(1)]", "[f(x=y)]", "[f(x={1, 2})]", "[" * 5000, " [a, b]", "[f(x=1)"):
+        out = run(PythonicCalls(), plain, size)
+        assert (out.content, out.calls) == (plain, []), plain
+    for plain in ("No calls. [TOOL", "x [TOOL_CALLS] not json", "x [TOOL_CALLS][1, 2]", "a \n"):
+        out = run(MistralCalls(), plain, size)
+        assert (out.content, out.calls) == (plain, []), plain
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
@@ -114,6 +137,8 @@ def response(index: int, text: str, finish: str = "") -> pb.GenerateResponse:
         (ToolPlan("auto", parser="hermes"), HERMES, "tool_calls"),
         (ToolPlan("required"), REQUIRED, "tool_calls"),
         (ToolPlan("auto", parser="llama3_json"), LLAMA, "tool_calls"),
+        (ToolPlan("auto", parser="mistral"), MISTRAL, "tool_calls"),
+        (ToolPlan("auto", parser="pythonic"), PYTHONIC, "tool_calls"),
         (ToolPlan("named", name="f"), '{"a": 1}', "stop"),  # a named call keeps the engine's reason
         (ToolPlan("auto", parser="hermes"), "No call here.", "stop"),
     ],
