@@ -211,9 +211,9 @@ class Gateway:
         except APIError as exc:
             self.metrics.done("responses", exc.status)
             return exc.response()
-        info = await self.model_info()
         turns = history + messages_of(body.items())  # what a later previous_response_id continues
-        out = ResponsesOutput(body, turns, info.model, self.responses, record.tenant)
+        # serve() refuses a model other than the one served before anything is answered
+        out = ResponsesOutput(body, turns, body.model, self.responses, record.tenant)
         return await self.serve(request, chat, "responses", out)
 
     async def serve(

@@ -17,16 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.tools import held_prefix
+
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +66,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             at = self.pending.find(END)
             if at < 0:
-                keep = _held(self.pending, END)
+                keep = held_prefix(self.pending, END)
                 reasoning, self.pending = (
                     self.pending[: len(self.pending) - keep],
                     self.pending[len(self.pending) - keep :],

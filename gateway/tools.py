@@ -216,7 +216,7 @@ class RequiredCalls(CallStream):
         return out
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """How many characters at the end of `text` could begin `tag` (held back until the next text says)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -253,7 +253,7 @@ class HermesCalls(CallStream):
                 self.block, self.in_string, self.escaped = [], False, False
                 self.before, self.space = self.space, ""
             else:
-                keep = _held_prefix(self.pending, HERMES_START)
+                keep = held_prefix(self.pending, HERMES_START)
                 out.content += self._content(self.pending[: len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep :]
         return out
@@ -355,7 +355,7 @@ class MistralCalls(CallStream):
             content = self._content(self.pending[:at])
             self.after, self.pending = [self.pending[at + len(MISTRAL_TAG) :]], ""
             return Delta(content=content)
-        keep = _held_prefix(self.pending, MISTRAL_TAG)
+        keep = held_prefix(self.pending, MISTRAL_TAG)
         content = self._content(self.pending[: len(self.pending) - keep])
         self.pending = self.pending[len(self.pending) - keep :]
         return Delta(content=content)
