@@ -17,14 +17,17 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from engine.block_hash import extra_keys, hash_prompt_blocks
 from protos import pdserve_pb2_grpc as pb_grpc
+from router.redis_mirror import _unpack_speculation
 from tests.chaos.tools import RedisServer, free_port, one_thread_per_engine
 from tests.cluster import Cluster, collect, greedy_request, health, start_cluster, wait_until
 
@@ -42,6 +45,7 @@ class RouterProcess:
     redis_url: str
     model_dir: str
     address: str = ""
+    metrics_port: int = 0
     proc: subprocess.Popen | None = None
 
     def start(self) -> float:
@@ -51,12 +55,20 @@ class RouterProcess:
         port = free_port()
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "serving.cli", "--log-level", "WARNING", "router", "--port", str(port)]
+        self.metrics_port = free_port()
         cmd += ["--prefill", prefill, "--decode", decode, "--redis-url", self.redis_url]
+        cmd += ["--metrics-port", str(self.metrics_port)]
         cmd += ["--model", self.model_dir, "--served-model-name", Path(self.model_dir).name]
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_until(lambda: health(self.address, timeout=1) == "SERVING", 120, "the second router serving")
         return time.monotonic() - t0
+
+    def prefix_hits(self) -> float:
+        """Requests it routed to a prefill worker that (by what it knew) held some of the prompt's blocks."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        name = 'pdserve:router_routing_decisions_total{reason="prefix_hit"'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -128,9 +140,34 @@ def settled_holders(s: Shared, some: list[list[int]]) -> list[set[bytes]]:
     return [holders(s, p) for p in some]
 
 
-def _after(delay_s: float, fn, *args):
-    time.sleep(delay_s)  # the burst's shape: when each request leaves, relative to the first
-    return fn(*args)
+@contextmanager
+def stopped(pids: list[int]) -> Iterator[None]:
+    """The processes held with SIGSTOP for the block (well under the 5 s heartbeat TTL), then continued."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
+def speculated(s: Shared, prefix: list[int]) -> list[str]:
+    """The prefill workers that the routers' published routing decisions name for the prefix's last block, in
+    the order the decisions reached the Redis stream."""
+    last = hash_prompt_blocks(prefix, BLOCK, extra_keys(s.model))[PREFIX_BLOCKS - 1]
+    client = s.redis.client()
+    try:
+        entries = client.xrange(b"pdserve:kv:stream")
+    finally:
+        client.close()
+    return [
+        worker
+        for _, fields in entries
+        if b"r" in fields
+        for worker, _, hashes in _unpack_speculation(fields[b"d"])
+        if last in hashes
+    ]
 
 
 def holders(s: Shared, prefix: list[int]) -> set[bytes]:
@@ -156,14 +193,23 @@ def test_two_routers_route_like_one_and_survive_a_kill_and_a_restart(shared: Sha
     assert all(len(h) == 1 for h in held), held  # each prefix was computed on one prefill worker only
     rng = random.Random(3)
 
-    # A burst on two new prefixes: x and then y to the first router, which spreads them over both prefill
-    # workers (x is still in flight when y comes); y to the second router a moment later, before any worker
-    # event could tell it where y went. The first router's routing decision, shared through Redis, sends it
-    # to the same worker: y is computed once.
+    # A burst on two new prefixes while both prefill workers are stopped, so that no worker event can tell a
+    # router where a prefix went: x and then y to the first router, which spreads them over both prefill
+    # workers (x is still in flight when y comes); y to the second router once the first router's routing
+    # decision for y is in Redis. That shared decision makes it a prefix hit on the same worker: y is
+    # computed once.
     x, y = prefixes(4, 2)
-    burst = [(first, x, 0.0), (first, y, 0.02), (second, y, 0.12)]
-    with ThreadPoolExecutor(len(burst)) as pool:
-        list(pool.map(lambda job: _after(job[2], cached, job[0], with_suffix(job[1], rng)), burst))
+    prefill_pids = [w["pid"] for w in s.cluster.workers if w["role"] == "prefill"]
+    hits_before = s.second.prefix_hits()
+    with ThreadPoolExecutor(3) as pool, stopped(prefill_pids):
+        sent = [pool.submit(cached, first, with_suffix(x, rng))]
+        wait_until(lambda: speculated(s, x), 3, "the first router's decision for x in Redis")
+        sent.append(pool.submit(cached, first, with_suffix(y, rng)))
+        wait_until(lambda: speculated(s, y), 3, "the first router's decision for y in Redis")
+        sent.append(pool.submit(cached, second, with_suffix(y, rng)))
+        wait_until(lambda: s.second.prefix_hits() > hits_before, 3, "the second router's prefix hit for y")
+    for job in sent:
+        job.result(timeout=120)
     on_x, on_y = settled_holders(s, [x, y])
     assert len(on_x) == len(on_y) == 1, (on_x, on_y)
     assert on_x != on_y, "the burst did not spread over both prefill workers"
