@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU).
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU; Qwen3
+also an RMSNorm over each q and k head before RoPE).
 
 One forward pass takes a flattened batch of new tokens (prefill chunks and decode tokens mixed),
 their positions, one AttentionMetadata and the paged KV cache of every layer.
@@ -55,6 +56,8 @@ class LlamaAttention(nn.Module):
             bias=config.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size,
         )  # fmt: skip
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -79,6 +82,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim): o_proj's input
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # each head normed alone (fresh tensors)
+            q = cast(torch.Tensor, self.q_norm(q.reshape(-1, self.head_dim)))
+            k = cast(torch.Tensor, self.k_norm(k.reshape(-1, self.head_dim)))
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
@@ -94,8 +100,8 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> RopeWrite | None:  # fmt: skip
         """What the int4 qkv GEMM needs to end in RoPE and the KV-cache write at x (kernels/w4a16_mma.py), or
-        None where it cannot: an fp8 cache, heads it cannot split, PDSERVE_FUSED_ROTARY=0."""
-        if not _backend.FUSED_ROTARY:
+        None where it cannot: an fp8 cache, heads it cannot split, q and k normed per head, PDSERVE_FUSED_ROTARY=0."""
+        if not _backend.FUSED_ROTARY or self.q_norm is not None:
             return None
         rope = RopeWrite(
             positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.num_heads, self.num_kv_heads

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # an RMSNorm over each q and k head before RoPE
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
 
 
@@ -45,7 +47,7 @@ class ModelConfig:
     max_position_embeddings: int
     rope_scaling: Llama3RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama when its config says so)
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama and Qwen3 when their config says so)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
@@ -64,6 +66,11 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each q and k head goes through an RMSNorm of its own (weights q_norm, k_norm) before RoPE."""
+        return self.architecture in QK_NORM_ARCHITECTURES
 
     @property
     def o_proj_bias(self) -> bool:
@@ -178,7 +185,7 @@ def _max_positions(d: dict[str, Any]) -> int:
     """Context length; capped at a sliding window we do not implement (Mistral v0.1), so it stays exact."""
     limit = int(d.get("max_position_embeddings", 2048))
     window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", d.get("model_type") != "qwen2")
+    uses_window = d.get("use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3"))
     if window and uses_window and window < limit:
         return int(window)
     return limit
@@ -219,6 +226,12 @@ DUMMY_SHAPES: dict[str, ModelConfig] = {
         num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, attention_bias=True, bos_token_id=151643,
         eos_token_id=(151643,), torch_dtype="bfloat16",
+    ),
+    "Qwen3-8B": _dummy(
+        "Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=(151645,),
+        torch_dtype="bfloat16",
     ),
 }  # fmt: skip
 

@@ -49,7 +49,9 @@ GGUF_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }  # fmt: skip
+GGUF_ARCHS = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 # per layer: checkpoint module -> GGUF type (the rest F32)
 TYPES = {
     "0": {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q8_0", "gate_proj": "Q4_1",
@@ -64,25 +66,28 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # convert_hf_to_gguf.py'
 
 
 def write_gguf(model_dir: Path, out: Path) -> None:
-    """A llama.cpp-style GGUF of the tiny model with the linear layers in TYPES' types (token_embd Q8_0)."""
+    """A llama.cpp-style GGUF of the tiny model (llama or qwen3) with the linear layers in TYPES' types (token_embd
+    Q8_0)."""
     import gguf
     from gguf.quants import quantize
 
     c = ModelConfig.from_dir(model_dir)
-    writer = gguf.GGUFWriter(str(out), arch="llama")
+    arch = GGUF_ARCHS[c.architecture]
+    writer = gguf.GGUFWriter(str(out), arch=arch)
     for add, value in (
         (writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
         (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, c.intermediate_size),
         (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
         (writer.add_rope_freq_base, c.rope_theta), (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
         (writer.add_vocab_size, c.vocab_size), (writer.add_bos_token_id, c.bos_token_id),
-        (writer.add_eos_token_id, c.eos_token_id[0]),
+        (writer.add_eos_token_id, c.eos_token_id[0]), (writer.add_key_length, c.head_dim),
+        (writer.add_value_length, c.head_dim),
     ):  # fmt: skip
         add(value)
     add_tokenizer(writer, model_dir)
     for name, tensor in iter_safetensors(model_dir):
         w = tensor.numpy()
-        if ".q_proj." in name or ".k_proj." in name:
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):  # llama.cpp permutes llama's only
             w = permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
         stem, kind = name.rsplit(".", 1)
         parts = stem.split(".")

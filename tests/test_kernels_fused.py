@@ -286,7 +286,7 @@ def test_rotary_reference_equals_transformers(head_dim, rope):
 # ---- the model on the fused kernels ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama3_scaled"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama3_scaled"])
 @torch.no_grad()
 def test_tiny_model_triton_path_equals_torch_path(arch, tmp_path, monkeypatch):
     """A prefill then two decode steps through the whole model (fused kernels, in-place norms, attention

@@ -13,7 +13,7 @@ from engine.weights import load_model
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 
 ATOL = 1e-4
-TINY_ARCHS = ["llama", "qwen2", "llama3_scaled"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "llama3_scaled"]
 
 
 def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -169,7 +169,10 @@ def test_dummy_smollm2_shapes_and_forward():
     assert logits.shape == (3, 49152) and torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize(("name", "params"), [("Llama-3-8B", 8_030_261_248), ("Qwen2.5-7B", 7_615_616_512)])
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("Llama-3-8B", 8_030_261_248), ("Qwen2.5-7B", 7_615_616_512), ("Qwen3-8B", 8_190_735_360)],
+)
 def test_dummy_big_shapes_on_meta(name, params):
     model, config = load_model(name, load_format="dummy", device="meta", dtype=torch.bfloat16)
     assert sum(p.numel() for p in model.parameters()) == params  # the real models' counts

@@ -25,9 +25,10 @@ def method_names(llm: LLM) -> list[dict[str, str]]:
     return names
 
 
-def test_gguf_q4_and_q8_layers_stay_quantized_and_equal_transformers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gguf_q4_and_q8_layers_stay_quantized_and_equal_transformers(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
-    model_dir = tiny_random_model_dir(tmp_path)
+    model_dir = tiny_random_model_dir(tmp_path, arch)
     write_gguf(model_dir, tmp_path / "tiny.gguf")
     llm = LLM(str(tmp_path / "tiny.gguf"), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
     assert method_names(llm) == [  # the types tests/quant_checkpoints.py: TYPES gives each layer

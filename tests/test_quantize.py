@@ -299,3 +299,32 @@ def test_every_command_that_builds_an_engine_takes_quantization():
         assert parser.parse_args([*command, "--quantization", "gptq"]).quantization == "gptq"
     args = parser.parse_args(["serve", "some/model", "--quantization", "awq"])
     assert _argv(args.worker_flags, args) == ["--quantization", "awq"]  # `serve` hands it to every worker
+
+
+def test_qwen3_awq_checkpoint_with_norms_in_the_gemms_equals_transformers(tmp_path, monkeypatch):
+    """Qwen3's per-head q and k norms sit between the qkv GEMM and RoPE, so that GEMM leaves RoPE and the KV-cache
+    write to the attention: AWQ on the tiny Qwen3, served with each layer's norms in its int4 GEMMs, gives
+    transformers' greedy tokens on the dequantized checkpoint."""
+    import kernels.w4a16_mma as mma
+    from engine.layers.quant.int4 import Int4Method
+
+    dense = tiny_random_model_dir(tmp_path, "qwen3", vocab_size=304)
+    argv = ["quantize", "--model", str(dense), "--out", str(tmp_path / "awq"), "--group-size", "32",
+            "--calibration-tokens", "512", "--method", "awq"]  # fmt: skip
+    assert main(argv) == 0
+    expected = hf_greedy(dequantized_copy(tmp_path / "awq", tmp_path / "dq"), PROMPTS, [12] * len(PROMPTS))
+    monkeypatch.setattr(Int4Method, "fuses_norms", lambda self, x: x.shape[0] <= 16)
+    calls: list[tuple[bool, bool]] = []  # (took its norm, ended in RoPE) per fused GEMM
+    reference = mma.w4a16_mma_reference
+    monkeypatch.setattr(
+        mma, "w4a16_mma_reference",
+        lambda *a, **kw: calls.append((kw.get("norm") is not None, kw.get("rope") is not None))
+        or reference(*a, **kw),
+    )  # fmt: skip
+    llm = LLM(str(tmp_path / "awq"), device="cpu", dtype="float32", cpu_kv_cache_space=0.01)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+    )
+    assert any(norm for norm, _ in calls), "no GEMM took its norm"
+    assert not any(rope for _, rope in calls), "a qkv GEMM ended in RoPE before the per-head norms"
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected

@@ -96,6 +96,16 @@ def test_tp2_over_8_kv_heads_equals_tp1_and_transformers(kv8: Path) -> None:
     assert rank_processes() == []
 
 
+def test_qwen3_at_tp2_equals_transformers(tmp_path: Path) -> None:
+    """q and k normed per head (one weight for every head, on every rank), head_dim 32 against hidden / heads 16."""
+    model = tiny_random_model_dir(tmp_path, "qwen3")
+    with engine(model, 2) as llm:
+        assert llm.engine.runner.kv_cache.shape[4:] == (1, 32)  # each rank: 1 of the 2 KV heads, 32 wide
+        assert generate(llm, greedy()) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+        assert_no_leak(llm)
+    assert rank_processes() == []
+
+
 @pytest.mark.slow
 def test_bundled_model_at_tp3_equals_transformers(bundled_model_dir: Path) -> None:
     from engine.tokenizer import Tokenizer

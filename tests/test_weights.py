@@ -334,6 +334,21 @@ def test_config_qwen2_has_qkv_bias_only():
     assert config.attention_bias and not config.o_proj_bias and config.rope_scaling is None
 
 
+def test_config_qwen3_norms_q_and_k_heads_and_keeps_its_context():
+    d = {k: v for k, v in LLAMA31.items() if k != "architectures"}
+    d.update(
+        model_type="qwen3",
+        rope_scaling=None,
+        head_dim=256,
+        sliding_window=4096,
+        max_position_embeddings=40960,
+    )
+    config = ModelConfig.from_dict(d)  # Qwen3 configs name no use_sliding_window when it is off
+    assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and not config.attention_bias
+    assert config.head_dim == 256 and config.max_position_embeddings == 40960
+    assert not ModelConfig.from_dict(LLAMA31).qk_norm
+
+
 def test_config_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
         ModelConfig.from_dict({**LLAMA31, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

@@ -566,7 +566,7 @@ def test_engine_serves_gguf_q4_q8_as_transformers(tiny, tmp_path, monkeypatch):
     assert served(tmp_path / "tiny.gguf") == want
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_norms_in_the_int4_gemms_serve_as_transformers(tmp_path, monkeypatch, arch):
     """bf16 over int4 in the fragment layout (group 64), the wgmma kernel off (PDSERVE_WGMMA=0): at 1-64 rows each
     decoder layer's norms ride in its GEMMs (engine/model.py: forward_fused, checked to run, in CUDA graphs and in the
