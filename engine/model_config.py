@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
@@ -26,10 +26,40 @@ _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_T
 class Llama3RopeScaling:
     """Llama 3.1's frequency-dependent RoPE scaling (`rope_type: llama3`)."""
 
+    rope_type: ClassVar[str] = "llama3"
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (`rope_type: linear`): every frequency divided by `factor`."""
+
+    rope_type: ClassVar[str] = "linear"
+    factor: float
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (`rope_type: yarn`; Qwen2.5 / Qwen3 past 32k): low frequencies interpolated, high ones kept, a linear
+    ramp between (beta_fast .. beta_slow rotations), and cos / sin scaled by the attention factor."""
+
+    rope_type: ClassVar[str] = "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = (
+        None  # None: from factor (and mscale / mscale_all_dim when both are given)
+    )
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+RopeScaling = Llama3RopeScaling | LinearRopeScaling | YarnRopeScaling
 
 
 @dataclass(frozen=True)
@@ -45,7 +75,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v (Qwen2 always; Llama and Qwen3 when their config says so)
     bos_token_id: int | None = None
@@ -129,7 +159,7 @@ class ModelConfig:
             "eos_token_id": _hf_token_ids(self.eos_token_id),
         }
         if self.rope_scaling is not None:
-            d["rope_scaling"] = {"rope_type": "llama3", **vars(self.rope_scaling)}
+            d["rope_scaling"] = {"rope_type": self.rope_scaling.rope_type, **vars(self.rope_scaling)}
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
         return d
@@ -162,7 +192,7 @@ def _check_supported_features(d: dict[str, Any]) -> None:
         raise ValueError("unsupported: mlp_bias=true")
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
@@ -171,14 +201,33 @@ def _rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "default":
         return theta, None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3)")
-    return theta, Llama3RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+    if kind == "llama3":
+        return theta, Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    if kind == "linear":
+        return theta, LinearRopeScaling(factor=float(scaling["factor"]))
+    if kind == "yarn":
+        factor = scaling.get("factor")
+        original = int(scaling.get("original_max_position_embeddings") or d["max_position_embeddings"])
+        return theta, YarnRopeScaling(
+            factor=float(factor) if factor is not None else int(d["max_position_embeddings"]) / original,
+            original_max_position_embeddings=original,
+            beta_fast=float(scaling.get("beta_fast") or 32.0),
+            beta_slow=float(scaling.get("beta_slow") or 1.0),
+            attention_factor=_float_or_none(scaling.get("attention_factor")),
+            mscale=_float_or_none(scaling.get("mscale")),
+            mscale_all_dim=_float_or_none(scaling.get("mscale_all_dim")),
+            truncate=bool(scaling.get("truncate", True)),
+        )
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear, yarn)")
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _max_positions(d: dict[str, Any]) -> int:

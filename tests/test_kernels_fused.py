@@ -255,19 +255,26 @@ def hf_config(head_dim: int, rope: str) -> LlamaConfig:
               "head_dim": head_dim, "max_position_embeddings": 4096, "intermediate_size": 64}  # fmt: skip
     if rope == "default":
         return LlamaConfig(**common, rope_theta=500000.0)
-    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
-    return LlamaConfig(**common, rope_parameters=scaling)
+    scaling = {
+        "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 256},
+        "linear": {"rope_type": "linear", "factor": 4.0},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        "yarn_mscale": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
+                        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 24, "truncate": False},
+    }[rope]  # fmt: skip
+    return LlamaConfig(**common, rope_parameters={**scaling, "rope_theta": 500000.0})
 
 
-@pytest.mark.parametrize("rope", ["default", "llama3"])
+@pytest.mark.parametrize("rope", ["default", "llama3", "linear", "yarn", "yarn_mscale"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @torch.no_grad()
 def test_rotary_reference_equals_transformers(head_dim, rope):
     """Our cache (the model's RotaryEmbedding from the parsed config) and rotation vs transformers'."""
     hf = hf_config(head_dim, rope)
     config = ModelConfig.from_dict({**hf.to_dict(), "architectures": ["LlamaForCausalLM"]})
-    assert (config.rope_scaling is not None) == (rope == "llama3")
+    assert (config.rope_scaling is None) == (rope == "default")
+    assert ModelConfig.from_dict(config.to_hf_dict()) == config
     ours = RotaryEmbedding(head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling)
     positions = torch.tensor([0, 1, 17, 255, 256, 1000, 4095])
     q, k, v = qkv_views(len(positions), 4, 2, head_dim, torch.float32)

@@ -350,8 +350,8 @@ def test_config_qwen3_norms_q_and_k_heads_and_keeps_its_context():
 
 
 def test_config_rejects_what_it_cannot_run():
-    with pytest.raises(ValueError, match="unsupported rope scaling type 'yarn'"):
-        ModelConfig.from_dict({**LLAMA31, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="unsupported rope scaling type 'longrope'"):
+        ModelConfig.from_dict({**LLAMA31, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="unsupported architecture PhiForCausalLM"):
         ModelConfig.from_dict({**LLAMA31, "architectures": ["PhiForCausalLM"]})
     with pytest.raises(ValueError, match="missing 'intermediate_size'"):
