@@ -137,7 +137,7 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
-                max_position_embeddings=_max_positions(d),
+                max_position_embeddings=_max_positions(d, rope_scaling),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=architecture == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
@@ -230,9 +230,12 @@ def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _max_positions(d: dict[str, Any]) -> int:
-    """Context length; capped at a sliding window we do not implement (Mistral v0.1), so it stays exact."""
+def _max_positions(d: dict[str, Any], rope_scaling: RopeScaling | None) -> int:
+    """Context length; capped at a sliding window we do not implement (Mistral v0.1), so it stays exact. With YaRN
+    it is the original context times the factor (as vLLM derives it: Qwen3 with factor 4 serves 131,072)."""
     limit = int(d.get("max_position_embeddings", 2048))
+    if isinstance(rope_scaling, YarnRopeScaling):
+        limit = int(rope_scaling.original_max_position_embeddings * rope_scaling.factor)
     window = d.get("sliding_window")
     uses_window = d.get("use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3"))
     if window and uses_window and window < limit:

@@ -347,6 +347,10 @@ def test_config_qwen3_norms_q_and_k_heads_and_keeps_its_context():
     assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and not config.attention_bias
     assert config.head_dim == 256 and config.max_position_embeddings == 40960
     assert not ModelConfig.from_dict(LLAMA31).qk_norm
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    long = ModelConfig.from_dict({**d, "rope_scaling": yarn})  # as Qwen3's card says for 131k tokens
+    assert long.max_position_embeddings == 131072 and long.rope_scaling is not None
+    assert ModelConfig.from_dict(long.to_hf_dict()) == long
 
 
 def test_config_rejects_what_it_cannot_run():
