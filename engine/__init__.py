@@ -1,6 +1,7 @@
 """pdserve's engine: model, paged KV cache, scheduler, sampler and the offline LLM API."""
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 
@@ -17,4 +18,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "LLMEngine", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+    "EmbeddingRequestOutput", "EmbeddingOutput",
+]  # fmt: skip

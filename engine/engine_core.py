@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import DTYPE_NAMES, EngineConfig, SchedulerConfig
 from engine.kv_scales import CALIBRATION_TEXT, setup_kv_scales
 from engine.model_runner import LaunchedStep, ModelRunner, Sampled, kv_bytes_per_block
+from engine.pooling import PoolerConfig
 from engine.prompt_checks import bad_word_ids, check_param_token_ids, check_prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -90,6 +91,7 @@ class EngineCore:
                 draft[0], draft[1], min(draft[1].max_position_embeddings, self.max_model_len)
             )
         self._check_pool(self.runner.num_blocks, config.cache.block_size)
+        self.runner.pooler = PoolerConfig.from_dir(model_path)
         calibration = self.tokenizer.encode(CALIBRATION_TEXT) if self.tokenizer is not None else None
         self.kv_scales = setup_kv_scales(self.runner, config.cache.calculate_kv_scales, calibration)
         if self.device.type == "cuda":
@@ -362,6 +364,10 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         check_param_token_ids(params, self.model_config.vocab_size)
+        if params.pooling is not None:
+            self.runner.pooler.check(params.pooling, self.model_config.hidden_size)
+            if params.n != 1 or params.max_tokens != 1:
+                raise ValueError("an embedding request runs its prompt once: n and max_tokens must be 1")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model has none")
         if params.structured_outputs is not None:
@@ -428,6 +434,7 @@ class EngineCore:
         if not sched.is_empty:
             sampled, step = self.runner.run_launched(sched, hook)
             self._add_prompt_logprobs(step)
+            self._add_embeddings(step)
         if self.scheduler.proposer is not None and not sched.is_empty:  # the draft-length policy's cost
             self.scheduler.proposer.cost.observe(sched.num_batched_tokens, time.perf_counter() - started)
         if trace.enabled:
@@ -534,6 +541,13 @@ class EngineCore:
             if seq is not None:
                 seq.prompt_logprobs[first : first + len(rows)] = rows
 
+    def _add_embeddings(self, step: LaunchedStep) -> None:
+        """A read step's embeddings onto their sequences, where still held."""
+        for rid, vector in step.embeddings().items():
+            seq = self.scheduler.seqs.get(rid)
+            if seq is not None:
+                seq.embedding = vector
+
     @property
     def in_flight(self) -> bool:
         """Whether a step is queued on the device whose tokens step_overlapped has not read yet."""
@@ -549,6 +563,7 @@ class EngineCore:
     ) -> tuple[list[Sequence], dict[str, list[dict[int, float]]]]:
         sampled = self.runner.collect(done.step)
         self._add_prompt_logprobs(done.step)
+        self._add_embeddings(done.step)
         if hold_frees and self._in_flight is None:
             self.block_manager.hold_for = None  # nothing runs now: frees are free at once
         updated = self.scheduler.resolve(

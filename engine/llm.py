@@ -8,9 +8,10 @@ from typing import Any
 from engine.args import engine_config
 from engine.llm_engine import LLMEngine
 from engine.metrics_reader import Metric, get_metrics
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.prompt_checks import truncate_prompt
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, embedding_params
 
 PromptType = str | list[int] | dict
 
@@ -47,6 +48,41 @@ class LLM:
         rids = [self._add(p, e, sp, prio) for p, e, sp, prio in zip(batch, encoded, params, prios)]
         finished = {out.request_id: out for out in self._drain()}
         return [finished[r] for r in rids]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (engine/pooling.py: the last token's final hidden state,
+        normalized unless asked not to), batched together, in prompt order. Prompts are as `generate` takes them;
+        a bad one raises ValueError and runs nothing."""
+        batch = _as_batch(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling = [pooling_params] * len(batch)
+        else:
+            pooling = list(pooling_params)
+            if len(pooling) != len(batch):
+                raise ValueError(f"got {len(pooling)} pooling params for {len(batch)} prompts")
+        params = [embedding_params(p, truncate_prompt_tokens) for p in pooling]
+        encoded = [self._encode(p, sp) for p, sp in zip(batch, params)]
+        for (ids, _), sp in zip(encoded, params):
+            self.engine.validate(ids, sp)
+        rids = [self._add(p, e, sp, 0) for p, e, sp in zip(batch, encoded, params)]
+        seqs = {rid: self.engine.requests[rid].seqs[0] for rid in rids}
+        finished = {out.request_id: out for out in self._drain()}
+        outputs = []
+        for rid in rids:
+            seq, out = seqs[rid], finished[rid]
+            if seq.embedding is None:  # the engine ended it before its last chunk ran (it cannot here)
+                raise RuntimeError(f"request {rid} finished without its embedding")
+            outputs.append(
+                EmbeddingRequestOutput(rid, EmbeddingOutput(seq.embedding), out.prompt_token_ids, True,
+                                       out.num_cached_tokens)
+            )  # fmt: skip
+        return outputs
 
     def get_metrics(self) -> list[Metric]:
         """The engine's series, as vLLM's `LLM.get_metrics()` gives them: counters, gauges, vectors and

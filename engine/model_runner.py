@@ -24,6 +24,7 @@ from engine.cuda_graph import CudaGraphCapturer, DecodeGraphs, Forward, capture_
 from engine.kv_scales import kv_cache_dtype
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.pooling import PoolerConfig, pool
 from engine.sampler import PendingSample, Sampler, SamplerOutput
 from engine.sampling_ops import logprob_tensors
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -72,6 +73,7 @@ class ModelRunner:
         self.num_layers = model_config.num_hidden_layers
         self.max_model_len = max_model_len or model_config.max_position_embeddings
         self.sampler = Sampler(seed)
+        self.pooler = PoolerConfig()  # how embeddings pool (the engine sets the model's: engine/pooling.py)
         self.draft_layers: int | None = None  # self_draft speculation: the target's first layers draft
         self.draft: DraftModel | None = None  # draft_model speculation (set by attach_draft)
         use_graphs = not enforce_eager and graph_capturable(device)
@@ -292,7 +294,10 @@ class ModelRunner:
         # step and returns while the forward pass computes
         # (rows, vocab) fp32 from a graph; None: run eagerly (always for prompt logprobs: every row's hidden)
         wants_prompt = any(it.prompt_logprobs is not None for it in items)
-        logits = None if wants_prompt else self._replay(items, patches)
+        pooling = [
+            i for i in sampling if items[i].params.pooling is not None
+        ]  # embeddings: the last row's hidden
+        logits = None if wants_prompt or pooling else self._replay(items, patches)
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]
         offsets = [j for i in sampling for j in range(-items[i].num_draft, 1)]
@@ -303,6 +308,7 @@ class ModelRunner:
             ends = list(itertools.accumulate(len(it.token_ids) for it in items))
             rows = [ends[i] - 1 + j for i, j in zip(owners, offsets)]
         prompt = self._prompt_logprobs(items, hidden) if wants_prompt and hidden is not None else []
+        pooled = self._pooled(items, pooling, hidden) if pooling and hidden is not None else None
         if not sampling:
             return LaunchedStep([], [], None, prompt=prompt)
         picked = None if rows is None else upload(torch.tensor(rows, dtype=torch.long), self.device)
@@ -329,7 +335,21 @@ class ModelRunner:
             drafted_host,
             draft_kv,
             prompt,
+            pooled,
         )
+
+    def _pooled(self, items: list[ScheduledSeq], pooling: list[int], hidden: torch.Tensor) -> Pooled:
+        """Queue the embeddings of the items that pool (engine/pooling.py): each one's last row of the final
+        norm's output, cut and normalized as its params ask, copied to the host with no wait."""
+        ends = list(itertools.accumulate(len(it.token_ids) for it in items))
+        rows = hidden[upload(torch.tensor([ends[i] - 1 for i in pooling], dtype=torch.long), self.device)]
+        params = [items[i].params.pooling for i in pooling]
+        vectors = [_to_host(v) for v in pool(rows, params, self.pooler)]  # type: ignore[arg-type]
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return Pooled([items[i].request_id for i in pooling], vectors, ready)
 
     def _prompt_logprobs(self, items: list[ScheduledSeq], hidden: torch.Tensor) -> list[PromptLogprobs]:
         """Queue each asking item's prompt logprobs (ScheduledSeq.prompt_logprobs): the log-softmax of the LM
@@ -626,11 +646,30 @@ class LaunchedStep:
     drafted: torch.Tensor | None = None
     draft_kv: DraftKV | None = None
     prompt: list[PromptLogprobs] = field(default_factory=list)  # items' prompt logprobs, by request
+    pooled: Pooled | None = None  # the embeddings of the items that pool
+
+    def embeddings(self) -> dict[str, list[float]]:
+        """{request id: its embedding} of the items that pool, once the device has them."""
+        return self.pooled.read() if self.pooled is not None else {}
 
     def prompt_logprobs(self) -> dict[str, tuple[int, list[dict[int, float]]]]:
         """{request id: (prompt position of the first row, one {token: logprob} a row: the prompt's next token
         and the top k)}, once the device has them."""
         return {p.request_id: (p.first, p.read()) for p in self.prompt}
+
+
+@dataclass
+class Pooled:
+    """Embeddings on their way to the host, one fp32 vector a request."""
+
+    request_ids: list[str]
+    vectors: list[torch.Tensor]
+    ready: torch.cuda.Event | None = None
+
+    def read(self) -> dict[str, list[float]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return {rid: v.tolist() for rid, v in zip(self.request_ids, self.vectors)}
 
 
 @dataclass

@@ -64,3 +64,25 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     finished: bool = False
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: the pooled vector of one prompt."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's output of `LLM.embed`: one prompt's embedding."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

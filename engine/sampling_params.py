@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from engine.pooling import PoolingParams
 from engine.structured_output import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
@@ -46,6 +47,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # an embedding request (LLM.embed, /v1/embeddings): the prompt's pooled hidden state, no tokens; set only
+    # through embedding_params
+    pooling: PoolingParams | None = None
     _stop: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +133,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def embedding_params(
+    pooling: PoolingParams | None = None, truncate_prompt_tokens: int | None = None
+) -> SamplingParams:
+    """The params of an embedding request: its prompt runs, one greedy step reads the pooled row (the token it
+    samples is dropped)."""
+    return SamplingParams(
+        temperature=0.0, max_tokens=1, ignore_eos=True, pooling=pooling or PoolingParams(),
+        truncate_prompt_tokens=truncate_prompt_tokens,
+    )  # fmt: skip
 
 
 def completion_params(params: SamplingParams, index: int) -> SamplingParams:

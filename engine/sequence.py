@@ -84,6 +84,7 @@ class Sequence:
     guide_failed: bool = False
     # the pattern's index while it compiles in the background (GuideFactory.index_future); the request waits
     guide_future: Future | None = None
+    embedding: list[float] | None = None  # an embedding request's (params.pooling), once its last chunk ran
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

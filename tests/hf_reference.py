@@ -42,6 +42,15 @@ def hf_logits(model_dir: str | Path, token_ids: list[int]) -> torch.Tensor:  # (
     return out.logits[0].float()
 
 
+@torch.no_grad()
+def hf_embedding(model_dir: str | Path, token_ids: list[int], normalize: bool = True) -> torch.Tensor:
+    """sentence-transformers' last-token pooling over transformers: the final norm's output at the last
+    token (fp32), L2-normalized unless asked not to."""
+    out = hf_model(model_dir)(torch.tensor([token_ids]), use_cache=False, output_hidden_states=True)
+    last = out.hidden_states[-1][0, -1].float()
+    return torch.nn.functional.normalize(last, dim=-1) if normalize else last
+
+
 def _eos_ids(model_dir: str | Path) -> list[int]:
     from engine.tokenizer import Tokenizer
 
