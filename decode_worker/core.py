@@ -28,9 +28,9 @@ from engine.stats import HistogramSnapshot
 from kvtransfer import KVTransferError
 from kvtransfer.stats import TransferStats
 from kvtransfer.tp import create_sharded_receiver
-from serving.engine_proc import id_list, prompt_logprobs_of
+from serving.engine_proc import embedded, id_list, prompt_logprobs_of
 from serving.messages.from_engine import BlocksReserved, Error, FromEngine, Landed, Tokens
-from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed, ToEngine
+from serving.messages.to_engine import Abort, Admit, Embed, KVArrived, KVFailed, ToEngine
 from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ class DecodeCore:
             self._kv_failed(msg.request_id, msg.reason)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
+        elif isinstance(msg, Embed):  # aggregated serving: embeddings are prefilled here
+            self._add(Admit(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.cache_salt))
         else:
             raise ValueError(f"a decode engine takes no {type(msg).__name__}")
 
@@ -259,6 +261,9 @@ class DecodeCore:
             trace.mark(seq.request_id, "dcore.reserved")
 
     def _emit(self, seq: Sequence, logprobs: list[dict[int, float]]) -> None:
+        if seq.params.pooling is not None:
+            self.outbox.append(embedded(seq))
+            return
         first = seq.num_output_tokens - seq.new_tokens
         self.outbox.append(
             Tokens(

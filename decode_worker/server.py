@@ -27,7 +27,7 @@ from serving.messages.from_engine import BlocksReserved, Error, FirstToken, Land
 from serving.messages.to_engine import Abort, Admit, KVArrived, KVFailed
 from serving.mux import ManyCall, ManyStream, RpcAbort, serve_many
 from serving.tls import PLAINTEXT, TLSConfig
-from serving.worker import STATUS, worker_load
+from serving.worker import STATUS, serve_embed, worker_load
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             stub = pb_grpc.PrefillStub(channel)
             stream = self._streams[address] = ManyStream(stub.PrefillMany, pb.PrefillFrame, "response")
         return stream
+
+    async def Embed(
+        self, request: pb.WorkerEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        return await serve_embed(self.engine, self.drain, request, context)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:

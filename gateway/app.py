@@ -30,6 +30,7 @@ from gateway.access import AccessLog, AccessRecord, record_of
 from gateway.auth import BearerAuth
 from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from gateway.drain import Admission, Drain
+from gateway.embeddings import EmbedCalls, EmbeddingRequest, embedding_response
 from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
 from gateway.limits import BodyLimit, OffLoopJSONRoute
 from gateway.metrics import GatewayMetrics
@@ -273,6 +274,31 @@ class Gateway:
         whole = fmt.whole(choices, totals)
         return JSONResponse(out.whole(whole) if out is not None else whole)
 
+    async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
+        """OpenAI's /v1/embeddings: each input embedded by the router (gateway/embeddings.py)."""
+        where = ("embeddings", time.monotonic(), record_of(request.scope))
+        record = where[2]
+        try:
+            self._admit(record.tenant)
+            info = await self.model_info()
+            if body.model != info.model:
+                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
+                raise APIError(404, msg, "model", "model_not_found")
+            prompts = body.prompts()
+            salt = self.salts.salt(record.tenant, body.cache_salt)
+            rids = router_ids(record, len(prompts))
+            assert self.stub is not None
+            calls = EmbedCalls(self.stub, [body.router_request(p, r, salt) for p, r in zip(prompts, rids)])
+            self.drain.watch(calls)
+            replies = await _unless_disconnected(request, calls, calls.run())
+        except APIError as exc:
+            self._finished(where, exc.status, Totals())
+            return exc.response()
+        if len(replies) == 1:
+            record.identify(replies[0].request_id)
+        self._finished(where, 200, Totals(prompt_tokens=sum(r.prompt_tokens for r in replies)))
+        return JSONResponse(embedding_response(body, info.model, replies))
+
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         """vLLM's /tokenize: the router encodes the prompt as Generate would, so `count` is the
         `usage.prompt_tokens` the same prompt gets."""
@@ -432,7 +458,7 @@ async def _collect(streams: RouterStreams, fmt: Formatter) -> tuple[dict[int, Ch
     return choices, totals
 
 
-async def _unless_disconnected(request: Request, streams: RouterStreams, work):  # type: ignore[no-untyped-def]
+async def _unless_disconnected(request: Request, streams: RouterStreams | EmbedCalls, work):  # type: ignore[no-untyped-def]
     """Await `work`; if the client goes away first, cancel the router calls (freeing every worker's blocks)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -502,6 +528,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await gw.serve(request, body, "completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await gw.embeddings(request, body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:

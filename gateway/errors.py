@@ -146,6 +146,7 @@ def endpoint_of(path: str) -> str | None:
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
         "/v1/responses": "responses",
+        "/v1/embeddings": "embeddings",
     }.get(path)
 
 

@@ -24,10 +24,10 @@ from engine.stats import HistogramSnapshot
 from kvtransfer import KVSender, KVTransferError
 from kvtransfer.stats import TransferStats
 from kvtransfer.tp import connect_sharded
-from serving.engine_proc import id_list, prompt_logprobs_of
+from serving.engine_proc import embedded, id_list, prompt_logprobs_of
 from serving.kv_events import KVEventPublisher
 from serving.messages.from_engine import Error, FirstToken, FromEngine, KVEvents, KVSent, Snapshot
-from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot, ToEngine
+from serving.messages.to_engine import Abort, Embed, Grant, PrefillPrompt, TakeSnapshot, ToEngine
 from serving.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class PrefillCore:
         self._send_now: Callable[[list[FromEngine]], None] | None = None
         self._take_inbound: Callable[[Callable[[ToEngine], bool]], list[ToEngine]] | None = None
         self._descriptors: dict[str, tuple[dict, str]] = {}  # kv descriptor JSON -> (parsed, sender key)
+        self.embeds: set[str] = set()  # embedding requests (Embed) not yet answered
 
     def bind(
         self,
@@ -111,6 +112,8 @@ class PrefillCore:
             self._add(msg)
         elif isinstance(msg, Grant):
             self._grant(msg.request_id, msg.dst_block_ids, msg.kv_token)
+        elif isinstance(msg, Embed):
+            self._embed(msg)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, TakeSnapshot):
@@ -149,7 +152,23 @@ class PrefillCore:
         if job.dst_block_ids is not None:
             self._prepare(rid, job)
 
+    def _embed(self, msg: Embed) -> None:
+        """An embedding request: the prompt computed with this worker's prefix cache, no KV leaves."""
+        try:
+            self.engine.validate(msg.prompt_token_ids, msg.params)
+            if msg.params.pooling is None:
+                raise ValueError("an embedding request needs pooling params")
+        except ValueError as exc:
+            self.outbox.append(Error(msg.request_id, "INVALID_ARGUMENT", str(exc)))
+            return
+        ids = id_list(msg.prompt_token_ids)
+        self.scheduler.add(
+            self.engine.make_sequence(msg.request_id, ids, msg.params, msg.priority, msg.cache_salt)
+        )
+        self.embeds.add(msg.request_id)
+
     def _abort(self, rid: str) -> None:
+        self.embeds.discard(rid)
         self.scheduler.abort(rid)
         job = self.jobs.pop(rid, None)
         if job is not None and job.parked is not None:
@@ -161,6 +180,10 @@ class PrefillCore:
         if self.scheduler.has_unfinished():
             updated, logprobs = self.engine.step_core(after_run=self._ship, during=self._during)
             for seq in updated:
+                if seq.request_id in self.embeds:
+                    self.embeds.discard(seq.request_id)
+                    self.outbox.append(embedded(seq))
+                    continue
                 job = self.jobs.get(seq.request_id)
                 if job is None:
                     continue

@@ -22,7 +22,7 @@ from serving.logs import bind_request
 from serving.messages.from_engine import Error, FirstToken, KVEvents, KVSent, Snapshot
 from serving.messages.to_engine import Abort, Grant, PrefillPrompt, TakeSnapshot
 from serving.mux import RpcAbort, serve_many
-from serving.worker import STATUS, worker_load
+from serving.worker import STATUS, serve_embed, worker_load
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 trace.mark(rid, "pserver.grant")
                 self.engine.send(Grant(rid, tuple(request.dst_block_ids), request.kv_token))
                 return
+
+    async def Embed(
+        self, request: pb.WorkerEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        return await serve_embed(self.engine, self.drain, request, context)
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.WorkerLoad:
         if not self.engine.alive:

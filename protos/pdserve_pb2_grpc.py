@@ -58,6 +58,11 @@ class RouterStub:
                 request_serializer=protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.Router/Embed',
+                request_serializer=protos_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -103,6 +108,16 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding (vLLM's pooling runner: the last token's final hidden state, normalized unless asked
+        not to), computed by the prefill worker that holds the most of its prefix (a decode worker when none is
+        configured). Errors: INVALID_ARGUMENT (bad prompt, dimensions the model cannot give, a pooling mode it does
+        not have, unknown model), UNAVAILABLE (no worker up, or it died during the call).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +140,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -249,6 +269,33 @@ class Router:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Router/Embed',
+            protos_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            protos_dot_pdserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeStub:
     """---------------------------------------------------------------------------------------------
@@ -277,6 +324,11 @@ class DecodeStub:
                 '/pdserve.v1.Decode/GetLoad',
                 request_serializer=protos_dot_pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.WorkerLoad.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.Decode/Embed',
+                request_serializer=protos_dot_pdserve__pb2.WorkerEmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
 
 
@@ -310,6 +362,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """A prompt's embedding, prefilled here (aggregated serving: no prefill worker). Router.Embed's errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -327,6 +386,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_pdserve__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.WorkerLoad.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pdserve__pb2.WorkerEmbedRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -424,6 +488,33 @@ class Decode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Decode/Embed',
+            protos_dot_pdserve__pb2.WorkerEmbedRequest.SerializeToString,
+            protos_dot_pdserve__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillStub:
     """Missing associated documentation comment in .proto file."""
@@ -453,6 +544,11 @@ class PrefillStub:
                 '/pdserve.v1.Prefill/GetKVEvents',
                 request_serializer=protos_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.KVEventsResponse.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.Prefill/Embed',
+                request_serializer=protos_dot_pdserve__pb2.WorkerEmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
 
 
@@ -494,6 +590,14 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """A prompt's embedding: computed with this worker's prefix cache, its blocks then cached here (and announced
+        as any prompt's are); no KV leaves. Router.Embed's errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -516,6 +620,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.GetKVEvents,
                     request_deserializer=protos_dot_pdserve__pb2.KVEventsRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.KVEventsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_pdserve__pb2.WorkerEmbedRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -626,6 +735,33 @@ class Prefill:
             '/pdserve.v1.Prefill/GetKVEvents',
             protos_dot_pdserve__pb2.KVEventsRequest.SerializeToString,
             protos_dot_pdserve__pb2.KVEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Prefill/Embed',
+            protos_dot_pdserve__pb2.WorkerEmbedRequest.SerializeToString,
+            protos_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ from engine.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
 from router.errors import Stop
 from router.prompts import Overloaded, PromptEncoder, prompt_chars
-from serving.grpc_common import params_from_proto
+from serving.grpc_common import params_from_proto, pooling_from_proto
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _OVERLOADED = "the router is overloaded: too many prompts are being tokenized; retry later"
@@ -57,6 +57,27 @@ async def admit(
     except ValueError as exc:
         raise Stop(_INVALID, str(exc)) from exc
     return prompt_ids, params
+
+
+async def admit_embedding(
+    request: pb.EmbedRequest, info: pb.ModelInfo, served_model_name: str, prompts: PromptEncoder | None
+) -> np.ndarray:
+    """An embedding request's prompt token ids, admitted as Generate admits a prompt that generates one token
+    (the engine's embedding requests run one step); raises Stop."""
+    as_generate = pb.GenerateRequest(model=request.model, sampling=pb.SamplingParams(max_tokens=1))
+    if request.HasField("truncate_prompt_tokens"):
+        as_generate.sampling.truncate_prompt_tokens = request.truncate_prompt_tokens
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        as_generate.text = request.text
+    elif kind == "token_ids":
+        as_generate.token_ids.CopyFrom(request.token_ids)
+    try:
+        pooling_from_proto(request.pooling)
+    except ValueError as exc:
+        raise Stop(_INVALID, str(exc)) from exc
+    prompt_ids, _ = await admit(as_generate, info, served_model_name, prompts)
+    return prompt_ids
 
 
 async def _tokenize(

@@ -33,13 +33,13 @@ from engine.sampling_params import SamplingParams, completion_params
 from engine.tokenizer import Tokenizer, compile_chat_template
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from router.admission import admit, detokenize, tokenize
+from router.admission import admit, admit_embedding, detokenize, tokenize
 from router.aggregated import DecodeOnlyRouter
 from router.errors import SHUTTING_DOWN, Stop, decode_failure
 from router.fallback_index import FallbackIndex
 from router.index import ApplyResult, InMemoryPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
-from router.policy import NoWorkersError, PrefixRouter, RoutingDecision, make_policy
+from router.policy import LOCAL_PREFILL, NoWorkersError, PrefixRouter, RoutingDecision, make_policy
 from router.prompts import PromptEncoder
 from router.supervise import Failures, run_forever
 from router.workers import State, WorkerTable
@@ -346,6 +346,95 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "the router failed on this request; see its log")
         finally:
             self._active.pop(key, None)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """One prompt's embedding from the prefill worker that holds the most of its prefix (routed as a prompt
+        is, its blocks speculated there), or a decode worker in aggregated serving. Drained as Generate is."""
+        rid = request.request_id or new_request_id()
+        bind_request(rid)
+        key = next(self._ids)
+        out: asyncio.Queue = asyncio.Queue()
+        self._active[key] = out
+        call: asyncio.Future | None = None
+        try:
+            if self.draining:
+                raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            if self.router is None or self.model_info is None:
+                raise _Stop(grpc.StatusCode.UNAVAILABLE, "no worker is up yet")
+            prompt_ids = await admit_embedding(
+                request, self.model_info, self.config.served_model_name, self.prompts
+            )
+            call = asyncio.ensure_future(self._embed(rid, request, prompt_ids))
+            stop = asyncio.ensure_future(out.get())  # the drain's end_all
+            await asyncio.wait({call, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                raise stop.result()
+            stop.cancel()
+            return call.result()
+        except _Stop as stop_:
+            await context.abort(stop_.code, stop_.details)
+        except Exception:
+            logger.exception("embedding request %s failed in the router", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, "the router failed on this request; see its log")
+        finally:
+            if call is not None and not call.done():
+                call.cancel()  # the client went, or the drain ended it: the worker's call is cancelled with it
+            self._active.pop(key, None)
+        raise AssertionError("abort raises")
+
+    async def _embed(self, rid: str, request: pb.EmbedRequest, prompt_ids: np.ndarray) -> pb.EmbedResponse:
+        assert self.router is not None
+        hashes = LazyBlockHashes(
+            prompt_ids,
+            self.router.block_size,
+            extra_keys(self.config.served_model_name, request.cache_salt or None),
+        )
+        try:
+            decision = self.router.route(hashes, len(prompt_ids), speculate_later=True)
+        except NoWorkersError as exc:
+            raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("prefill")) from exc
+        role = "prefill" if decision.prefill_worker != LOCAL_PREFILL else "decode"
+        target = decision.prefill_worker if role == "prefill" else decision.decode_worker
+        try:
+            if target is None:
+                raise _Stop(grpc.StatusCode.UNAVAILABLE, self.workers.no_worker("decode"))
+            self.metrics.routed(self._reason(decision), decision.matched_blocks)
+            stub = pb_grpc.PrefillStub if role == "prefill" else pb_grpc.DecodeStub
+            logger.info(
+                "embedding request %s: %d prompt tokens to %s worker %s", rid, len(prompt_ids), role, target
+            )
+            pending = stub(self.channels[target]).Embed(
+                pb.WorkerEmbedRequest(
+                    request_id=rid, prompt_token_ids=prompt_ids.tolist(), pooling=request.pooling,
+                    priority=request.priority, cache_salt=request.cache_salt,
+                )
+            )  # fmt: skip
+            self.router.speculate_pending()  # the call is out: its blocks are the worker's to compute
+            try:
+                reply = await pending
+            except grpc.aio.AioRpcError as exc:
+                raise self._embed_failure(exc, role, target) from exc
+        finally:
+            self.router.prefill_done(decision)
+            self.router.request_done(decision)
+        reply.request_id = rid
+        return reply
+
+    def _embed_failure(self, exc: grpc.aio.AioRpcError, role: str, address: str) -> Stop:
+        """The client's status for a worker's Embed that failed: its own refusals as they are, the rest
+        UNAVAILABLE (a worker unreachable is routed around until it answers a poll again)."""
+        code, details = exc.code(), exc.details() or ""
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            return _Stop(code, details)
+        if code == grpc.StatusCode.INTERNAL:
+            return _Stop(code, f"{role} worker {address} failed on this request (an internal error)")
+        if details != SHUTTING_DOWN and self.workers.failed(address, "its call failed", at_once=True):
+            task = asyncio.get_running_loop().create_task(self._poll(address))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return _Stop(
+            grpc.StatusCode.UNAVAILABLE, f"{role} worker {address} became unavailable; retry the request"
+        )
 
     # ---- the drain ---------------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from engine import trace
 from serving.keep_warm import KEEP_WARM_LINGER_S, KEEP_WARM_S
 from serving.logs import LogSetup, current, setup_logging
 from serving.messages.from_engine import (
+    Embedded,
     Error,
     ForRequest,
     FromEngine,
@@ -79,6 +80,13 @@ def prompt_logprobs_of(seq: EngineSequence) -> tuple[dict[int, float], ...]:
         logger.error("request %s: %d prompt logprobs were never computed", seq.request_id, missing)
         return ()
     return tuple(entries)
+
+
+def embedded(seq: EngineSequence) -> Embedded | Error:
+    """An embedding request's answer (either role), once the step that pooled its prompt ran."""
+    if seq.embedding is None:
+        return Error(seq.request_id, "INTERNAL", "the request ended before its prompt was pooled")
+    return Embedded(seq.request_id, tuple(seq.embedding), max(seq.num_cached_tokens, 0))
 
 
 def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> None:

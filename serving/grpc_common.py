@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutputsParams
 from protos import pdserve_pb2 as pb
@@ -87,6 +88,18 @@ def _structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams
         json_object=msg.json_object or None,
         grammar=msg.grammar or None,
     )
+
+
+def pooling_from_proto(msg: pb.PoolingParams) -> PoolingParams:
+    """PoolingParams; raises ValueError naming the bad field."""
+    return PoolingParams(
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+        normalize=msg.normalize if msg.HasField("normalize") else None,
+    )
+
+
+def pooling_to_proto(p: PoolingParams) -> pb.PoolingParams:
+    return pb.PoolingParams(dimensions=p.dimensions, normalize=p.normalize)
 
 
 def params_to_proto(p: SamplingParams) -> pb.SamplingParams:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
+import numpy as np
 
+from engine.sampling_params import embedding_params
 from protos import pdserve_pb2 as pb
 from serving.drain import SHUTTING_DOWN, Drain
 from serving.engine_proc import EngineProcess
-from serving.grpc_common import add_health_and_reflection, mark_serving
-from serving.logs import identify
+from serving.grpc_common import add_health_and_reflection, mark_serving, pooling_from_proto
+from serving.logs import bind_request, identify
+from serving.messages.from_engine import Embedded, Error
+from serving.messages.to_engine import Abort, Embed
+from serving.mux import RpcAbort
 from serving.tls import PLAINTEXT, TLSConfig
 
 logger = logging.getLogger(__name__)
@@ -47,6 +53,51 @@ def worker_load(engine: EngineProcess, draining: bool = False) -> pb.WorkerLoad:
         draining=draining,
         **{k: v for k, v in engine.load.items() if k in _LOAD_FIELDS},  # the rest is for /metrics only
     )
+
+
+async def serve_embed(
+    engine: EngineProcess, drain: Drain, request: pb.WorkerEmbedRequest, context: grpc.aio.ServicerContext
+) -> pb.EmbedResponse:
+    """Either role's Embed: the prompt computed by this worker's engine (Embed), its Embedded answered. Refused
+    while draining; counted by the drain while it runs; the engine forgets it when the caller goes."""
+
+    async def one(req: pb.WorkerEmbedRequest, _: Any):
+        rid = req.request_id
+        try:
+            params = embedding_params(pooling_from_proto(req.pooling))
+        except ValueError as exc:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        if not engine.alive:
+            raise RpcAbort(
+                grpc.StatusCode.UNAVAILABLE, f"the {engine.info.get('role', '')} engine is not running"
+            )
+        stream = engine.open(rid)
+        done = False
+        try:
+            ids = np.array(req.prompt_token_ids, dtype=np.int64)
+            engine.send(Embed(rid, ids, params, req.priority, req.cache_salt or None))
+            msg = await stream.get()
+            done = True
+            if isinstance(msg, Error):
+                raise RpcAbort(STATUS[msg.code], msg.details)
+            assert isinstance(msg, Embedded), msg
+            yield pb.EmbedResponse(
+                request_id=rid, embedding=msg.embedding, prompt_tokens=len(req.prompt_token_ids),
+                cached_tokens=msg.num_cached_tokens,
+            )  # fmt: skip
+        finally:
+            if not done:
+                engine.send(Abort(rid))
+            engine.close(rid)
+
+    bind_request(request.request_id)
+    try:
+        async with contextlib.aclosing(drain.admit(one)(request, None)) as replies:
+            async for reply in replies:
+                return reply
+    except RpcAbort as abort:
+        await context.abort(abort.code, abort.details)
+    raise AssertionError("an embedding call ended without its answer")
 
 
 class Servicer(Protocol):

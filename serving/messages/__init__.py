@@ -9,6 +9,8 @@ A request's hops, each named once:
     decode engine  -> decode server   BlocksReserved, Landed, Tokens | Error
     prefill server -> prefill engine  PrefillPrompt, Grant, Abort, TakeSnapshot
     prefill engine -> prefill server  FirstToken, KVSent | Error, Snapshot, KVEvents
+    either server  -> its engine      Embed, Abort
+    either engine  -> its server      Embedded | Error
 
 and, for the process itself: Ready or StartFailed once, Load every 0.1 s, Shutdown. A remotely
 prefilled prompt's first token reaches the decode server as the prefill worker's FirstToken and goes

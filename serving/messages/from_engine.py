@@ -104,6 +104,15 @@ class KVSent:
 
 
 @dataclass(frozen=True)
+class Embedded:
+    """Either role: the answer to Embed."""
+
+    request_id: str
+    embedding: tuple[float, ...]
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """Prefill: the answer to TakeSnapshot (serving/kv_events.py Snapshot bytes)."""
 
@@ -111,5 +120,5 @@ class Snapshot:
     data: bytes
 
 
-ForRequest = Error | BlocksReserved | Tokens | Landed | FirstToken | KVSent | Snapshot
+ForRequest = Error | BlocksReserved | Tokens | Landed | FirstToken | KVSent | Embedded | Snapshot
 FromEngine = Ready | StartFailed | Load | KVEvents | ForRequest

@@ -59,6 +59,18 @@ class PrefillPrompt:
 
 
 @dataclass(frozen=True)
+class Embed:
+    """Either role: compute the prompt here and answer its embedding (Embedded); `params` are
+    engine.sampling_params.embedding_params'. Its blocks stay as prefix cache, as any prompt's."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray  # int64
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
 class Grant:
     """Prefill: the decode worker reserved these blocks for a prompt that started without them."""
 
@@ -86,4 +98,4 @@ class Shutdown:
     """Either role: the engine process returns."""
 
 
-ToEngine = Admit | KVArrived | KVFailed | PrefillPrompt | Grant | Abort | TakeSnapshot | Shutdown
+ToEngine = Admit | KVArrived | KVFailed | PrefillPrompt | Embed | Grant | Abort | TakeSnapshot | Shutdown

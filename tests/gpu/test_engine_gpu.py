@@ -55,6 +55,26 @@ def test_triton_engine_matches_transformers(tiny, budget):
     assert again[0].num_cached_tokens > 0 and again[0].outputs[0].token_ids == want[-1]
 
 
+def test_embeddings_on_cuda_match_transformers(tiny):
+    """LLM.embed with CUDA graphs captured (a cached prompt's one recomputed token runs eagerly, not in a decode
+    graph) and chunked prefill: fp32 vectors equal transformers' last-token states, with no leaked block."""
+    from tests.hf_reference import hf_embedding
+
+    llm = LLM(
+        str(tiny), device="cuda", dtype="float32", max_model_len=256, max_num_batched_tokens=64,
+        gpu_memory_utilization=0.05,
+    )  # fmt: skip
+    batch = prompts(llm.engine.model_config.vocab_size, seed=5)
+    for _ in range(2):  # the second time every full block is cached
+        outs = llm.embed([{"prompt_token_ids": p} for p in batch])
+        for p, o in zip(batch, outs):
+            got = torch.tensor(o.outputs.embedding)
+            torch.testing.assert_close(got, hf_embedding(tiny, p), rtol=0, atol=1e-4)
+    assert outs[-1].num_cached_tokens > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_prompt_logprobs_on_cuda_match_transformers(tiny):
     """Prompt logprobs with CUDA graphs captured (the step runs eagerly) and chunked prefill: each prompt
     token's logprob and the top 3 equal the log-softmax of transformers' fp32 logits, copied back with no
