@@ -364,6 +364,11 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         check_param_token_ids(params, self.model_config.vocab_size)
+        if params.pooling is None and not self.runner.model.has_lm_head:
+            raise ValueError(
+                "this checkpoint is a base model with no LM head (as embedding models are saved): it serves "
+                "embeddings (LLM.embed, /v1/embeddings), not generation"
+            )
         if params.pooling is not None:
             self.runner.pooler.check(params.pooling, self.model_config.hidden_size)
             if params.n != 1 or params.max_tokens != 1:

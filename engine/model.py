@@ -40,6 +40,11 @@ STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
     ".up_proj.": (".gate_up_proj.", 1),
 }
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)
+BASE_MODEL_NAMES = (
+    "embed_tokens.",
+    "layers.",
+    "norm.",
+)  # a base model's tensors: the causal LM's under `model.`
 
 
 class LlamaAttention(nn.Module):
@@ -247,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.has_lm_head = True  # False: a base model's checkpoint, which serves embeddings only
         self.model = LlamaModel(config, tp_rank, tp_size)
         self.lm_head: ParallelLMHead | QuantizedLMHead
         if quantized_lm_head:  # a linear layer, which the quantization plan gives its method
@@ -270,11 +276,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint tensors (Hugging Face names); ValueError names anything missing or unexpected."""
+        """Load checkpoint tensors (Hugging Face names); ValueError names anything missing or unexpected. A base
+        model's checkpoint (names without `model.`, as sentence-transformers and embedding models such as
+        Qwen3-Embedding save theirs) loads too; with no LM head of its own it serves embeddings only
+        (`has_lm_head`)."""
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
+            if name.startswith(BASE_MODEL_NAMES):
+                name = "model." + name
             if name.endswith(IGNORED_CHECKPOINT_SUFFIXES) or (self._tied and name == "lm_head.weight"):
                 continue
             param_name, shard_id = to_param_name(name)
@@ -289,7 +300,9 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             raise ValueError(f"checkpoint has tensors this model does not: {_names(unexpected)}")
         missing = sorted(self.checkpoint_names() - seen)
-        if missing:
+        if missing == ["lm_head.weight"]:  # a base model: its hidden states are all it gives
+            self.has_lm_head = False
+        elif missing:
             raise ValueError(f"checkpoint is missing tensors: {_names(missing)}")
 
     @property

@@ -18,6 +18,13 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# base models (no LM head: embedding models such as e5-mistral are saved so) load as their causal LM
+_BASE_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # an RMSNorm over each q and k head before RoPE
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
 
@@ -175,7 +182,7 @@ _PLAIN_FIELDS = (
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     if archs:
-        arch = archs[0]
+        arch = _BASE_ARCHITECTURES.get(archs[0], archs[0])
     elif d.get("model_type") in _ARCH_BY_MODEL_TYPE:
         arch = _ARCH_BY_MODEL_TYPE[d["model_type"]]
     else:

@@ -107,3 +107,22 @@ def test_matryoshka_dimensions_and_sentence_transformers_configs(tiny: Path, tmp
         make(model).embed({"prompt_token_ids": PROMPTS[1]})
     with pytest.raises(ValueError, match="dimensions must be at least 1"):
         PoolingParams(dimensions=0)
+
+
+def test_a_base_model_checkpoint_serves_embeddings_only(tmp_path: Path) -> None:
+    """A checkpoint saved from the base model (Qwen2Model: tensors without `model.`, no LM head), as embedding
+    models are published, loads; it embeds as the causal LM it came from does and refuses to generate."""
+    from transformers import AutoModelForCausalLM
+
+    tiny = tiny_random_model_dir(tmp_path, "qwen2")  # untied: the LM head is a tensor of its own
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_pretrained(tiny).model.save_pretrained(base)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (base / f).write_bytes((tiny / f).read_bytes())
+    assert json.loads((base / "config.json").read_text())["architectures"] == ["Qwen2Model"]
+    llm = make(base)
+    got = vectors(llm.embed([{"prompt_token_ids": p} for p in PROMPTS]))
+    for g, prompt in zip(got, PROMPTS):
+        torch.testing.assert_close(g, hf_embedding(tiny, prompt), rtol=0, atol=ATOL)
+    with pytest.raises(ValueError, match="base model with no LM head"):
+        llm.generate({"prompt_token_ids": PROMPTS[1]})
