@@ -465,7 +465,7 @@ class Scheduler:
             self.stats.tokens(seq.times, seq.arrival_time)
             for token in tokens:
                 seq.append_token(token)
-                self.num_generation_tokens += 1
+                self.num_generation_tokens += seq.params.pooling is None  # an embedding's token is dropped
                 seq.new_tokens += 1
                 status = self.stop_status(seq)
                 if status is not None:
@@ -479,6 +479,8 @@ class Scheduler:
         """How the request's newest token ends it (stop token, EOS, max_tokens, max_model_len), or None."""
         token = seq.output_token_ids[-1]
         params = seq.params
+        if params.pooling is not None:  # an embedding request ends with the step that pooled it, as vLLM's
+            return SequenceStatus.FINISHED_STOPPED
         # its structured output could not be held: its pattern did not compile, or a token it does not allow was
         # appended (engine/sequence.py)
         if seq.guide_failed:
@@ -521,7 +523,7 @@ class Scheduler:
                 continue
             if item.sample:
                 seq.append_token(sampled[item.request_id][0])  # no drafts here: one token each
-                self.num_generation_tokens += 1
+                self.num_generation_tokens += seq.params.pooling is None  # an embedding's token is dropped
                 seq.new_tokens = 1
                 self.stats.tokens(seq.times, seq.arrival_time)
             # every computed position's token is known now (one step is in flight at most): hash them

@@ -56,6 +56,9 @@ def test_a_cached_prompt_embeds_the_same_and_blocks_come_back(tiny: Path) -> Non
     torch.testing.assert_close(torch.tensor(again.outputs.embedding), torch.tensor(first.outputs.embedding))
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.scheduler.has_unfinished()
+    counts = llm.engine.counters()  # vLLM's: prompt tokens, no generation, finished by stop
+    assert counts["prompt_tokens"] == 2 * len(PROMPTS[0]) and counts["generation_tokens"] == 0
+    assert counts["request_success/stop"] == 2
 
 
 @pytest.mark.parametrize("overlapped", [False, True])
