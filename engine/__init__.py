@@ -1,6 +1,13 @@
 """pdserve's engine: model, paged KV cache, scheduler, sampler and the offline LLM API."""
 
-from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -20,5 +27,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM", "LLMEngine", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-    "EmbeddingRequestOutput", "EmbeddingOutput",
+    "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput",
 ]  # fmt: skip

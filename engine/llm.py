@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.args import engine_config
 from engine.llm_engine import LLMEngine
 from engine.metrics_reader import Metric, get_metrics
-from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from engine.pooling import PoolingParams
 from engine.prompt_checks import truncate_prompt
 from engine.sampling_params import SamplingParams, embedding_params
@@ -83,6 +90,35 @@ class LLM:
                                        out.num_cached_tokens)
             )  # fmt: skip
         return outputs
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: the cosine similarity of text_1's embedding and each of
+        text_2's (one text_1), or of each pair (as many of each)."""
+        first, second = _as_batch(text_1), _as_batch(text_2)
+        if not first or not second:
+            raise ValueError("text_1 and text_2 must not be empty")
+        if len(first) != 1 and len(first) != len(second):
+            raise ValueError(
+                f"text_1 holds {len(first)} prompts and text_2 {len(second)}: give one text_1, or one per text_2"
+            )
+        embedded = self.embed(
+            first + second, PoolingParams(normalize=True), truncate_prompt_tokens=truncate_prompt_tokens
+        )
+        out = []
+        for i, b in enumerate(embedded[len(first) :]):
+            a = embedded[0 if len(first) == 1 else i]
+            x, y = a.outputs.embedding, b.outputs.embedding
+            norms = math.sqrt(sum(v * v for v in x) * sum(v * v for v in y))
+            cos = sum(p * q for p, q in zip(x, y)) / norms if norms else 0.0
+            out.append(ScoringRequestOutput(f"{a.request_id}+{b.request_id}", ScoringOutput(cos),
+                                            a.prompt_token_ids + b.prompt_token_ids))  # fmt: skip
+        return out
 
     def get_metrics(self) -> list[Metric]:
         """The engine's series, as vLLM's `LLM.get_metrics()` gives them: counters, gauges, vectors and

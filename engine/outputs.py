@@ -86,3 +86,20 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's: one pair's score (for an embedding model, the cosine similarity of the two embeddings)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's output of `LLM.score`: one pair's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's two prompts, one after the other
+    finished: bool = True

@@ -30,7 +30,15 @@ from gateway.access import AccessLog, AccessRecord, record_of
 from gateway.auth import BearerAuth
 from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from gateway.drain import Admission, Drain
-from gateway.embeddings import EmbedCalls, EmbeddingRequest, embedding_response
+from gateway.embeddings import (
+    EmbedCalls,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    embedding_requests,
+    embedding_response,
+    score_response,
+)
 from gateway.errors import APIError, client_closed, endpoint_of, from_grpc, install_handlers
 from gateway.limits import BodyLimit, OffLoopJSONRoute
 from gateway.metrics import GatewayMetrics
@@ -274,6 +282,31 @@ class Gateway:
         whole = fmt.whole(choices, totals)
         return JSONResponse(out.whole(whole) if out is not None else whole)
 
+    async def scores(self, request: Request, body: ScoreRequest | RerankRequest, endpoint: str) -> Response:
+        """vLLM's /score and /rerank for an embedding model: cosine similarities of the texts' embeddings."""
+        where = (endpoint, time.monotonic(), record_of(request.scope))
+        record = where[2]
+        try:
+            self._admit(record.tenant)
+            info = await self.model_info()
+            if body.model != info.model:
+                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
+                raise APIError(404, msg, "model", "model_not_found")
+            texts, pairs = body.pairs()
+            salt = self.salts.salt(record.tenant, None)
+            assert self.stub is not None
+            calls = EmbedCalls(
+                self.stub, embedding_requests(texts, body, router_ids(record, len(texts)), salt)
+            )
+            self.drain.watch(calls)
+            replies = await _unless_disconnected(request, calls, calls.run())
+        except APIError as exc:
+            self._finished(where, exc.status, Totals())
+            return exc.response()
+        self._finished(where, 200, Totals(prompt_tokens=sum(r.prompt_tokens for r in replies)))
+        rerank = body if isinstance(body, RerankRequest) else None
+        return JSONResponse(score_response(info.model, replies, pairs, rerank))
+
     async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
         """OpenAI's /v1/embeddings: each input embedded by the router (gateway/embeddings.py)."""
         where = ("embeddings", time.monotonic(), record_of(request.scope))
@@ -488,6 +521,20 @@ def _version() -> str:
 _VERSION = _version()
 
 
+def _score_route(gw: Gateway):  # type: ignore[no-untyped-def]
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await gw.scores(request, body, "score")
+
+    return score
+
+
+def _rerank_route(gw: Gateway):  # type: ignore[no-untyped-def]
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await gw.scores(request, body, "rerank")
+
+    return rerank
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     gw = Gateway(config)
     app = FastAPI(title="pdserve gateway", version=_VERSION, lifespan=gw.lifespan)
@@ -532,6 +579,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await gw.embeddings(request, body)
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, _score_route(gw), methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, _rerank_route(gw), methods=["POST"])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:

@@ -1,5 +1,6 @@
-"""Bearer-token auth for the /v1 endpoints and /tokenize, /detokenize; /health and /metrics stay open. A key may name a tenant
-(gateway/tenants.py): the request's access record carries it on, for its cache salt and rate limits."""
+"""Bearer-token auth for the /v1 endpoints and vLLM's paths outside it (/tokenize, /detokenize, /score, /rerank);
+/health and /metrics stay open. A key may name a tenant (gateway/tenants.py): the request's access record carries
+it on, for its cache salt and rate limits."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.access import record_of
-from gateway.errors import APIError
+from gateway.errors import MODEL_PATHS, APIError
 from gateway.tenants import TenantKeys
 
-KEYED = frozenset({"/tokenize", "/detokenize"})  # vLLM's paths, outside /v1: they use the router's tokenizer
+# vLLM's paths outside /v1: they use the router's tokenizer, or run the model
+KEYED = frozenset({"/tokenize", "/detokenize"}) | MODEL_PATHS
 
 
 def bearer_token(header: bytes) -> bytes | None:

@@ -23,7 +23,7 @@ from typing import Protocol
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import APIError, shutting_down
+from gateway.errors import MODEL_PATHS, APIError, shutting_down
 from serving.logs import announce
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ class Drain:
 
 
 class Admission:
-    """ASGI middleware: counts /v1 requests in flight; refuses new ones while draining."""
+    """ASGI middleware: counts /v1 requests (and vLLM's model paths outside /v1: MODEL_PATHS) in flight; refuses
+    new ones while draining."""
 
     def __init__(self, app: ASGIApp, drain: Drain, on_refused: Callable[[str, int], None]) -> None:
         self.app = app
@@ -98,7 +99,8 @@ class Admission:
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path in MODEL_PATHS):
             await self.app(scope, receive, send)
             return
         if self.drain.draining:

@@ -1,6 +1,10 @@
 """OpenAI's /v1/embeddings over the router's Embed: every input its own router call, run side by side (at most
 MAX_CONCURRENT at once), answered in input order as floats or base64 little-endian float32 (what the official
-client asks for by default). vLLM's extras: truncate_prompt_tokens, normalize, priority, cache_salt."""
+client asks for by default). vLLM's extras: truncate_prompt_tokens, normalize, priority, cache_salt.
+
+vLLM's score and rerank APIs over the same calls, as vLLM answers them for embedding models: a pair's score
+is the cosine similarity of the two texts' embeddings (`/score`: text_1 against each text_2, or pair by pair;
+`/rerank`: the query against each document, best first)."""
 
 from __future__ import annotations
 
@@ -112,6 +116,97 @@ class EmbedCalls:
     def stop(self, error: APIError) -> None:
         self.error = error
         self.cancel()
+
+
+class ScoreRequest(_Body):
+    """vLLM's /score: text_1 (one, or as many as text_2) against text_2."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32)] | None = None
+    priority: Int32 = 0
+
+    def pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
+        """The distinct texts to embed, and each pair as (index of its first, of its second) among them."""
+        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        if not first or not second:
+            raise APIError(400, "text_1 and text_2 must not be empty", None, "invalid_request")
+        if len(first) != 1 and len(first) != len(second):
+            msg = f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or one per text_2"
+            raise APIError(400, msg, "text_1", "invalid_request")
+        texts = first + second
+        if len(texts) > MAX_INPUTS:
+            raise APIError(400, f"{len(texts)} texts to score; at most {MAX_INPUTS}", None, "invalid_request")
+        pairs = [(0 if len(first) == 1 else i, len(first) + i) for i in range(len(second))]
+        return texts, pairs
+
+
+class RerankRequest(_Body):
+    """vLLM's /rerank (Jina's and Cohere's shape): the documents ordered by their score against the query."""
+
+    model: str
+    query: str
+    documents: list[str]
+    top_n: Annotated[int, Field(ge=0, le=INT32)] | None = None  # 0 or unset: all of them
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32)] | None = None
+    priority: Int32 = 0
+
+    def pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
+        if not self.documents:
+            raise APIError(400, "documents must not be empty", "documents", "invalid_request")
+        return ScoreRequest(model=self.model, text_1=self.query, text_2=self.documents).pairs()
+
+
+def embedding_requests(
+    texts: list[str], body: ScoreRequest | RerankRequest, rids: list[str], salt: str | None
+) -> list[pb.EmbedRequest]:
+    """Each text's Embed call, normalized: a dot product of two is then their cosine similarity."""
+    out = []
+    for text, rid in zip(texts, rids):
+        if not text:
+            raise APIError(400, "a text to score is empty", None, "invalid_request")
+        req = pb.EmbedRequest(request_id=rid, model=body.model, text=text, priority=body.priority,
+                              cache_salt=salt or "", pooling=pb.PoolingParams(normalize=True))  # fmt: skip
+        if body.truncate_prompt_tokens is not None:
+            req.truncate_prompt_tokens = body.truncate_prompt_tokens
+        out.append(req)
+    return out
+
+
+def cosine(a, b) -> float:  # type: ignore[no-untyped-def]
+    """The cosine similarity of two embeddings, in float64."""
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    denom = float(np.linalg.norm(x) * np.linalg.norm(y))
+    return float(x @ y) / denom if denom else 0.0
+
+
+def score_response(
+    model: str, replies: list[pb.EmbedResponse], pairs: list[tuple[int, int]], rerank: RerankRequest | None
+) -> dict:
+    scores = [cosine(replies[i].embedding, replies[j].embedding) for i, j in pairs]
+    tokens = sum(r.prompt_tokens for r in replies)
+    if rerank is None:
+        return {
+            "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }  # fmt: skip
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if rerank.top_n:
+        order = order[: rerank.top_n]
+    results = []
+    for i in order:
+        result: dict = {"index": i, "relevance_score": scores[i]}
+        if rerank.return_documents:
+            result["document"] = {"text": rerank.documents[i]}
+        results.append(result)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}", "model": model, "results": results,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }  # fmt: skip
 
 
 def embedding_response(body: EmbeddingRequest, model: str, replies: list[pb.EmbedResponse]) -> dict:

@@ -140,6 +140,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+MODEL_PATHS = frozenset({"/score", "/rerank", "/v2/rerank"})  # vLLM's paths outside /v1 that run the model
+
+
 def endpoint_of(path: str) -> str | None:
     """The metrics label of an OpenAI endpoint's path; None for other paths."""
     return {
@@ -147,6 +150,11 @@ def endpoint_of(path: str) -> str | None:
         "/v1/completions": "completions",
         "/v1/responses": "responses",
         "/v1/embeddings": "embeddings",
+        "/score": "score",
+        "/v1/score": "score",
+        "/rerank": "rerank",
+        "/v1/rerank": "rerank",
+        "/v2/rerank": "rerank",
     }.get(path)
 
 

@@ -129,3 +129,17 @@ def test_a_base_model_checkpoint_serves_embeddings_only(tmp_path: Path) -> None:
         torch.testing.assert_close(g, hf_embedding(tiny, prompt), rtol=0, atol=ATOL)
     with pytest.raises(ValueError, match="base model with no LM head"):
         llm.generate({"prompt_token_ids": PROMPTS[1]})
+
+
+def test_score_is_the_cosine_similarity_of_the_embeddings(tiny: Path) -> None:
+    llm = make(tiny)
+    ref = [hf_embedding(tiny, p) for p in PROMPTS]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    one_to_many = llm.score(prompts[0], prompts[1:])
+    assert [o.prompt_token_ids for o in one_to_many] == [PROMPTS[0] + PROMPTS[1], PROMPTS[0] + PROMPTS[2]]
+    for o, other in zip(one_to_many, ref[1:]):
+        assert abs(o.outputs.score - float(ref[0] @ other)) < 1e-5
+    pairwise = llm.score(prompts[:2], prompts[1:])
+    assert abs(pairwise[1].outputs.score - float(ref[1] @ ref[2])) < 1e-5
+    with pytest.raises(ValueError, match="give one text_1, or one per text_2"):
+        llm.score(prompts[:2], prompts)

@@ -80,3 +80,37 @@ def test_bad_requests_get_openai_errors(stack: OpenAIStack, body: dict, status: 
 def test_the_client_raises_on_a_refused_request(stack: OpenAIStack) -> None:
     with pytest.raises(openai.BadRequestError, match="does not support Matryoshka"):
         stack.client.embeddings.create(model=stack.model, input="hi", dimensions=8)
+
+
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(
+    stack: OpenAIStack, bundled_model_dir: Path
+) -> None:
+    tok = Tokenizer.from_dir(bundled_model_dir)
+    vec = {t: hf_embedding(bundled_model_dir, tok.encode(t)) for t in TEXTS}
+
+    def cos(a: str, b: str) -> float:
+        return float(torch.nn.functional.cosine_similarity(vec[a], vec[b], dim=0))
+
+    one_to_many = stack.post("/score", {"model": stack.model, "text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
+    assert [d["index"] for d in one_to_many["data"]] == [0, 1]
+    for d, other in zip(one_to_many["data"], TEXTS[1:]):
+        assert abs(d["score"] - cos(TEXTS[0], other)) < 1e-4
+    pairwise = stack.post(
+        "/v1/score", {"model": stack.model, "text_1": TEXTS[:2], "text_2": TEXTS[1:]}
+    ).json()
+    assert [round(d["score"], 4) for d in pairwise["data"]] == [
+        round(cos(TEXTS[0], TEXTS[1]), 4),
+        round(cos(TEXTS[1], TEXTS[2]), 4),
+    ]
+    assert pairwise["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in TEXTS[:2] + TEXTS[1:])
+    ranked = stack.post(
+        "/v1/rerank", {"model": stack.model, "query": TEXTS[0], "documents": TEXTS, "top_n": 2}
+    ).json()
+    want = sorted(range(3), key=lambda i: -cos(TEXTS[0], TEXTS[i]))[:2]
+    assert [r["index"] for r in ranked["results"]] == want == [0, want[1]]  # the query itself first
+    assert ranked["results"][0]["document"] == {"text": TEXTS[0]}
+    assert abs(ranked["results"][1]["relevance_score"] - cos(TEXTS[0], TEXTS[want[1]])) < 1e-4
+    bad = stack.post("/score", {"model": stack.model, "text_1": TEXTS[:2], "text_2": TEXTS})
+    assert bad.status_code == 400 and "give one text_1, or one per text_2" in bad.json()["error"]["message"]
+    empty = stack.post("/rerank", {"model": stack.model, "query": "q", "documents": []})
+    assert empty.status_code == 400 and "documents must not be empty" in empty.json()["error"]["message"]
