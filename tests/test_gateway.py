@@ -846,6 +846,9 @@ def _fuzz_schema(stack, statuses):
         | bodies("/v1/completions")
         | bodies("/tokenize")
         | bodies("/detokenize")
+        | bodies("/v1/embeddings")
+        | bodies("/score")
+        | bodies("/v1/rerank")
     )
     def run(case):
         path, body = case
