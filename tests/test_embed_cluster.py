@@ -4,6 +4,9 @@ transformers' last-token states; bad requests get INVALID_ARGUMENT with a messag
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +15,10 @@ import pytest
 import torch
 
 from engine.tokenizer import Tokenizer
+from gateway.errors import is_plain
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import Cluster, start_cluster
+from tests.cluster import Cluster, health, start_cluster, wait_until
 from tests.hf_reference import hf_embedding
 
 pytestmark = pytest.mark.slow
@@ -96,3 +100,31 @@ def test_a_cancelled_call_frees_what_it_held(cluster: Cluster) -> None:
     assert all(f.cancelled() or f.done() for f in futures)
     cluster.wait_all_blocks_free(timeout=60)
     assert embed(cluster, text="hello").embedding  # and the workers serve on
+
+
+def test_a_worker_killed_under_an_embedding_fails_it_plainly_and_comes_back(cluster: Cluster) -> None:
+    """The worker that embeds (the prefill worker, or the decode worker in aggregated serving) is killed with an
+    embedding in flight: the call ends UNAVAILABLE with a sentence, `up` restarts the worker on its address, and
+    embeddings are served again."""
+    roles = {w["role"]: w for w in cluster.workers}
+    victim = roles.get("prefill") or roles["decode"]
+    with grpc.insecure_channel(cluster.router) as channel:
+        call = pb_grpc.RouterStub(channel).Embed.future(pb.EmbedRequest(token_ids=pb.TokenIds(ids=[9] * 600)))
+        os.kill(victim["pid"], signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=120)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert is_plain(info.value.details()) and "retry" in info.value.details(), info.value.details()
+    restarted = json.loads(cluster.wait_line("pdserve restarted: ", timeout=60))
+    assert restarted["address"] == victim["address"]
+    wait_until(lambda: health(victim["address"]) == "SERVING", 180, "the restarted worker serving")
+    victim["pid"] = restarted["pid"]
+
+    def served() -> bool:
+        try:
+            return len(embed(cluster, text="hello").embedding) == 576
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()  # until the router sees it up
+            return False
+
+    wait_until(served, 60, "an embedding served again", every=0.2)
