@@ -294,9 +294,8 @@ class ModelRunner:
         # step and returns while the forward pass computes
         # (rows, vocab) fp32 from a graph; None: run eagerly (always for prompt logprobs: every row's hidden)
         wants_prompt = any(it.prompt_logprobs is not None for it in items)
-        pooling = [
-            i for i in sampling if items[i].params.pooling is not None
-        ]  # embeddings: the last row's hidden
+        # embedding requests: their last row's hidden state is read, so the step runs eagerly
+        pooling = [i for i in sampling if items[i].params.pooling is not None]
         logits = None if wants_prompt or pooling else self._replay(items, patches)
         # a row per sampling item, or k + 1 for an item verifying a k-token draft (its last k + 1 positions)
         owners = [i for i in sampling for _ in range(items[i].num_draft + 1)]

@@ -356,6 +356,7 @@ class RouterServicer(pb_grpc.RouterServicer):
         out: asyncio.Queue = asyncio.Queue()
         self._active[key] = out
         call: asyncio.Future | None = None
+        stop: asyncio.Future | None = None
         try:
             if self.draining:
                 raise _Stop(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
@@ -369,16 +370,16 @@ class RouterServicer(pb_grpc.RouterServicer):
             await asyncio.wait({call, stop}, return_when=asyncio.FIRST_COMPLETED)
             if not call.done():
                 raise stop.result()
-            stop.cancel()
             return call.result()
-        except _Stop as stop_:
-            await context.abort(stop_.code, stop_.details)
+        except _Stop as refused:
+            await context.abort(refused.code, refused.details)
         except Exception:
             logger.exception("embedding request %s failed in the router", rid)
             await context.abort(grpc.StatusCode.INTERNAL, "the router failed on this request; see its log")
         finally:
-            if call is not None and not call.done():
-                call.cancel()  # the client went, or the drain ended it: the worker's call is cancelled with it
+            for pending in (call, stop):
+                if pending is not None and not pending.done():
+                    pending.cancel()  # the call: the client went, or the drain ended it (the worker's goes with it)
             self._active.pop(key, None)
         raise AssertionError("abort raises")
 
