@@ -30,7 +30,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.spec_decode import Proposer, SpeculativeConfig
 from engine.stats import HistogramSnapshot
-from engine.structured_output import GuideFactory
+from engine.structured_output import GuideFactory, reasoning_ended
 from engine.swap_setup import build_preemption
 from engine.tokenizer import Tokenizer
 
@@ -405,6 +405,9 @@ class EngineCore:
             parent=parent,
         )
         if params.structured_outputs is not None:
+            markers = self.guides().reasoning_ids(params.structured_outputs)
+            if markers is not None and not reasoning_ended(prompt_ids, *markers):
+                seq.reasoning_end_id = markers[1]
             seq.guide_future = self.guides().index_future(params.structured_outputs)
             seq.guide_words = self.guides().mask_words()
             seq.settle_guide(wait=False)  # compiled already: ready at once

@@ -84,6 +84,9 @@ class Sequence:
     guide_failed: bool = False
     # the pattern's index while it compiles in the background (GuideFactory.index_future); the request waits
     guide_future: Future | None = None
+    # structured output after a reasoning model's thinking (StructuredOutputsParams.reasoning): the end marker's
+    # token while the thinking goes on; the guide neither holds nor takes a token before it, the marker included
+    reasoning_end_id: int | None = None
     embedding: list[float] | None = None  # an embedding request's (params.pooling), once its last chunk ran
 
     def __post_init__(self) -> None:
@@ -141,7 +144,10 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.guide is not None and not self.guide_failed:
+        if self.reasoning_end_id is not None:  # still thinking: the pattern holds from the next token on
+            if token_id == self.reasoning_end_id:
+                self.reasoning_end_id = None
+        elif self.guide is not None and not self.guide_failed:
             try:
                 self.guide.advance(token_id, return_tokens=False)
             except ValueError:  # the end-of-sequence token past a match has nowhere to go: that one is fine;

@@ -11,6 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,8 +36,17 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
+    # a reasoning model's (start, end) markers, each a token of its own: the output is free until the end marker
+    # (its thinking), then held to the pattern, as vLLM holds it with a reasoning parser. A prompt whose last
+    # marker is the end one (thinking off: "<think></think>" in the template) is held from its first token.
+    reasoning: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning is not None:
+            markers = tuple(self.reasoning)
+            if len(markers) != 2 or not all(isinstance(m, str) and m for m in markers):
+                raise ValueError(f"reasoning must be two markers (start, end), got {self.reasoning!r}")
+            object.__setattr__(self, "reasoning", markers)
         given = [n for n in ("json", "regex", "choice", "json_object", "grammar") if getattr(self, n)]
         if len(given) != 1:
             raise ValueError(
@@ -80,6 +90,19 @@ class StructuredOutputsParams:
             raise ValueError(f"structured output JSON schema is not supported: {exc}") from None
 
 
+THINK_MARKERS = ("<think>", "</think>")  # the reasoning markers of DeepSeek-R1, Qwen3 and QwQ
+
+
+def reasoning_ended(token_ids: Sequence[int], start: int, end: int) -> bool:
+    """Whether the reasoning is over at the end of `token_ids`: its last marker is the end one."""
+    for token in reversed(token_ids):
+        if token == end:
+            return True
+        if token == start:
+            return False
+    return False
+
+
 class GuideFactory:
     """Guides for one tokenizer: its vocabulary as byte strings (built on first use) and an LRU cache of
     compiled indexes by pattern. `vocab_size` is the model's: mask words cover it, tokens past the
@@ -101,7 +124,20 @@ class GuideFactory:
         outlines-core translates (the pattern itself compiles in the background: index_future)."""
         if self.eos_id is None:
             raise ValueError("structured output needs an end-of-sequence token; this tokenizer has none")
+        self.reasoning_ids(params)
         params.pattern()
+
+    def reasoning_ids(self, params: StructuredOutputsParams) -> tuple[int, int] | None:
+        """The token ids of params' reasoning markers (ValueError unless each is a token of its own)."""
+        if params.reasoning is None:
+            return None
+        ids = []
+        for marker in params.reasoning:
+            i = self.tokenizer.backend.token_to_id(marker)
+            if i is None:
+                raise ValueError(f"reasoning marker {marker!r} is not a token of this model's vocabulary")
+            ids.append(i)
+        return ids[0], ids[1]
 
     def index_future(self, params: StructuredOutputsParams) -> Future[Index]:
         """params' pattern compiled into an index, in the background; cached by pattern."""

@@ -50,7 +50,9 @@ from gateway.protocol import (
     TokenizeCompletionRequest,
 )
 from gateway.rate_limit import TenantLimits, retry_after
+from gateway.reasoning import END as THINK_END
 from gateway.reasoning import PARSERS as REASONING_PARSERS
+from gateway.reasoning import START as THINK_START
 from gateway.reasoning import Reasoning
 from gateway.responses import Choice, Formatter, TokenText, Totals
 from gateway.responses_api import ResponsesOutput, ResponsesRequest, ResponseStore, messages_of
@@ -252,6 +254,11 @@ class Gateway:
                 reqs = build(lambda: chat_requests(body, plan, self.rendering))
                 if self.config.reasoning_parser is not None:
                     constrained = reqs[0].sampling.HasField("structured_outputs")
+                    if constrained and info.think_tokens:  # the workers hold the text from the thinking's end
+                        for req in reqs:
+                            so = req.sampling.structured_outputs
+                            so.reasoning_start, so.reasoning_end = THINK_START, THINK_END
+                        constrained = False
                     reasoning = Reasoning(self.config.reasoning_parser, body.include_reasoning, constrained)
             else:
                 reqs = build(lambda: completion_requests(body))

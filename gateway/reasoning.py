@@ -7,8 +7,10 @@ content; tool calls are looked for in the content only.
 - `qwen3`: a text that starts with `<think>` reasons until `</think>`; any other text is content (Qwen3 with
   `enable_thinking` off, through chat_template_kwargs).
 
-Structured output (and so a named or required tool choice) holds the text from its first token, where vLLM's
-holds it from the end of the reasoning: such a text reasons only where it opens with `<think>` itself.
+Structured output (and so a named or required tool choice) holds the text from the end of the reasoning, as
+vLLM's does, where the model's tokenizer has `<think>` and `</think>` as tokens of their own (the router's
+ModelInfo.think_tokens): the workers leave the text free until `</think>`. With other tokenizers it holds the
+text from its first token, and such a text reasons only where it opens with `<think>` itself (`constrained`).
 Like the tool-call parsers (gateway/tools.py) it reads a choice's text as it streams (`ReasoningStream.feed`,
 then `finish`), and a whole response is the same parser fed the whole text.
 """
@@ -17,10 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.structured_output import THINK_MARKERS
 from gateway.tools import held_prefix
 
 PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
+START, END = THINK_MARKERS
 
 
 @dataclass(frozen=True)

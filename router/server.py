@@ -30,6 +30,7 @@ from engine import trace
 from engine.block_hash import LazyBlockHashes, extra_keys
 from engine.output_processor import TextStream
 from engine.sampling_params import SamplingParams, completion_params
+from engine.structured_output import THINK_MARKERS
 from engine.tokenizer import Tokenizer, compile_chat_template
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -230,6 +231,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             vocab_size=reply.vocab_size,
             block_size=reply.block_size,
             max_token_chars=self.prompts.max_token_chars if self.prompts is not None else 0,
+            think_tokens=self.tokenizer is not None
+            and all(self.tokenizer.backend.token_to_id(m) is not None for m in THINK_MARKERS),
         )
 
     async def _pull(self, address: str) -> None:

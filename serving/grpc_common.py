@@ -87,6 +87,9 @@ def _structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams
         choice=list(msg.choice) or None,
         json_object=msg.json_object or None,
         grammar=msg.grammar or None,
+        reasoning=(msg.reasoning_start, msg.reasoning_end)
+        if msg.reasoning_start or msg.reasoning_end
+        else None,
     )
 
 
@@ -136,6 +139,8 @@ def params_to_proto(p: SamplingParams) -> pb.SamplingParams:
             pb.StructuredOutputs(
                 json=schema or "", regex=so.regex or "", choice=list(so.choice or ()),
                 json_object=bool(so.json_object), grammar=so.grammar or "",
+                reasoning_start=so.reasoning[0] if so.reasoning else "",
+                reasoning_end=so.reasoning[1] if so.reasoning else "",
             )
         )  # fmt: skip
     set_token_controls(msg, p.logit_bias, p.min_tokens, p.allowed_token_ids, p.skip_special_tokens)

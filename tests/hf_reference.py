@@ -116,16 +116,23 @@ class BanWords:
 
 class GuideMask:
     """A transformers logits processor that holds generation to an outlines-core Guide (structured output):
-    the guide takes each token generated since the last call, then every token it does not allow is -inf."""
+    the guide takes each token generated since the last call, then every token it does not allow is -inf.
+    `after`: a reasoning's end marker; until it is generated nothing is held, and the guide takes the tokens
+    after it only."""
 
-    def __init__(self, guide: Any, prompt_len: int) -> None:
-        self.guide, self.prompt_len, self.seen = guide, prompt_len, 0
+    def __init__(self, guide: Any, prompt_len: int, after: int | None = None) -> None:
+        self.guide, self.prompt_len, self.seen, self.waiting = guide, prompt_len, 0, after
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         new = input_ids[0, self.prompt_len + self.seen :].tolist()
-        for token in new:
-            self.guide.advance(token, return_tokens=False)
         self.seen += len(new)
+        for token in new:
+            if self.waiting is not None:
+                self.waiting = None if token == self.waiting else self.waiting
+            else:
+                self.guide.advance(token, return_tokens=False)
+        if self.waiting is not None:
+            return scores
         keep = torch.full_like(scores, float("-inf"))
         keep[:, self.guide.get_tokens()] = 0.0
         return scores + keep
