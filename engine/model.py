@@ -1,5 +1,6 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2 (RMSNorm, RoPE, GQA, SwiGLU; Qwen3
-also an RMSNorm over each q and k head before RoPE).
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 (dense), Phi-3 / Phi-4, SmolLM2 (RMSNorm, RoPE, GQA,
+SwiGLU; Qwen3 also an RMSNorm over each q and k head before RoPE; Phi-3's checkpoints hold q, k, v and gate, up
+fused, which the loader splits).
 
 One forward pass takes a flattened batch of new tokens (prefill chunks and decode tokens mixed),
 their positions, one AttentionMetadata and the paged KV cache of every layer.
@@ -7,7 +8,7 @@ their positions, one AttentionMetadata and the paged KV cache of every layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
@@ -283,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         seen: set[str] = set()
         unexpected: list[str] = []
-        for name, tensor in weights:
+        for name, tensor in self._unfused(weights):
             if name.startswith(BASE_MODEL_NAMES):
                 name = "model." + name
             if name.endswith(IGNORED_CHECKPOINT_SUFFIXES) or (self._tied and name == "lm_head.weight"):
@@ -304,6 +305,21 @@ class LlamaForCausalLM(nn.Module):
             self.has_lm_head = False
         elif missing:
             raise ValueError(f"checkpoint is missing tensors: {_names(missing)}")
+
+    def _unfused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Phi-3's fused tensors (`qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows) as the separate ones
+        the other checkpoints hold, so that each rank's loader takes its slice of each."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        for name, tensor in weights:
+            if ".self_attn.qkv_proj." in name:
+                for part, piece in zip(("q", "k", "v"), tensor.split([q, kv, kv], dim=0)):
+                    yield name.replace(".qkv_proj.", f".{part}_proj."), piece
+            elif ".mlp.gate_up_proj." in name:
+                for part, piece in zip(("gate", "up"), tensor.chunk(2, dim=0)):
+                    yield name.replace(".gate_up_proj.", f".{part}_proj."), piece
+            else:
+                yield name, tensor
 
     @property
     def _tied(self) -> bool:

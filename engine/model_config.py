@@ -11,12 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+)  # fmt: skip
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # base models (no LM head: embedding models such as e5-mistral are saved so) load as their causal LM
 _BASE_ARCHITECTURES = {
@@ -195,6 +198,9 @@ def _architecture(d: dict[str, Any]) -> str:
 def _check_supported_features(d: dict[str, Any]) -> None:
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu)")
+    partial = d.get("partial_rotary_factor") or (d.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (RoPE over the whole head only)")
     if d.get("mlp_bias"):
         raise ValueError("unsupported: mlp_bias=true")
 
@@ -285,6 +291,12 @@ DUMMY_SHAPES: dict[str, ModelConfig] = {
         num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, attention_bias=True, bos_token_id=151643,
         eos_token_id=(151643,), torch_dtype="bfloat16",
+    ),
+    "Phi-4": _dummy(
+        "Phi3ForCausalLM", vocab_size=100352, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40,
+        num_attention_heads=40, num_key_value_heads=10, head_dim=128, rms_norm_eps=1e-5, rope_theta=250000.0,
+        max_position_embeddings=16384, tie_word_embeddings=False, bos_token_id=100257, eos_token_id=(100265,),
+        torch_dtype="bfloat16",
     ),
     "Qwen3-8B": _dummy(
         "Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,

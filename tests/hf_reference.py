@@ -145,7 +145,8 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
     """A 2-layer random transformers checkpoint (+ tokenizer) in tmp_path / f"tiny-{arch}".
 
     llama: tied embeddings; qwen2: q/k/v bias, untied; qwen3: q and k normed per head, head_dim 32 (not
-    hidden / heads), tied; llama3_scaled: llama3 rope scaling, untied.
+    hidden / heads), tied; phi3: fused qkv and gate_up tensors, untied; llama3_scaled: llama3 rope scaling,
+    untied.
     `sizes` override the config's (e.g. num_key_value_heads=8); they name the directory too.
     Weights are drawn wide enough (std 0.1, norms around 1, nonzero biases) that greedy choices
     are far from ties.
@@ -164,7 +165,7 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
 
 
 def _tiny_config(arch: str, **sizes: int) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -176,6 +177,10 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
+    if arch == "phi3":  # q, k, v and gate, up fused in the checkpoint
+        return Phi3Config(
+            **common, tie_word_embeddings=False, rope_theta=10000.0, pad_token_id=TINY_VOCAB - 1
+        )
     if arch == "qwen3":
         return Qwen3Config(**{"head_dim": 32, **common}, tie_word_embeddings=True, rope_theta=1000000.0)
     if arch == "llama3_scaled":

@@ -13,7 +13,7 @@ from engine.weights import load_model
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 
 ATOL = 1e-4
-TINY_ARCHS = ["llama", "qwen2", "qwen3", "llama3_scaled"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "llama3_scaled"]
 
 
 def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -171,7 +171,12 @@ def test_dummy_smollm2_shapes_and_forward():
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("Llama-3-8B", 8_030_261_248), ("Qwen2.5-7B", 7_615_616_512), ("Qwen3-8B", 8_190_735_360)],
+    [
+        ("Llama-3-8B", 8_030_261_248),
+        ("Qwen2.5-7B", 7_615_616_512),
+        ("Qwen3-8B", 8_190_735_360),
+        ("Phi-4", 14_659_507_200),
+    ],
 )
 def test_dummy_big_shapes_on_meta(name, params):
     model, config = load_model(name, load_format="dummy", device="meta", dtype=torch.bfloat16)

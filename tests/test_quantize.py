@@ -328,3 +328,9 @@ def test_qwen3_awq_checkpoint_with_norms_in_the_gemms_equals_transformers(tmp_pa
     assert any(norm for norm, _ in calls), "no GEMM took its norm"
     assert not any(rope for _, rope in calls), "a qkv GEMM ended in RoPE before the per-head norms"
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_a_phi3_checkpoint_is_refused_by_name(tmp_path, capsys):
+    phi3 = tiny_random_model_dir(tmp_path, "phi3")
+    assert main(["quantize", "--model", str(phi3), "--out", str(tmp_path / "q"), "--group-size", "32"]) == 2
+    assert "Phi-3's checkpoints fuse them" in capsys.readouterr().err

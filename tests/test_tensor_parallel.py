@@ -106,6 +106,15 @@ def test_qwen3_at_tp2_equals_transformers(tmp_path: Path) -> None:
     assert rank_processes() == []
 
 
+def test_phi3_fused_checkpoint_at_tp2_equals_transformers(tmp_path: Path) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj tensors are split before each rank takes its slice."""
+    model = tiny_random_model_dir(tmp_path, "phi3")
+    with engine(model, 2) as llm:
+        assert generate(llm, greedy()) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+        assert_no_leak(llm)
+    assert rank_processes() == []
+
+
 @pytest.mark.slow
 def test_bundled_model_at_tp3_equals_transformers(bundled_model_dir: Path) -> None:
     from engine.tokenizer import Tokenizer

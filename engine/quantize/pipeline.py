@@ -103,6 +103,11 @@ def quantize(cfg: QuantizeConfig) -> Path:
 
     source = Path(model_dir(cfg.model))
     model, config = load_model(source, dtype=torch.float32, device=cfg.device)
+    if config.architecture == "Phi3ForCausalLM":
+        raise ValueError(
+            "pdserve quantize writes q, k, v and gate, up as tensors of their own, and Phi-3's checkpoints fuse "
+            "them (qkv_proj, gate_up_proj): a Phi-3 checkpoint cannot be quantized here"
+        )
     sizes = {module.input_size for module in linears(model.model.layers[0]).values()}  # type: ignore[arg-type]
     if any(k % cfg.group_size for k in sizes):
         raise ValueError(
