@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine.args import engine_config
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from engine.llm_engine import LLMEngine
 from engine.metrics_reader import Metric, get_metrics
 from engine.outputs import (
@@ -119,6 +120,25 @@ class LLM:
             out.append(ScoringRequestOutput(f"{a.request_id}+{b.request_id}", ScoringOutput(cos),
                                             a.prompt_token_ids + b.prompt_token_ids))  # fmt: skip
         return out
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (engine/beam_search.py): each prompt's beam_width best sequences, best first."""
+        batch = _as_batch(prompts)
+        encoded = [self._tokens(p)[0] for p in batch]
+        for ids in encoded:
+            self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens))
+        tok = self.tokenizer
+
+        def step(token_lists: list[list[int]], one: SamplingParams) -> list[dict[int, float]]:
+            outs = self.generate([{"prompt_token_ids": t} for t in token_lists], one)
+            return [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {} for o in outs]
+
+        def decode(ids: list[int]) -> str:
+            return tok.decode(ids) if tok is not None else ""
+
+        return beam_search(encoded, params, step, set(self.engine.scheduler.eos_token_ids), decode)
 
     def get_metrics(self) -> list[Metric]:
         """The engine's series, as vLLM's `LLM.get_metrics()` gives them: counters, gauges, vectors and
