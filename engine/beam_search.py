@@ -49,6 +49,66 @@ def beam_score(beam: BeamSearchSequence, eos_ids: set[int], length_penalty: floa
     return beam.cum_logprob / (length**length_penalty)
 
 
+class BeamSearch:
+    """The search's state between steps, for drivers sync (LLM.beam_search) and async (the gateway): `step_params`
+    and the token lists to run (`wanted`), then `advance` with each one's next-token logprobs, until `done`."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_ids: set[int]) -> None:
+        self.prompts, self.params, self.eos_ids = prompts, params, eos_ids
+        self.step_params = SamplingParams(
+            temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True
+        )
+        self.live = [[BeamSearchSequence(list(p))] for p in prompts]
+        self.finished: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.params.max_tokens or not any(self.live)
+
+    def wanted(self) -> list[list[int]]:
+        return [beam.tokens for beams in self.live for beam in beams]
+
+    def advance(self, next_logprobs: list[dict[int, float]]) -> None:
+        nexts = iter(next_logprobs)
+        for i, beams in enumerate(self.live):
+            grown = []
+            for beam in beams:
+                for token, logprob in next(nexts).items():
+                    new = BeamSearchSequence(
+                        beam.tokens + [token], beam.logprobs + [{token: logprob}], beam.cum_logprob + logprob
+                    )
+                    if token in self.eos_ids and not self.params.ignore_eos:
+                        new.finish_reason = "stop"
+                        self.finished[i].append(new)
+                    else:
+                        grown.append(new)
+            self.live[i] = sorted(grown, key=lambda b: b.cum_logprob, reverse=True)[: self.params.beam_width]
+        self.steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        outputs = []
+        for prompt, beams, finished in zip(self.prompts, self.live, self.finished):
+            for beam in beams:
+                beam.finish_reason = "length"
+            ranked = sorted(
+                finished + beams,
+                key=lambda b: beam_score(b, self.eos_ids, self.params.length_penalty),
+                reverse=True,
+            )[: self.params.beam_width]
+            for beam in ranked:
+                generated = self.generated(beam, len(prompt))
+                beam.text = decode(generated) if decode is not None else None
+            outputs.append(BeamSearchOutput(ranked))
+        return outputs
+
+    @staticmethod
+    def generated(beam: BeamSearchSequence, prompt_len: int) -> list[int]:
+        """A beam's generated tokens, a final EOS left out (it is not text)."""
+        out = beam.tokens[prompt_len:]
+        return out[:-1] if beam.finish_reason == "stop" else out
+
+
 def beam_search(
     prompts: list[list[int]],
     params: BeamSearchParams,
@@ -58,40 +118,7 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     """Beam search over `step(token lists, params)`, which gives each token list's next-token logprobs (top k and
     the sampled one)."""
-    one = SamplingParams(
-        temperature=params.temperature, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True
-    )
-    live = [[BeamSearchSequence(list(p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        flat = [beam for beams in live for beam in beams]
-        if not flat:
-            break
-        nexts = iter(step([beam.tokens for beam in flat], one))
-        for i, beams in enumerate(live):
-            grown = []
-            for beam in beams:
-                for token, logprob in next(nexts).items():
-                    new = BeamSearchSequence(
-                        beam.tokens + [token], beam.logprobs + [{token: logprob}], beam.cum_logprob + logprob
-                    )
-                    if token in eos_ids and not params.ignore_eos:
-                        new.finish_reason = "stop"
-                        done[i].append(new)
-                    else:
-                        grown.append(new)
-            live[i] = sorted(grown, key=lambda b: b.cum_logprob, reverse=True)[: params.beam_width]
-    outputs = []
-    for prompt, beams, finished in zip(prompts, live, done):
-        for beam in beams:
-            beam.finish_reason = "length"
-        ranked = sorted(
-            finished + beams, key=lambda b: beam_score(b, eos_ids, params.length_penalty), reverse=True
-        )[: params.beam_width]
-        for beam in ranked:
-            generated = beam.tokens[len(prompt) :]
-            if beam.finish_reason == "stop":
-                generated = generated[:-1]  # the EOS is not text
-            beam.text = decode(generated) if decode is not None else None
-        outputs.append(BeamSearchOutput(ranked))
-    return outputs
+    search = BeamSearch(prompts, params, eos_ids)
+    while not search.done:
+        search.advance(step(search.wanted(), search.step_params))
+    return search.results(decode)

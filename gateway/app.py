@@ -25,9 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
+from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.prompt_checks import fit_max_tokens
 from engine.tokenizer import Tokenizer
 from gateway.access import AccessLog, AccessRecord, record_of
 from gateway.auth import BearerAuth
+from gateway.beam import BeamSteps, refused_field
 from gateway.defaults import DEFAULT_MAX_REQUEST_BYTES
 from gateway.drain import Admission, Drain
 from gateway.embeddings import (
@@ -235,6 +238,8 @@ class Gateway:
         out: ResponsesOutput | None = None,
     ) -> Response:
         """`out`: a /v1/responses request's own answer (gateway/responses_api.py), else chat's or completions'."""
+        if body.use_beam_search and out is None:
+            return await self.beam(request, body, endpoint)
         start = time.monotonic()
         record = record_of(request.scope)
         chat = isinstance(body, ChatCompletionRequest)
@@ -288,6 +293,85 @@ class Gateway:
         self._finished((endpoint, start, record), 200, totals)
         whole = fmt.whole(choices, totals)
         return JSONResponse(out.whole(whole) if out is not None else whole)
+
+    async def beam(
+        self, request: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
+    ) -> Response:
+        """vLLM's use_beam_search (gateway/beam.py): body.n beams a prompt, answered whole as n choices."""
+        where = (endpoint, time.monotonic(), record_of(request.scope))
+        record = where[2]
+        chat = isinstance(body, ChatCompletionRequest)
+        try:
+            self._admit(record.tenant)
+            info = await self.model_info()
+            if body.model != info.model:
+                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
+                raise APIError(404, msg, "model", "model_not_found")
+            assert self.stub is not None
+            if isinstance(body, ChatCompletionRequest):
+                reqs = build(lambda: chat_requests(body, None, self.rendering))
+                tools = bool(body.tools) and body.tool_choice != "none"
+            else:
+                reqs = build(lambda: completion_requests(body))
+                tools = False
+            refused = refused_field(reqs[0].sampling, body.stream, tools)
+            if refused is None and isinstance(body, CompletionRequest) and body.echo:
+                refused = "echo"
+            if refused is not None:
+                raise APIError(
+                    400, f"{refused} is not supported with use_beam_search", refused, "unsupported"
+                )
+            prompts = []
+            for req in reqs:
+                try:
+                    reply = await self.stub.Tokenize(pb.TokenizeRequest(prompt=req), timeout=60)
+                except grpc.aio.AioRpcError as exc:
+                    raise from_grpc(exc) from None
+                prompts.append(list(reply.token_ids))
+            try:
+                limits = [
+                    fit_max_tokens(len(p), body.token_limit() or None, info.max_model_len) for p in prompts
+                ]
+            except ValueError as exc:
+                raise APIError(400, str(exc), None, "context_length_exceeded") from None
+            temperature = reqs[0].sampling.temperature if reqs[0].sampling.HasField("temperature") else 0.0
+            params = BeamSearchParams(body.n, min(limits), body.ignore_eos, temperature, body.length_penalty)
+            search = BeamSearch(prompts, params, set(info.eos_token_ids))
+            step = pb.SamplingParams(
+                max_tokens=1, logprobs=2 * body.n, temperature=temperature, ignore_eos=True
+            )
+            salt = self.salts.salt(record.tenant, body.cache_salt)
+            base = pb.GenerateRequest(
+                sampling=step, model=body.model, priority=body.priority, cache_salt=salt or ""
+            )
+            steps = BeamSteps(self.stub, base)
+            self.drain.watch(steps)
+            while not search.done:
+                search.advance(
+                    await _unless_disconnected(request, steps, steps.next_logprobs(search.wanted()))
+                )
+            choices, totals = {}, Totals(prompt_tokens=sum(map(len, prompts)))
+            for i, (prompt, out) in enumerate(zip(prompts, search.results())):
+                for j, beam in enumerate(out.sequences):
+                    ids = BeamSearch.generated(beam, len(prompt))
+                    text = (await self.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=60)).text
+                    choices[i * body.n + j] = Choice(text=[text], finish_reason=beam.finish_reason)
+                    totals.completion_tokens += len(beam.tokens) - len(
+                        prompt
+                    )  # a final EOS counts, as it does unbeamed
+        except APIError as exc:
+            self._finished(where, exc.status, Totals())
+            return exc.response()
+        except grpc.aio.AioRpcError as exc:
+            error = from_grpc(exc)
+            self._finished(where, error.status, Totals())
+            return error.response()
+        reasoning = None
+        if isinstance(body, ChatCompletionRequest) and self.config.reasoning_parser is not None:
+            reasoning = Reasoning(self.config.reasoning_parser, body.include_reasoning)
+        fmt = Formatter(chat, info.model, None, self.token_text, body.n, reasoning=reasoning)
+        self._finished(where, 200, totals)
+        return JSONResponse(fmt.whole(choices, totals))
 
     async def scores(self, request: Request, body: ScoreRequest | RerankRequest, endpoint: str) -> Response:
         """vLLM's /score and /rerank for an embedding model: cosine similarities of the texts' embeddings."""
@@ -498,7 +582,7 @@ async def _collect(streams: RouterStreams, fmt: Formatter) -> tuple[dict[int, Ch
     return choices, totals
 
 
-async def _unless_disconnected(request: Request, streams: RouterStreams | EmbedCalls, work):  # type: ignore[no-untyped-def]
+async def _unless_disconnected(request: Request, streams: RouterStreams | EmbedCalls | BeamSteps, work):  # type: ignore[no-untyped-def]
     """Await `work`; if the client goes away first, cancel the router calls (freeing every worker's blocks)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))

@@ -35,7 +35,6 @@ class StreamOptions(_Body):
 # implement: each is refused by name when set (other than to its default, the value after the reason).
 _REFUSED: dict[str, tuple[str, object]] = {
     "guided_whitespace_pattern": ("guided_whitespace_pattern is not supported by this server", None),
-    "use_beam_search": ("beam search (use_beam_search) is not supported by this server", False),
     "logits_processors": ("logits_processors are not supported by this server", None),
     "spaces_between_special_tokens": ("spaces_between_special_tokens false is not supported", True),
     "continue_final_message": ("continue_final_message is not supported by this server", False),
@@ -96,6 +95,8 @@ class SamplingFields(_Body):
     top_k: Int32 | None = None
     min_p: float | None = None
     ignore_eos: bool = False
+    use_beam_search: bool = False  # vLLM's: n beams (engine/beam_search.py), answered whole
+    length_penalty: float = 1.0  # vLLM's, for beam search
     repetition_penalty: float | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False

@@ -233,6 +233,7 @@ class RouterServicer(pb_grpc.RouterServicer):
             max_token_chars=self.prompts.max_token_chars if self.prompts is not None else 0,
             think_tokens=self.tokenizer is not None
             and all(self.tokenizer.backend.token_to_id(m) is not None for m in THINK_MARKERS),
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids) if self.tokenizer is not None else [],
         )
 
     async def _pull(self, address: str) -> None:

@@ -47,11 +47,16 @@ def test_the_best_beam_is_transformers_and_logprobs_are_exact(llm: LLM, tiny: Pa
         assert best.tokens[len(prompt) :] == hf_beam(tiny, prompt, width, 8)
         scores = [beam_score(b, set(), 0.0) for b in out.sequences]
         assert scores == sorted(scores, reverse=True)
-        for beam in out.sequences:  # each beam's cumulative logprob: transformers' log-likelihood of its tokens
+        for (
+            beam
+        ) in out.sequences:  # each beam's cumulative logprob: transformers' log-likelihood of its tokens
             logp = torch.log_softmax(hf_logits(tiny, beam.tokens[:-1]), dim=-1)
             want = sum(float(logp[i - 1, beam.tokens[i]]) for i in range(len(prompt), len(beam.tokens)))
             assert abs(beam.cum_logprob - want) < 1e-3
-            assert beam.text == llm.tokenizer.decode(beam.tokens[len(prompt) :]) and beam.finish_reason == "length"
+            assert (
+                beam.text == llm.tokenizer.decode(beam.tokens[len(prompt) :])
+                and beam.finish_reason == "length"
+            )
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
 
