@@ -246,9 +246,7 @@ class Gateway:
         try:
             self._admit(record.tenant)
             info = await self.model_info()
-            if body.model != info.model:
-                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
-                raise APIError(404, msg, "model", "model_not_found")
+            check_model(body.model, info)
             refuse_unfit(body, info)  # before a long prompt is copied into router calls
             assert self.stub is not None
             echo = None
@@ -304,9 +302,7 @@ class Gateway:
         try:
             self._admit(record.tenant)
             info = await self.model_info()
-            if body.model != info.model:
-                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
-                raise APIError(404, msg, "model", "model_not_found")
+            check_model(body.model, info)
             assert self.stub is not None
             if isinstance(body, ChatCompletionRequest):
                 reqs = build(lambda: chat_requests(body, None, self.rendering))
@@ -356,9 +352,8 @@ class Gateway:
                     ids = BeamSearch.generated(beam, len(prompt))
                     text = (await self.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=60)).text
                     choices[i * body.n + j] = Choice(text=[text], finish_reason=beam.finish_reason)
-                    totals.completion_tokens += len(beam.tokens) - len(
-                        prompt
-                    )  # a final EOS counts, as it does unbeamed
+                    # a final EOS counts, as it does unbeamed
+                    totals.completion_tokens += len(beam.tokens) - len(prompt)
         except APIError as exc:
             self._finished(where, exc.status, Totals())
             return exc.response()
@@ -380,9 +375,7 @@ class Gateway:
         try:
             self._admit(record.tenant)
             info = await self.model_info()
-            if body.model != info.model:
-                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
-                raise APIError(404, msg, "model", "model_not_found")
+            check_model(body.model, info)
             texts, pairs = body.pairs()
             salt = self.salts.salt(record.tenant, None)
             assert self.stub is not None
@@ -405,9 +398,7 @@ class Gateway:
         try:
             self._admit(record.tenant)
             info = await self.model_info()
-            if body.model != info.model:
-                msg = f"The model {body.model!r} does not exist; this server serves {info.model!r}"
-                raise APIError(404, msg, "model", "model_not_found")
+            check_model(body.model, info)
             prompts = body.prompts()
             salt = self.salts.salt(record.tenant, body.cache_salt)
             rids = router_ids(record, len(prompts))
@@ -509,6 +500,13 @@ class Gateway:
             self._finished(where, status, totals)
         for event in sse.done():
             yield event
+
+
+def check_model(model: str, info: pb.ModelInfo) -> None:
+    """404 model_not_found unless `model` is the one served."""
+    if model != info.model:
+        msg = f"The model {model!r} does not exist; this server serves {info.model!r}"
+        raise APIError(404, msg, "model", "model_not_found")
 
 
 def router_ids(record: AccessRecord, n: int) -> list[str]:

@@ -495,7 +495,11 @@ def test_stop_tokens_and_special_tokens_show_as_vllm_shows_them(stack, tok, chat
         ("/v1/completions", {"best_of": 3}, "best_of"),
         ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
         ("/v1/completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-        ("/v1/completions", {"use_beam_search": True, "stop": ["x"]}, "stop"),  # what beam search would ignore
+        (
+            "/v1/completions",
+            {"use_beam_search": True, "stop": ["x"]},
+            "stop",
+        ),  # what beam search would ignore
         ("/v1/chat/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
