@@ -1,5 +1,5 @@
-"""OpenAI's /v1/embeddings over the router's Embed: every input its own router call, run side by side (at most
-MAX_CONCURRENT at once), answered in input order as floats or base64 little-endian float32 (what the official
+"""OpenAI's /v1/embeddings over the router's Embed: every input its own router call, run side by side
+(gateway/router_calls.py), answered in input order as floats or base64 little-endian float32 (what the official
 client asks for by default). vLLM's extras: truncate_prompt_tokens, normalize, priority, cache_salt.
 
 vLLM's score and rerank APIs over the same calls, as vLLM answers them for embedding models: a pair's score
@@ -8,23 +8,21 @@ is the cosine similarity of the two texts' embeddings (`/score`: text_1 against 
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-import grpc
 import numpy as np
 from pydantic import Field
 
-from gateway.errors import APIError, from_grpc
+from gateway.errors import APIError
 from gateway.protocol import INT32, Int32, TokenId, _Body
+from gateway.router_calls import RouterCalls
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs a request
-MAX_CONCURRENT = 64  # router calls one request keeps open at once
 
 
 class EmbeddingRequest(_Body):
@@ -73,49 +71,20 @@ class EmbeddingRequest(_Body):
         return req
 
 
-class EmbedCalls:
-    """A request's router calls: cancelled when the client goes, stopped with an error by the drain."""
+class EmbedCalls(RouterCalls):
+    """A request's Embed calls (gateway/router_calls.py)."""
 
     def __init__(self, stub: pb_grpc.RouterStub, requests: list[pb.EmbedRequest]) -> None:
-        self.stub, self.requests = stub, requests
-        self.error: APIError | None = None
-        self._calls: set[grpc.aio.UnaryUnaryCall] = set()
-        self._limit = asyncio.Semaphore(MAX_CONCURRENT)
+        super().__init__(stub)
+        self.requests = requests
 
     async def run(self) -> list[pb.EmbedResponse]:
-        """Every input's answer, in order; the first failure raises its APIError and cancels the rest."""
-        tasks = [asyncio.ensure_future(self._one(r)) for r in self.requests]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-            self.cancel()
+        """Every input's answer, in order."""
+        return await self.each(self.requests, self.stub.Embed, _answer)
 
-    async def _one(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        async with self._limit:
-            if self.error is not None:
-                raise self.error
-            call = self.stub.Embed(request)
-            self._calls.add(call)
-            try:
-                return await call
-            except grpc.aio.AioRpcError as exc:
-                raise from_grpc(exc) from None
-            except asyncio.CancelledError:
-                if self.error is not None:  # stopped by the drain, not by the client
-                    raise self.error from None
-                raise
-            finally:
-                self._calls.discard(call)
 
-    def cancel(self) -> None:
-        for call in list(self._calls):
-            call.cancel()
-
-    def stop(self, error: APIError) -> None:
-        self.error = error
-        self.cancel()
+async def _answer(call: Any) -> Any:
+    return await call
 
 
 class ScoreRequest(_Body):
