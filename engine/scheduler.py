@@ -364,10 +364,8 @@ class Scheduler:
             token_ids.append(PENDING_TOKEN)
         sample = start + num_new == seq.num_tokens + seq.num_pending
         mask = None
-        if (
-            sample and seq.guide is not None and seq.reasoning_end_id is None
-        ):  # (steps in order: the guide has
-            # every output token since the reasoning's end)
+        # the engine steps in order: the guide has every output token (since the reasoning's end, where it waits)
+        if sample and seq.guide is not None and seq.reasoning_end_id is None:
             mask = allowed_mask(seq.guide, seq.guide_words)
         elif sample and seq.guide_failed:  # its pattern did not compile: end at once (stop_status: aborted)
             mask = np.zeros(seq.guide_words, dtype=np.int32)
