@@ -66,15 +66,26 @@ def _assert_quiet(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(600)
 def test_sigterm_to_up_lets_every_stream_finish_and_exits_0():
+    """Embeddings in flight (Router.Embed, queued on the prefill worker) finish too."""
     cluster = start_cluster(1, 1, "tcp", *LONG_DRAIN)
     try:
         streams = _streams(cluster, 3, FINISHING)
+        embed = pb_grpc.RouterStub(grpc.insecure_channel(cluster.router)).Embed
+        embeds = [embed.future(pb.EmbedRequest(token_ids=pb.TokenIds(ids=[7 + i] * 1000))) for i in range(4)]
+        prefill = next(w for w in cluster.workers if w["role"] == "prefill")
+
+        def embedding_admitted() -> bool:
+            load = worker_load(prefill)
+            return load is not None and load.num_running + load.num_waiting > 0
+
+        wait_until(embedding_admitted, 60, "the embeddings on the prefill worker")
         cluster.proc.send_signal(signal.SIGTERM)
         for s in streams:
             s.join(timeout=300)
         assert [(s.error, s.finish_reason, len(s.tokens)) for s in streams] == [
             (None, "length", FINISHING)
         ] * 3
+        assert [len(e.result(timeout=300).embedding) for e in embeds] == [576] * 4
         assert _exit_code(cluster.proc, 120) == 0
         _assert_quiet(cluster)
     finally:
