@@ -1,6 +1,7 @@
-"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3 (dense), Phi-3 / Phi-4, SmolLM2 (RMSNorm, RoPE, GQA,
-SwiGLU; Qwen3 also an RMSNorm over each q and k head before RoPE; Phi-3's checkpoints hold q, k, v and gate, up
-fused, which the loader splits).
+"""The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3 / Phi-4, SmolLM2, and the mixtures of experts
+Mixtral and Qwen3-MoE (RMSNorm, RoPE, GQA, SwiGLU; Qwen3 also an RMSNorm over each q and k head before RoPE;
+Phi-3's checkpoints hold q, k, v and gate, up fused, which the loader splits; a MoE layer's MLP is
+engine/layers/moe.py's).
 
 One forward pass takes a flattened batch of new tokens (prefill chunks and decode tokens mixed),
 their positions, one AttentionMetadata and the paged KV cache of every layer.
@@ -26,6 +27,7 @@ from engine.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from engine.layers.moe import SparseMoeBlock, to_moe_param
 from engine.model_config import ModelConfig
 from kernels import _backend
 from kernels.fused_add_rmsnorm import norm_input
@@ -124,6 +126,9 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
 
+    def input_order(self, x: torch.Tensor) -> int:
+        return self.gate_up_proj.input_order(x)
+
     def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:  # (num_tokens, hidden)
         """ordered: x's columns in the K order gate_up_proj.input_order named. The activation, silu(gate) * up
         (num_tokens, inter / tp), comes in the K order down_proj reads it in."""
@@ -133,12 +138,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.mlp: LlamaMLP | SparseMoeBlock
+        if config.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(config, tp_rank, tp_size)
+        else:
+            self.mlp = LlamaMLP(config, tp_rank, tp_size)
 
     def forward(
         self,
@@ -157,7 +166,7 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, order)
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta, order != 0)
-        order = self.mlp.gate_up_proj.input_order(hidden)
+        order = self.mlp.input_order(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual, order)
         return self.mlp(hidden, order != 0), residual
 
@@ -165,6 +174,8 @@ class LlamaDecoderLayer(nn.Module):
         """Whether forward_fused can run this layer at x's rows: its four GEMMs carry norms (int4, up to
         kernels/w4a16_mma.py's MAX_ROWS rows, short of the rows kernels/w4a16_wgmma.py takes)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, LlamaMLP):
+            return False
         return all(p.fuses_norms(x) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
 
     def forward_fused(
@@ -182,6 +193,7 @@ class LlamaDecoderLayer(nn.Module):
         gate_up_proj take 1 / rms from sumsq; o_proj and down_proj add into the stream and leave the next norm's
         (x, sumsq), which this returns for next_weight."""
         attn, mlp = self.self_attn, self.mlp
+        assert isinstance(mlp, LlamaMLP), "a MoE layer's norms are kernels of their own"
         rope = attn.rope_write(x, positions, cos_sin_cache, kv_cache, meta)
         qkv = attn.qkv_proj.fused(x, norm=NormedInput(sumsq, self.input_layernorm.eps), rope=rope)
         out = attn.attend(qkv, positions, cos_sin_cache, kv_cache, meta, written=rope is not None)
@@ -203,7 +215,7 @@ class LlamaModel(nn.Module):
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp_rank, tp_size) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp_rank, tp_size, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -289,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "model." + name
             if name.endswith(IGNORED_CHECKPOINT_SUFFIXES) or (self._tied and name == "lm_head.weight"):
                 continue
-            param_name, shard_id = to_param_name(name)
+            param_name, shard_id = to_moe_param(self.config.architecture, name) or to_param_name(name)
             if param_name not in params:
                 unexpected.append(name)
                 continue
@@ -328,7 +340,12 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint of this model holds."""
         names: set[str] = set()
+        for i, layer in enumerate(cast(list[LlamaDecoderLayer], list(self.model.layers))):
+            if isinstance(layer.mlp, SparseMoeBlock):
+                names |= layer.mlp.checkpoint_names(f"model.layers.{i}")
         for param_name, _ in self.named_parameters():
+            if ".mlp.experts." in param_name or param_name.endswith(".mlp.gate.weight"):
+                continue  # a MoE layer's, named above
             stacked = [hf for hf, (ours, _) in STACKED_PARAMS.items() if ours in param_name]
             names.update(param_name.replace(STACKED_PARAMS[hf][0], hf) for hf in stacked)
             if not stacked:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM",
 )  # fmt: skip
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -20,6 +21,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # base models (no LM head: embedding models such as e5-mistral are saved so) load as their causal LM
 _BASE_ARCHITECTURES = {
@@ -27,8 +30,13 @@ _BASE_ARCHITECTURES = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
 }
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)  # an RMSNorm over each q and k head before RoPE
+# an RMSNorm over each q and k head before RoPE
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# sparse mixture-of-experts MLPs (engine/layers/moe.py)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
 
 
@@ -91,6 +99,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str = "float32"
+    # mixture of experts (MOE_ARCHITECTURES): routed experts a MoE layer has, each token's top k of them, an
+    # expert's intermediate features, whether the top k's router weights are renormalised to sum to 1; a
+    # layer is a MoE one unless listed in mlp_only_layers, every decoder_sparse_step-th (Qwen3-MoE's keys)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -106,6 +123,32 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.architecture in MOE_ARCHITECTURES:
+            for name in (
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "decoder_sparse_step",
+            ):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"model config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                    f"({self.num_experts})"
+                )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a mixture-of-experts MLP (else a dense one of intermediate_size)."""
+        return (
+            self.architecture in MOE_ARCHITECTURES
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     @property
     def qk_norm(self) -> bool:
@@ -153,6 +196,7 @@ class ModelConfig:
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=_token_ids(d.get("eos_token_id")),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                **_moe(architecture, d),
             )
         except KeyError as e:
             raise ValueError(f"model config is missing {e.args[0]!r}") from e
@@ -172,6 +216,14 @@ class ModelConfig:
             d["rope_scaling"] = {"rope_type": self.rope_scaling.rope_type, **vars(self.rope_scaling)}
         if self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
+        if self.architecture == "MixtralForCausalLM":
+            d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        elif self.architecture == "Qwen3MoeForCausalLM":
+            d.update(
+                num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+            )  # fmt: skip
         return d
 
 
@@ -193,6 +245,27 @@ def _architecture(d: dict[str, Any]) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
+
+
+def _moe(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields: Mixtral's experts are intermediate_size wide and always renormalised;
+    Qwen3-MoE names its own (transformers 5 saves num_experts as num_local_experts)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    top_k = int(d.get("num_experts_per_tok") or 0)
+    if architecture == "MixtralForCausalLM":
+        return dict(
+            num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(d["intermediate_size"])
+        )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+    )
 
 
 def _check_supported_features(d: dict[str, Any]) -> None:
@@ -250,7 +323,7 @@ def _max_positions(d: dict[str, Any], rope_scaling: RopeScaling | None) -> int:
     if isinstance(rope_scaling, YarnRopeScaling):
         limit = int(rope_scaling.original_max_position_embeddings * rope_scaling.factor)
     window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3"))
+    uses_window = d.get("use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3", "qwen3_moe"))
     if window and uses_window and window < limit:
         return int(window)
     return limit
@@ -303,6 +376,19 @@ DUMMY_SHAPES: dict[str, ModelConfig] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=(151645,),
         torch_dtype="bfloat16",
+    ),
+    "Qwen3-30B-A3B": _dummy(
+        "Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=(151645,),
+        torch_dtype="bfloat16", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+    "Mixtral-8x7B": _dummy(
+        "MixtralForCausalLM", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1, eos_token_id=(2,),
+        torch_dtype="bfloat16", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
     ),
 }  # fmt: skip
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.layers.moe import expert_tensors
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig, dummy_config
 
@@ -117,6 +118,10 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             raise ValueError(f"GGUF metadata is missing {arch}.{key}")
         return value
 
+    if gguf_field(reader, f"{arch}.expert_count", 0):
+        raise ValueError(
+            f"unsupported GGUF model: a mixture of experts ({arch}.expert_count); load MoE models from safetensors"
+        )
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
@@ -241,8 +246,12 @@ def iter_dummy(
 
 def split_stacked(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """An unsharded parameter as the checkpoint tensors it is stacked from (qkv_proj: q, k, v; gate_up_proj:
-    gate, up), each under its Hugging Face name; any other parameter as it is."""
-    if ".qkv_proj." in name:
+    gate, up; a MoE layer's experts: each expert's gate, up and down), each under its Hugging Face name; any other
+    parameter as it is."""
+    experts = expert_tensors(config.architecture, name, tensor)
+    if experts is not None:
+        yield from experts
+    elif ".qkv_proj." in name:
         q = config.num_attention_heads * config.head_dim
         kv = config.num_key_value_heads * config.head_dim
         for part, piece in zip(("q", "k", "v"), tensor.split([q, kv, kv])):
@@ -284,6 +293,11 @@ def build_model(
     with _default_dtype(dtype), torch.device(device):
         if plan is None:
             return LlamaForCausalLM(config, tp_rank, tp_size).eval()
+        if config.is_moe:
+            raise ValueError(
+                f"quantized {config.architecture} is not supported: the int4 GEMMs take dense layers, not "
+                "a mixture of experts; serve the model unquantized"
+            )
         with deferred_weights():
             head = getattr(plan, "quantized_lm_head", False)
             net = LlamaForCausalLM(config, tp_rank, tp_size, quantized_lm_head=head).eval()

@@ -146,7 +146,8 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
 
     llama: tied embeddings; qwen2: q/k/v bias, untied; qwen3: q and k normed per head, head_dim 32 (not
     hidden / heads), tied; phi3: fused qkv and gate_up tensors, untied; llama3_scaled: llama3 rope scaling,
-    untied.
+    untied; mixtral: 4 experts, top 2 renormalised, untied; qwen3_moe: qwen3's attention, 4 experts of 48
+    features, top 2 not renormalised, layer 0 a dense MLP, tied.
     `sizes` override the config's (e.g. num_key_value_heads=8); they name the directory too.
     Weights are drawn wide enough (std 0.1, norms around 1, nonzero biases) that greedy choices
     are far from ties.
@@ -165,7 +166,7 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
 
 
 def _tiny_config(arch: str, **sizes: int) -> Any:
-    from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -183,6 +184,20 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
         )
     if arch == "qwen3":
         return Qwen3Config(**{"head_dim": 32, **common}, tie_word_embeddings=True, rope_theta=1000000.0)
+    if arch == "mixtral":
+        return MixtralConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    if arch == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
+        return Qwen3MoeConfig(
+            **{"head_dim": 32, **moe, **common}, tie_word_embeddings=True, rope_theta=1000000.0,
+            mlp_only_layers=[0],
+        )  # fmt: skip
     if arch == "llama3_scaled":
         scaling = {
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -13,7 +13,7 @@ from engine.weights import load_model
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 
 ATOL = 1e-4
-TINY_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "llama3_scaled"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "llama3_scaled", "mixtral", "qwen3_moe"]
 
 
 def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -175,6 +175,8 @@ def test_dummy_smollm2_shapes_and_forward():
         ("Llama-3-8B", 8_030_261_248),
         ("Qwen2.5-7B", 7_615_616_512),
         ("Qwen3-8B", 8_190_735_360),
+        ("Qwen3-30B-A3B", 30_532_122_624),
+        ("Mixtral-8x7B", 46_702_792_704),
         ("Phi-4", 14_659_507_200),
     ],
 )

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.layers.linear import LinearBase
-from engine.model import LlamaDecoderLayer, LlamaForCausalLM
+from engine.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 DATA = Path(__file__).resolve().parent / "data"
 CALIBRATION_TEXT = DATA / "calibration.txt"
@@ -31,11 +31,13 @@ def token_sequences(ids: list[int], seq_len: int) -> list[list[int]]:
 
 
 def linears(layer: LlamaDecoderLayer) -> dict[str, LinearBase]:
+    mlp = layer.mlp
+    assert isinstance(mlp, LlamaMLP), "a dense layer (quantize refuses mixtures of experts)"
     return {
         "qkv": layer.self_attn.qkv_proj,
         "o": layer.self_attn.o_proj,
-        "gate_up": layer.mlp.gate_up_proj,
-        "down": layer.mlp.down_proj,
+        "gate_up": mlp.gate_up_proj,
+        "down": mlp.down_proj,
     }
 
 

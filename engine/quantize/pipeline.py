@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import LlamaDecoderLayer, LlamaForCausalLM
+from engine.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from engine.quantize.awq import search_clip, search_scales
 from engine.quantize.calibration import (
     CALIBRATION_TEXT,
@@ -107,6 +107,10 @@ def quantize(cfg: QuantizeConfig) -> Path:
         raise ValueError(
             "pdserve quantize writes q, k, v and gate, up as tensors of their own, and Phi-3's checkpoints fuse "
             "them (qkv_proj, gate_up_proj): a Phi-3 checkpoint cannot be quantized here"
+        )
+    if config.is_moe:
+        raise ValueError(
+            f"pdserve quantize takes dense models; {config.architecture}'s experts cannot be quantized here"
         )
     sizes = {module.input_size for module in linears(model.model.layers[0]).values()}  # type: ignore[arg-type]
     if any(k % cfg.group_size for k in sizes):
@@ -193,6 +197,7 @@ def apply_awq(layer: LlamaDecoderLayer, inputs: dict[str, torch.Tensor], grid: G
     """Search and fold each linear's input scales, then clip every linear but q and k (attention scores
     are sensitive to them; AutoAWQ leaves them too)."""
     attn, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, LlamaMLP), "a dense layer (quantize refuses mixtures of experts)"
     qkv, o, gate_up, down = (
         m.weight.data for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     )

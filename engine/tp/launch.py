@@ -47,6 +47,11 @@ def check_config(config: EngineConfig, model_config: ModelConfig, device: torch.
     tp = config.tensor_parallel_size
     check_model(model_config.num_attention_heads, model_config.num_key_value_heads,
                 model_config.intermediate_size, tp)  # fmt: skip
+    if model_config.is_moe and model_config.moe_intermediate_size % tp:
+        raise ValueError(
+            f"moe_intermediate_size ({model_config.moe_intermediate_size}) is not divisible by "
+            f"tensor_parallel_size {tp}"
+        )
     check_devices(tp, device, torch.cuda.device_count() if device.type == "cuda" else 0)
     spec = config.speculative_config
     if getattr(spec, "model", None):

@@ -1,0 +1,151 @@
+"""A mixture-of-experts layer's FFN on the GPU: the fused kernels (kernels/fused_moe.py) against the expert loop
+transformers runs, and against the copy bandwidth for the expert bytes the batch reads.
+
+    python -m bench.moe [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 512 4096] [--out-dir DIR]
+
+Per shape (one layer of dummy bf16 experts, the router's choices drawn at random) and token count:
+- fused: median CUDA-graph replay of fused_moe_triton (alignment, both GEMMs, the sum of the choices);
+- loop: the same in transformers' way (for each chosen expert: gather its tokens, SwiGLU, down, index_add),
+  eager, as it must be (its shapes depend on the choices);
+- bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
+  the device-to-device copy bandwidth measured in the same run.
+Records: moe_fused_<shape>_t<tokens> (us, baseline = the loop's us, ratio = loop / fused; extra: GB/s and
+fraction of copy bandwidth).
+
+--engine: the engine on dummy Qwen3-30B-A3B weights (bf16, CUDA graphs), batch-1 decode (128 prompt tokens,
+256 generated, the median of 3 less a 1-token generate's time) against its roofline: the bytes a decode step
+reads (every dense weight, the 8 chosen experts of each layer, the LM head) over the copy bandwidth. Record
+moe_engine_decode_b1_qwen3-30b-a3b (tok/s, ceiling = the roofline's tok/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.kernels import copy_bandwidth, time_us  # noqa: E402
+from bench.record import record  # noqa: E402
+from kernels.fused_moe import fused_moe_triton  # noqa: E402
+
+SHAPES = {  # hidden, expert intermediate features, experts, top k
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+}
+COMMAND = "python -m bench.moe"
+
+
+def transformers_loop(x, w13, w2, weights, ids) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for expert in torch.unique(ids).tolist():
+        token, choice = torch.where(ids == expert)
+        gate_up = torch.nn.functional.linear(x[token], w13[expert])
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = torch.nn.functional.linear(act, w2[expert]) * weights[token, choice, None]
+        out.index_add_(0, token, y.to(x.dtype))
+    return out
+
+
+def eager_us(fn, reps: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def engine_decode(copy_gbs: float, out_dir: Path | None) -> None:
+    from engine import LLM, SamplingParams
+    from engine.model_config import dummy_config
+
+    name = "Qwen3-30B-A3B"
+    config = dummy_config(name)
+    llm = LLM(name, load_format="dummy", dtype="bfloat16", enable_prefix_caching=False)
+    prompt = torch.randint(10, config.vocab_size - 10, (128,), generator=torch.Generator().manual_seed(0))
+
+    def generate(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt.tolist()}], [params])
+        return time.perf_counter() - t0
+
+    generate(256)
+    full = statistics.median(generate(256) for _ in range(3))
+    one = statistics.median(generate(1) for _ in range(3))
+    tok_s = 255 / (full - one)
+    model = llm.engine.runner.model
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    embed = config.vocab_size * config.hidden_size  # the embedding's one row a step, not its table
+    step_bytes = (total - embed - experts + experts * config.num_experts_per_tok // config.num_experts) * 2
+    roofline = copy_gbs * 1e9 / step_bytes
+    print(f"engine {name} batch-1 decode {tok_s:.1f} tok/s; roofline {roofline:.0f} ({tok_s / roofline:.2f})")
+    record(
+        "moe_engine_decode_b1_qwen3-30b-a3b", tok_s, "tok/s", ceiling=roofline,
+        ceiling_name="roofline: a decode step's weight bytes (8 of 128 experts a layer) / copy bandwidth",
+        extra={"step_bytes": step_bytes, "copy_gb_s": copy_gbs}, out_dir=out_dir, command=f"{COMMAND} --engine",
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
+    p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument(
+        "--engine", action="store_true", help="the engine's batch-1 decode on Qwen3-30B-A3B instead"
+    )
+    args = p.parse_args()
+    copies = copy_bandwidth()
+    copy_gbs = max(copies["copy_"], copies["mul_kernel"])
+    print(f"copy bandwidth {copy_gbs:,.0f} GB/s")
+    if args.engine:
+        engine_decode(copy_gbs, args.out_dir)
+        return
+    print(
+        f"{'shape':<16}{'tokens':>7}{'fused us':>11}{'loop us':>11}{'speed-up':>10}{'GB/s':>9}{'of copy':>9}"
+    )
+    for shape in args.shapes:
+        hidden, inter, experts, top_k = SHAPES[shape]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w13 = (
+            torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        )
+        w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+        for tokens in args.tokens:
+            x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
+            probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), dim=-1)
+            weights, ids = torch.topk(probs, top_k, dim=-1)
+            weights = weights / weights.sum(-1, keepdim=True)
+            inputs = (x, w13, w2, weights, ids)
+            fused = time_us([partial(fused_moe_triton, *inputs)], reps=20, min_calls=4)
+            loop = eager_us(partial(transformers_loop, *inputs))
+            moved = torch.unique(ids).numel() * expert_bytes + 2 * x.numel() * 2
+            gbs = moved / fused / 1e3
+            print(
+                f"{shape:<16}{tokens:>7}{fused:>11.1f}{loop:>11.1f}{loop / fused:>9.2f}x{gbs:>9,.0f}"
+                f"{gbs / copy_gbs:>9.2f}"
+            )
+            record(
+                f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
+                baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
+                extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved},
+                out_dir=args.out_dir, command=COMMAND,
+            )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The mixture-of-experts FFN: the Triton kernels (under the interpreter) against the torch reference, the
+reference against transformers' experts, the pairs' alignment, and Mixtral / Qwen3-MoE models against
+transformers (logits, greedy output at TP 1 and 2, on the torch path and through the kernels)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.llm import LLM
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.weights import load_model
+from kernels import _backend
+from kernels.fused_moe import _gate_up_kernel, align_pairs, fused_moe_reference, fused_moe_triton
+from tests.hf_reference import hf_greedy, hf_model, tiny_random_model_dir
+
+assert isinstance(_gate_up_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
+
+
+def moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "experts", "top_k"),
+    [
+        (1, 64, 32, 4, 2),  # decode: two pairs, each in a block of padding
+        (3, 40, 24, 8, 1),  # odd sizes: masked columns and K tails
+        (17, 64, 48, 4, 4),  # every expert chosen by most tokens
+        (70, 32, 16, 8, 4),  # 280 pairs: prefill's 64-row blocks
+        (5, 32, 16, 16, 2),  # more experts than pairs: most get none
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernels_match_the_reference(tokens, hidden, inter, experts, top_k, dtype) -> None:
+    x, w13, w2, weights, ids = moe_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens)
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    got = fused_moe_triton(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def test_every_token_on_one_expert() -> None:
+    x, w13, w2, weights, _ = moe_inputs(20, 32, 16, 4, 2, torch.float32, seed=1)
+    ids = torch.tensor([[2, 0]] * 20)  # expert 2's rows span two 16-row blocks; experts 1 and 3 idle
+    torch.testing.assert_close(
+        fused_moe_triton(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids)
+    )
+
+
+def test_alignment_sorts_pairs_into_one_expert_blocks() -> None:
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [1, 2], [1, 3]])  # expert 1: 5 pairs, 3: 3, 0: 1, 2: 1
+    pair_ids, block_experts, used = align_pairs(ids, 4, rows=4)
+    pairs = ids.numel()
+    assert used.item() == 4 + 8 + 4 + 4  # each expert's pairs padded to whole 4-row blocks
+    assert pair_ids.numel() == block_experts.numel() * 4 >= used.item()
+    blocks = pair_ids[: used.item()].view(-1, 4)
+    seen = []
+    for expert, rows in zip(block_experts.tolist(), blocks.tolist()):
+        real = [p for p in rows if p < pairs]
+        assert real and all(ids.flatten()[p] == expert for p in real)
+        assert real == sorted(real)  # pair order kept within an expert
+        seen += real
+    assert sorted(seen) == list(range(pairs))  # each pair once
+    assert (pair_ids[used.item() :] == pairs).all()  # the worst-case tail is padding
+    assert (block_experts[used.item() // 4 :] == 4).all()  # blocks past the ones in use name no expert
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_reference_equals_transformers_experts(tmp_path: Path, arch: str) -> None:
+    """One MoE block, ours against transformers' on the same checkpoint (router, top k, experts, sum)."""
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    ours, config = load_model(model_dir)
+    layer = 1  # a MoE layer in both (qwen3_moe's layer 0 is a dense MLP)
+    theirs = hf_model(model_dir).model.layers[layer].mlp
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = theirs(x[None])
+        expected = (expected[0] if isinstance(expected, tuple) else expected)[0]
+        torch.testing.assert_close(ours.model.layers[layer].mlp(x), expected, atol=1e-6, rtol=1e-5)
+
+
+PROMPTS = [list(range(5, 45)), [7, 8, 9], [100, 101, 102, 103, 104, 105, 106]]
+MAX_TOKENS = [12, 9, 7]
+
+
+def generate(model_dir: Path, tp: int = 1) -> list[list[int]]:
+    llm = LLM(
+        str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp, cpu_kv_cache_space=0.01,
+        block_size=4,
+    )  # fmt: skip
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not llm.engine.scheduler.has_unfinished()
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_engine_greedy_equals_transformers(tmp_path: Path, arch: str) -> None:
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    assert generate(model_dir) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_engine_through_the_kernels_equals_transformers(tmp_path: Path, monkeypatch) -> None:
+    """The MoE layers through the Triton kernels (interpreted), the rest of the model on torch."""
+    import engine.layers.moe as moe
+
+    calls: list[int] = []
+
+    def kernels(x, *args):
+        calls.append(x.shape[0])
+        return fused_moe_triton(x, *args)
+
+    monkeypatch.setattr(moe, "fused_moe", kernels)
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
+    assert generate(model_dir) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert max(calls) > 1 and min(calls) >= 1  # prefill's many rows and decode's few both took them
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_tp2_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """Each rank holds half of every expert's intermediate features; the router is whole on both."""
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    assert generate(model_dir, tp=2) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_tp_must_divide_the_experts_features(tmp_path: Path) -> None:
+    model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe", moe_intermediate_size=45)
+    with pytest.raises(
+        ValueError, match=r"moe_intermediate_size \(45\) is not divisible by tensor_parallel_size 2"
+    ):
+        LLM(str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
+def test_checkpoint_missing_an_expert_is_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"missing tensors: model\.layers\.1\.block_sparse_moe\.experts\.3\.w2"
+    ):
+        load_model(model_dir)
+
+
+def test_misshapen_expert_is_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe")
+    tensors = load_file(model_dir / "model.safetensors")
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    tensors[name] = tensors[name][:40].contiguous()
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"cannot load {name}: shape mismatch"):
+        load_model(model_dir)
+
+
+def test_bad_moe_configs_are_refused(tmp_path: Path) -> None:
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
+    config = json.loads((model_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) exceeds num_experts \(4\)"):
+        ModelConfig.from_dict({**config, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="num_experts must be positive"):
+        ModelConfig.from_dict({**config, "num_local_experts": 0})
+
+
+def test_quantized_moe_is_refused(tmp_path: Path) -> None:
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized MixtralForCausalLM is not supported"):
+        load_model(model_dir)
+
+
+def _qwen3_moe_dict() -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "norm_topk_prob": True, "mlp_only_layers": [1],
+    }  # fmt: skip
+
+
+def test_config_round_trips_through_hf_dict() -> None:
+    config = ModelConfig.from_dict(_qwen3_moe_dict())
+    assert [config.is_moe_layer(i) for i in range(2)] == [True, False]
+    assert ModelConfig.from_dict(config.to_hf_dict()) == config
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp16_paths_agree_with_fp32(monkeypatch, backend: str) -> None:
+    """Either path in fp16 stays within fp16's rounding of the fp32 reference."""
+    from kernels.fused_moe import fused_moe
+
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", backend)
+    x, w13, w2, weights, ids = moe_inputs(4, 32, 16, 4, 2, torch.float16, seed=3)
+    expected = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids).float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_gguf_mixture_of_experts_is_refused() -> None:
+    """llama.cpp writes Mixtral as arch llama with an expert count; its experts are not loaded from GGUF."""
+    from engine.weights import gguf_model_config
+
+    class Field:
+        def __init__(self, value) -> None:
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    class Reader:
+        fields = {"general.architecture": Field("llama"), "llama.expert_count": Field(8)}
+        tensors: list = []
+
+    with pytest.raises(ValueError, match=r"a mixture of experts \(llama\.expert_count\)"):
+        gguf_model_config(Reader())
