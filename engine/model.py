@@ -1,5 +1,5 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3 / Phi-4, SmolLM2, and the mixtures of experts
-Mixtral and Qwen3-MoE (RMSNorm, RoPE, GQA, SwiGLU; Qwen3 also an RMSNorm over each q and k head before RoPE;
+Mixtral, Qwen2-MoE and Qwen3-MoE (RMSNorm, RoPE, GQA, SwiGLU; Qwen3 also an RMSNorm over each q and k head before RoPE;
 Phi-3's checkpoints hold q, k, v and gate, up fused, which the loader splits; a MoE layer's MLP is
 engine/layers/moe.py's).
 
@@ -118,9 +118,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [inter, inter], tp_rank=tp_rank, tp_size=tp_size
         )
@@ -145,7 +147,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: LlamaMLP | SparseMoeBlock
         if config.is_moe_layer(index):
-            self.mlp = SparseMoeBlock(config, tp_rank, tp_size)
+            inter = config.shared_expert_intermediate_size
+            shared = LlamaMLP(config, tp_rank, tp_size, inter) if inter else None
+            self.mlp = SparseMoeBlock(config, tp_rank, tp_size, shared)
         else:
             self.mlp = LlamaMLP(config, tp_rank, tp_size)
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
 )  # fmt: skip
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -22,6 +22,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # base models (no LM head: embedding models such as e5-mistral are saved so) load as their causal LM
@@ -31,12 +32,15 @@ _BASE_ARCHITECTURES = {
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
     "MixtralModel": "MixtralForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
     "Qwen3MoeModel": "Qwen3MoeForCausalLM",
 }
 # an RMSNorm over each q and k head before RoPE
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # sparse mixture-of-experts MLPs (engine/layers/moe.py)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# q, k and v with a bias, o_proj without
+_QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _MODEL_TYPE_BY_ARCH = {arch: model_type for model_type, arch in _ARCH_BY_MODEL_TYPE.items()}
 
 
@@ -101,13 +105,15 @@ class ModelConfig:
     torch_dtype: str = "float32"
     # mixture of experts (MOE_ARCHITECTURES): routed experts a MoE layer has, each token's top k of them, an
     # expert's intermediate features, whether the top k's router weights are renormalised to sum to 1; a
-    # layer is a MoE one unless listed in mlp_only_layers, every decoder_sparse_step-th (Qwen3-MoE's keys)
+    # layer is a MoE one unless listed in mlp_only_layers, every decoder_sparse_step-th (Qwen-MoE's keys); a
+    # shared expert of shared_expert_intermediate_size features every token takes, gated (Qwen2-MoE; 0: none)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -158,7 +164,7 @@ class ModelConfig:
     @property
     def o_proj_bias(self) -> bool:
         """Llama's `attention_bias` also covers o_proj; Qwen2's q/k/v bias does not."""
-        return self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        return self.attention_bias and self.architecture not in _QKV_BIAS_ARCHITECTURES
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -192,7 +198,7 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=_max_positions(d, rope_scaling),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=architecture == "Qwen2ForCausalLM" or bool(d.get("attention_bias", False)),
+                attention_bias=_attention_bias(architecture, d),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_id=_token_ids(d.get("eos_token_id")),
                 torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
@@ -214,16 +220,20 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             d["rope_scaling"] = {"rope_type": self.rope_scaling.rope_type, **vars(self.rope_scaling)}
-        if self.architecture != "Qwen2ForCausalLM":
+        if self.architecture == "Qwen2MoeForCausalLM":
+            d["qkv_bias"] = self.attention_bias
+        elif self.architecture != "Qwen2ForCausalLM":
             d["attention_bias"] = self.attention_bias
         if self.architecture == "MixtralForCausalLM":
             d.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
-        elif self.architecture == "Qwen3MoeForCausalLM":
+        elif self.architecture in MOE_ARCHITECTURES:
             d.update(
                 num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                 moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
             )  # fmt: skip
+            if self.architecture == "Qwen2MoeForCausalLM":
+                d["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return d
 
 
@@ -249,7 +259,8 @@ def _architecture(d: dict[str, Any]) -> str:
 
 def _moe(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields: Mixtral's experts are intermediate_size wide and always renormalised;
-    Qwen3-MoE names its own (transformers 5 saves num_experts as num_local_experts)."""
+    Qwen2-MoE and Qwen3-MoE name their own (transformers 5 saves num_experts as num_local_experts); Qwen2-MoE adds
+    a shared expert."""
     if architecture not in MOE_ARCHITECTURES:
         return {}
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
@@ -265,7 +276,19 @@ def _moe(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0)
+        if architecture == "Qwen2MoeForCausalLM"
+        else 0,
     )
+
+
+def _attention_bias(architecture: str, d: dict[str, Any]) -> bool:
+    """Qwen2 always has a q/k/v bias, Qwen2-MoE unless `qkv_bias` says not; others where `attention_bias` says."""
+    if architecture == "Qwen2ForCausalLM":
+        return True
+    if architecture == "Qwen2MoeForCausalLM":
+        return bool(d.get("qkv_bias", True))
+    return bool(d.get("attention_bias", False))
 
 
 def _check_supported_features(d: dict[str, Any]) -> None:
@@ -323,7 +346,9 @@ def _max_positions(d: dict[str, Any], rope_scaling: RopeScaling | None) -> int:
     if isinstance(rope_scaling, YarnRopeScaling):
         limit = int(rope_scaling.original_max_position_embeddings * rope_scaling.factor)
     window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3", "qwen3_moe"))
+    uses_window = d.get(
+        "use_sliding_window", d.get("model_type") not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+    )
     if window and uses_window and window < limit:
         return int(window)
     return limit

@@ -147,7 +147,8 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
     llama: tied embeddings; qwen2: q/k/v bias, untied; qwen3: q and k normed per head, head_dim 32 (not
     hidden / heads), tied; phi3: fused qkv and gate_up tensors, untied; llama3_scaled: llama3 rope scaling,
     untied; mixtral: 4 experts, top 2 renormalised, untied; qwen3_moe: qwen3's attention, 4 experts of 48
-    features, top 2 not renormalised, layer 0 a dense MLP, tied.
+    features, top 2 not renormalised, layer 0 a dense MLP, tied; qwen2_moe: q/k/v bias, the same experts and a
+    shared expert of 96 features, layer 0 dense by decoder_sparse_step, untied.
     `sizes` override the config's (e.g. num_key_value_heads=8); they name the directory too.
     Weights are drawn wide enough (std 0.1, norms around 1, nonzero biases) that greedy choices
     are far from ties.
@@ -166,7 +167,15 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
 
 
 def _tiny_config(arch: str, **sizes: int) -> Any:
-    from transformers import LlamaConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -192,6 +201,12 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
             num_local_experts=4,
             num_experts_per_tok=2,
         )
+    if arch == "qwen2_moe":  # q/k/v bias; layer 0 dense by decoder_sparse_step; a gated shared expert
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
+        return Qwen2MoeConfig(
+            **{**moe, **common}, tie_word_embeddings=False, rope_theta=1000000.0, decoder_sparse_step=2,
+            shared_expert_intermediate_size=96,
+        )  # fmt: skip
     if arch == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
         return Qwen3MoeConfig(

@@ -81,7 +81,7 @@ def test_alignment_sorts_pairs_into_one_expert_blocks() -> None:
     assert (block_experts[used.item() // 4 :] == 4).all()  # blocks past the ones in use name no expert
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_reference_equals_transformers_experts(tmp_path: Path, arch: str) -> None:
     """One MoE block, ours against transformers' on the same checkpoint (router, top k, experts, sum)."""
     model_dir = tiny_random_model_dir(tmp_path, arch)
@@ -114,7 +114,7 @@ def generate(model_dir: Path, tp: int = 1) -> list[list[int]]:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_engine_greedy_equals_transformers(tmp_path: Path, arch: str) -> None:
     model_dir = tiny_random_model_dir(tmp_path, arch)
     assert generate(model_dir) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
@@ -136,7 +136,7 @@ def test_engine_through_the_kernels_equals_transformers(tmp_path: Path, monkeypa
     assert max(calls) > 1 and min(calls) >= 1  # prefill's many rows and decode's few both took them
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tp2_equals_transformers(tmp_path: Path, arch: str) -> None:
     """Each rank holds half of every expert's intermediate features; the router is whole on both."""
     model_dir = tiny_random_model_dir(tmp_path, arch)
@@ -203,10 +203,14 @@ def _qwen3_moe_dict() -> dict:
     }  # fmt: skip
 
 
-def test_config_round_trips_through_hf_dict() -> None:
+def test_config_round_trips_through_hf_dict(tmp_path: Path) -> None:
     config = ModelConfig.from_dict(_qwen3_moe_dict())
     assert [config.is_moe_layer(i) for i in range(2)] == [True, False]
     assert ModelConfig.from_dict(config.to_hf_dict()) == config
+    qwen2 = ModelConfig.from_dir(tiny_random_model_dir(tmp_path, "qwen2_moe"))
+    assert qwen2.shared_expert_intermediate_size == 96 and qwen2.attention_bias and not qwen2.o_proj_bias
+    assert [qwen2.is_moe_layer(i) for i in range(2)] == [False, True]  # decoder_sparse_step 2
+    assert ModelConfig.from_dict(qwen2.to_hf_dict()) == qwen2
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

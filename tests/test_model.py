@@ -13,7 +13,7 @@ from engine.weights import load_model
 from tests.hf_reference import hf_greedy, hf_logits, tiny_random_model_dir
 
 ATOL = 1e-4
-TINY_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "llama3_scaled", "mixtral", "qwen3_moe"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "phi3", "llama3_scaled", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def new_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts, whose
-SwiGLU MLPs run in kernels/fused_moe.py and are summed, weighted by the router.
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k experts,
+whose SwiGLU MLPs run in kernels/fused_moe.py and are summed, weighted by the router. Qwen2-MoE adds a shared
+expert every token takes (a dense MLP), scaled by sigmoid(x . shared_expert_gate).
 
 The router (`gate`, (E, H)) is whole on every rank, so every rank picks the same experts. Tensor parallelism
 splits each expert's intermediate features as the dense MLP's are split (gate and up by rows, down by
@@ -7,7 +8,8 @@ columns), and the ranks' partial sums are all-reduced.
 
 Checkpoint names, per architecture:
     Mixtral:    layers.N.block_sparse_moe.gate.weight, layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight
-    Qwen3-MoE:  layers.N.mlp.gate.weight,              layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+    Qwen-MoE:   layers.N.mlp.gate.weight,              layers.N.mlp.experts.E.{gate,up,down}_proj.weight
+                (Qwen2-MoE also layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight)
 (w1 = gate, w3 = up, w2 = down). Ours: layers.N.mlp.gate.weight, layers.N.mlp.experts.w13 (every expert's gate
 rows, then its up rows) and layers.N.mlp.experts.w2.
 """
@@ -36,6 +38,7 @@ class ExpertNames:
 
 _NAMES = {
     "MixtralForCausalLM": ExpertNames("block_sparse_moe", {"w1": "gate", "w3": "up", "w2": "down"}),
+    "Qwen2MoeForCausalLM": ExpertNames("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
     "Qwen3MoeForCausalLM": ExpertNames("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
 }
 
@@ -73,7 +76,11 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, shared_expert: nn.Module | None = None
+    ) -> None:
+        """shared_expert: the dense MLP of config.shared_expert_intermediate_size features (Qwen2-MoE), made by
+        the model (engine/model.py: LlamaMLP)."""
         super().__init__()
         self.architecture, self.top_k = config.architecture, config.num_experts_per_tok
         self.num_experts, self.tp_size = config.num_experts, tp_size
@@ -82,23 +89,30 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(
             config.num_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size
         )
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            ReplicatedLinear(config.hidden_size, 1) if shared_expert is not None else None
+        )
 
     def input_order(self, x: torch.Tensor) -> int:
         return 0  # x in column order: the router and the experts are dense
 
     def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:  # (num_tokens, hidden)
         """The router's softmax in fp32 over every expert, the top k of it (renormalised to sum to 1 where the
-        config says so; Qwen3-MoE rounds them to the model's dtype), then the chosen experts' weighted sum."""
+        config says so; the Qwen MoEs round them to the model's dtype), then the chosen experts' weighted sum, plus
+        the gated shared expert's output where there is one."""
         assert not ordered, "a MoE layer takes x in column order"
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # (num_tokens, num_experts)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.architecture == "Qwen3MoeForCausalLM":
+        if self.architecture != "MixtralForCausalLM":
             weights = weights.to(x.dtype).float()
         out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def checkpoint_names(self, layer: str) -> set[str]:

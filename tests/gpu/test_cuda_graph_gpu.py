@@ -31,7 +31,9 @@ def tokens(llm: LLM, batch: list[list[int]], max_tokens: list[int]) -> list[list
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama3_scaled", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "llama3_scaled", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def test_graphs_match_eager_and_transformers_across_batches_and_preemptions(arch, tmp_path):
     tiny = tiny_random_model_dir(tmp_path, arch)
     lengths = [1, 5, 16, 17, 40, 100, 3, 9, 64, 33, 2, 120, 7, 50, 11, 30, 80, 4, 21, 60]

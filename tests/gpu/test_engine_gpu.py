@@ -31,7 +31,9 @@ def run(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "llama3_scaled", "mixtral", "qwen3_moe"])
+@pytest.fixture(
+    params=["llama", "qwen2", "qwen3", "phi3", "llama3_scaled", "mixtral", "qwen2_moe", "qwen3_moe"]
+)
 def tiny(request, tmp_path):
     return tiny_random_model_dir(tmp_path, request.param)
 
