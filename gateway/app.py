@@ -399,7 +399,7 @@ class Gateway:
             self._admit(record.tenant)
             info = await self.model_info()
             check_model(body.model, info)
-            prompts = body.prompts()
+            prompts = body.prompts(self.rendering)
             salt = self.salts.salt(record.tenant, body.cache_salt)
             rids = router_ids(record, len(prompts))
             assert self.stub is not None

@@ -1,6 +1,8 @@
 """OpenAI's /v1/embeddings over the router's Embed: every input its own router call, run side by side
 (gateway/router_calls.py), answered in input order as floats or base64 little-endian float32 (what the official
-client asks for by default). vLLM's extras: truncate_prompt_tokens, normalize, priority, cache_salt.
+client asks for by default). vLLM's extras: truncate_prompt_tokens, normalize, priority, cache_salt, and chat
+`messages` in place of `input` (one embedding of the conversation rendered with the model's chat template, no
+generation prompt unless add_generation_prompt).
 
 vLLM's score and rerank APIs over the same calls, as vLLM answers them for embedding models: a pair's score
 is the cosine similarity of the two texts' embeddings (`/score`: text_1 against each text_2, or pair by pair;
@@ -17,8 +19,9 @@ import numpy as np
 from pydantic import Field
 
 from gateway.errors import APIError
-from gateway.protocol import INT32, Int32, TokenId, _Body
+from gateway.protocol import INT32, ChatMessage, Int32, TokenId, _Body
 from gateway.router_calls import RouterCalls
+from gateway.router_client import Rendering, render_chat
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -27,7 +30,11 @@ MAX_INPUTS = 2048  # OpenAI's bound on inputs a request
 
 class EmbeddingRequest(_Body):
     model: str
-    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] | None = None
+    # vLLM's chat embeddings: the conversation instead of input
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1, le=INT32)] | None = None
     user: str | None = None
@@ -37,11 +44,20 @@ class EmbeddingRequest(_Body):
     priority: Int32 = 0
     cache_salt: str | None = None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The inputs one by one: a string, a list of strings, one list of token ids, or lists of them."""
+    def prompts(self, rendering: Rendering) -> list[str | list[int] | pb.ChatMessages]:
+        """The inputs one by one: a string, a list of strings, one list of token ids, or lists of them; or the
+        one conversation of `messages`."""
+        if (self.input is None) == (self.messages is None):
+            raise APIError(400, "give either input or messages", "input", "invalid_request")
+        if self.messages is not None:
+            return [
+                render_chat(
+                    self.messages, self.add_generation_prompt, None, self.chat_template_kwargs, rendering
+                )
+            ]
         x = self.input
         if isinstance(x, str):
-            items: list[str | list[int]] = [x]
+            items: list[str | list[int] | pb.ChatMessages] = [x]
         elif x and all(isinstance(t, int) for t in x):
             items = [list(x)]  # type: ignore[arg-type]
         else:
@@ -57,13 +73,17 @@ class EmbeddingRequest(_Body):
                 raise APIError(400, f"input[{i}] is empty", "input", "invalid_request")
         return items
 
-    def router_request(self, prompt: str | list[int], rid: str, salt: str | None) -> pb.EmbedRequest:
+    def router_request(
+        self, prompt: str | list[int] | pb.ChatMessages, rid: str, salt: str | None
+    ) -> pb.EmbedRequest:
         req = pb.EmbedRequest(
             request_id=rid, model=self.model, priority=self.priority, cache_salt=salt or "",
             pooling=pb.PoolingParams(dimensions=self.dimensions, normalize=self.normalize),
         )  # fmt: skip
         if isinstance(prompt, str):
             req.text = prompt
+        elif isinstance(prompt, pb.ChatMessages):
+            req.chat.CopyFrom(prompt)
         else:
             req.token_ids.ids.extend(prompt)
         if self.truncate_prompt_tokens is not None:

@@ -11,6 +11,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -18,9 +19,11 @@ from engine.prompt_checks import check_fits_by_size, check_length, fit_max_token
 from gateway.errors import APIError, from_grpc
 from gateway.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    ToolDefinition,
 )
 from gateway.responses import Echo
 from gateway.tools import SPECIAL_MARKERS, ToolPlan, plan_schema, tools_json
@@ -94,16 +97,6 @@ def chat_messages(
     body: ChatCompletionRequest | TokenizeChatRequest, rendering: Rendering = Rendering()
 ) -> pb.ChatMessages:
     """The request's messages, tools and template variables, as the router renders them with the chat template."""
-    out = []
-    for m in body.messages:
-        msg = pb.ChatMessage(
-            role=m.role, content=m.text(), tool_call_id=m.tool_call_id or "", name=m.name or ""
-        )
-        if m.tool_calls:
-            msg.tool_calls_json = json.dumps([c.for_template() for c in m.tool_calls], ensure_ascii=False)
-        out.append(msg)
-    variables = {**rendering.default_kwargs, **(body.chat_template_kwargs or {})}
-    kwargs = json.dumps(variables, ensure_ascii=False) if variables else ""
     tools = body.tools
     if (
         rendering.exclude_tools_when_none
@@ -111,9 +104,30 @@ def chat_messages(
         and body.tool_choice == "none"
     ):
         tools = None
+    return render_chat(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs, rendering)
+
+
+def render_chat(
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: list[ToolDefinition] | None,
+    template_kwargs: dict[str, Any] | None,
+    rendering: Rendering = Rendering(),
+) -> pb.ChatMessages:
+    """Messages, tools and template variables (over the gateway's defaults) as the router takes them."""
+    out = []
+    for m in messages:
+        msg = pb.ChatMessage(
+            role=m.role, content=m.text(), tool_call_id=m.tool_call_id or "", name=m.name or ""
+        )
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.for_template() for c in m.tool_calls], ensure_ascii=False)
+        out.append(msg)
+    variables = {**rendering.default_kwargs, **(template_kwargs or {})}
+    kwargs = json.dumps(variables, ensure_ascii=False) if variables else ""
     return pb.ChatMessages(
         messages=out,
-        add_generation_prompt=body.add_generation_prompt,
+        add_generation_prompt=add_generation_prompt,
         tools_json=tools_json(tools),
         template_kwargs_json=kwargs,
     )

@@ -72,6 +72,8 @@ async def admit_embedding(
         as_generate.text = request.text
     elif kind == "token_ids":
         as_generate.token_ids.CopyFrom(request.token_ids)
+    elif kind == "chat":
+        as_generate.chat.CopyFrom(request.chat)
     try:
         pooling_from_proto(request.pooling)
     except ValueError as exc:

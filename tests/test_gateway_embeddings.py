@@ -58,6 +58,25 @@ def test_the_official_client_gets_transformers_embeddings(
     )  # fmt: skip
 
 
+def test_chat_messages_embed_the_rendered_conversation(stack: OpenAIStack, bundled_model_dir: Path) -> None:
+    """vLLM's chat embeddings: `messages` rendered with the model's chat template (no generation prompt unless
+    asked), one embedding of it."""
+    tok = Tokenizer.from_dir(bundled_model_dir)
+    messages = [
+        {"role": "user", "content": "Where is Paris?"},
+        {"role": "assistant", "content": "In France."},
+    ]
+    for prompt in (False, True):
+        ids = tok.encode(
+            tok.apply_chat_template(messages, add_generation_prompt=prompt), add_special_tokens=False
+        )
+        body = {"model": stack.model, "messages": messages, "encoding_format": "float"}
+        got = stack.post("/v1/embeddings", {**body, "add_generation_prompt": prompt}).json()
+        assert got["usage"]["prompt_tokens"] == len(ids) and len(got["data"]) == 1, got
+        want = hf_embedding(bundled_model_dir, ids)
+        torch.testing.assert_close(torch.tensor(got["data"][0]["embedding"]), want, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
@@ -68,6 +87,12 @@ def test_the_official_client_gets_transformers_embeddings(
         ({"input": "hi", "model": "other"}, 404, "does not exist"),
         ({"input": "word " * 2000}, 400, "max_model_len"),
         ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({}, 400, "give either input or messages"),
+        (
+            {"input": "hi", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "give either input or messages",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(stack: OpenAIStack, body: dict, status: int, words: str) -> None:
