@@ -36,6 +36,7 @@ DUMMY_SCALE = 0.007  # a group of N(0, 0.02) weights spans about 15 of these ste
 
 class QuantPlan(Protocol):
     quantized_lm_head: bool  # the LM head is a linear layer the plan gives a method (else dense)
+    dense_experts: bool  # a mixture of experts loads its experts dense (else the plan cannot take one)
 
     def method_for(self, prefix: str, layer: LinearBase) -> LinearMethod | None: ...
 
@@ -50,6 +51,8 @@ def checkpoint_parts(prefix: str) -> list[str]:
 class CheckpointPlan:
     """AWQ or GPTQ: every linear layer of the decoder, except `modules_to_not_convert`; the LM head too
     where a GPTQ config says lm_head=true."""
+
+    dense_experts = False  # AWQ / GPTQ experts are packed int4, which no MoE kernel here takes
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -70,6 +73,7 @@ class GGUFPlan:
     is dequantized at load (engine/weights.py: iter_gguf) into a dense layer."""
 
     quantized_lm_head = False  # an untied output tensor is dequantized, whatever its type
+    dense_experts = True  # expert stacks are dequantized at load (iter_gguf), whatever their type
 
     def __init__(self, reader: Any) -> None:
         from engine.weights import gguf_to_hf_name
@@ -83,7 +87,7 @@ class GGUFPlan:
 
     def method_for(self, prefix: str, layer: LinearBase) -> LinearMethod | None:
         kind = self.qtype(prefix)
-        if kind is None:
+        if kind is None or prefix.endswith(".mlp.gate"):  # a MoE router: dequantized (llama.cpp keeps it F32)
             return None
         return GGUFInt8Method(kind) if kind == "Q8_0" else GGUFInt4Method(kind)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.layers.moe import expert_tensors
+from engine.layers.moe import expert_tensors, gguf_expert_tensors
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig, dummy_config
 
@@ -44,8 +44,20 @@ _GGUF_LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # mixtures of experts: the router and the expert stacks (E, ., .), split per expert by iter_gguf
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps",
+    "ffn_down_exps": "mlp.experts.down_exps",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_GGUF_ARCHS = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+}  # fmt: skip
 
 
 # ---- safetensors ---------------------------------------------------------------------------------
@@ -118,15 +130,27 @@ def gguf_model_config(reader: Any) -> ModelConfig:
             raise ValueError(f"GGUF metadata is missing {arch}.{key}")
         return value
 
-    if gguf_field(reader, f"{arch}.expert_count", 0):
-        raise ValueError(
-            f"unsupported GGUF model: a mixture of experts ({arch}.expert_count); load MoE models from safetensors"
-        )
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    architecture = _GGUF_ARCHS[arch]
+    moe: dict[str, Any] = {}
+    experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    if experts:  # Mixtral is written as llama with experts; the Qwen MoEs renormalise as their configs do
+        architecture = "MixtralForCausalLM" if arch == "llama" else architecture
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=int(meta("expert_used_count")),
+            moe_intermediate_size=int(
+                gguf_field(reader, f"{arch}.expert_feed_forward_length") or meta("feed_forward_length")
+            ),
+            norm_topk_prob=bool(gguf_field(reader, f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+            shared_expert_intermediate_size=int(
+                gguf_field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or 0
+            ),
+        )
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens", []))
     eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        architecture=_GGUF_ARCHS[arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -138,10 +162,11 @@ def gguf_model_config(reader: Any) -> ModelConfig:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta("context_length")),
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        attention_bias=arch == "qwen2",
+        attention_bias=arch in ("qwen2", "qwen2moe"),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=() if eos is None else (int(eos),),
         torch_dtype="float32",
+        **moe,
     )
 
 
@@ -189,7 +214,10 @@ def iter_gguf(
             data = unpermute_rotary(data, config.num_attention_heads)
         elif permuted and ".k_proj." in name:
             data = unpermute_rotary(data, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, not the memmap
+        elif name.endswith(".shared_expert_gate.weight"):
+            data = data.reshape(1, -1)  # llama.cpp keeps the one-output gate as a vector
+        weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy, not the memmap
+        yield from gguf_expert_tensors(config.architecture, name, weight) or [(name, weight)]
 
 
 def gguf_file(path: Path) -> Path:
@@ -293,7 +321,7 @@ def build_model(
     with _default_dtype(dtype), torch.device(device):
         if plan is None:
             return LlamaForCausalLM(config, tp_rank, tp_size).eval()
-        if config.is_moe:
+        if config.is_moe and not plan.dense_experts:
             raise ValueError(
                 f"quantized {config.architecture} is not supported: the int4 GEMMs take dense layers, not "
                 "a mixture of experts; serve the model unquantized"

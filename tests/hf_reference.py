@@ -149,7 +149,8 @@ def tiny_random_model_dir(tmp_path: Path, arch: str = "llama", seed: int = 0, **
     untied; mixtral: 4 experts, top 2 renormalised, untied; qwen3_moe: qwen3's attention, 4 experts of 48
     features, top 2 not renormalised, layer 0 a dense MLP, tied; qwen2_moe: q/k/v bias, the same experts and a
     shared expert of 96 features, layer 0 dense by decoder_sparse_step, untied.
-    `sizes` override the config's (e.g. num_key_value_heads=8); they name the directory too.
+    `sizes` override the config's (e.g. num_key_value_heads=8, or the MoEs' decoder_sparse_step=1 and
+    mlp_only_layers=[]); they name the directory too.
     Weights are drawn wide enough (std 0.1, norms around 1, nonzero biases) that greedy choices
     are far from ties.
     """
@@ -204,14 +205,14 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
     if arch == "qwen2_moe":  # q/k/v bias; layer 0 dense by decoder_sparse_step; a gated shared expert
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
         return Qwen2MoeConfig(
-            **{**moe, **common}, tie_word_embeddings=False, rope_theta=1000000.0, decoder_sparse_step=2,
+            **{**moe, "decoder_sparse_step": 2, **common}, tie_word_embeddings=False, rope_theta=1000000.0,
             shared_expert_intermediate_size=96,
         )  # fmt: skip
     if arch == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
         return Qwen3MoeConfig(
-            **{"head_dim": 32, **moe, **common}, tie_word_embeddings=True, rope_theta=1000000.0,
-            mlp_only_layers=[0],
+            **{"head_dim": 32, **moe, "mlp_only_layers": [0], **common}, tie_word_embeddings=True,
+            rope_theta=1000000.0,
         )  # fmt: skip
     if arch == "llama3_scaled":
         scaling = {

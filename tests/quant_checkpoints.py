@@ -119,3 +119,76 @@ def add_tokenizer(writer, model_dir: Path) -> None:
     writer.add_token_list(tokens)
     writer.add_token_merges(merges)
     writer.add_token_types([3 if t in special else 1 for t in tokens])
+
+
+GGUF_MOE_ARCHS = {
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+}
+GGUF_MOE_NAMES = {  # the router, the shared expert (Qwen2-MoE) and, stacked over experts, each expert's parts
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}  # fmt: skip
+GGUF_EXPERT_PARTS = {
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+def write_moe_gguf(model_dir: Path, out: Path) -> None:
+    """A llama.cpp-style F32 GGUF of a tiny MoE model (Mixtral as llama with experts, qwen2moe, qwen3moe): each
+    layer's experts stacked into ffn_{gate,up,down}_exps (E, ., .), the shared expert's gate a vector."""
+    import re
+
+    import gguf
+
+    c = ModelConfig.from_dir(model_dir)
+    arch = GGUF_MOE_ARCHS[c.architecture]
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    dense = c.intermediate_size if arch != "llama" else c.moe_intermediate_size
+    for add, value in (
+        (writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, c.max_position_embeddings),
+        (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, dense),
+        (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+        (writer.add_rope_freq_base, c.rope_theta), (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+        (writer.add_vocab_size, c.vocab_size), (writer.add_bos_token_id, c.bos_token_id),
+        (writer.add_eos_token_id, c.eos_token_id[0]), (writer.add_key_length, c.head_dim),
+        (writer.add_value_length, c.head_dim), (writer.add_expert_count, c.num_experts),
+        (writer.add_expert_used_count, c.num_experts_per_tok), (writer.add_expert_weights_norm, c.norm_topk_prob),
+    ):  # fmt: skip
+        add(value)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if c.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    add_tokenizer(writer, model_dir)
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, tensor in iter_safetensors(model_dir):
+        w = tensor.numpy()
+        m = re.fullmatch(
+            r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name
+        )
+        if m:
+            experts.setdefault((m.group(1), GGUF_EXPERT_PARTS[m.group(3)]), {})[int(m.group(2))] = w
+            continue
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            w = permute(w, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
+        stem, kind = name.rsplit(".", 1)
+        parts = stem.split(".")
+        layer, module = (parts[2], ".".join(parts[3:])) if stem.startswith("model.layers.") else (None, stem)
+        gguf_name = {**GGUF_NAMES, **GGUF_MOE_NAMES}[module]
+        if module == "mlp.shared_expert_gate":
+            w = w.reshape(-1)
+        writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}" if layer else f"{gguf_name}.{kind}", w)
+    for (layer, part), stack in experts.items():
+        writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.stack([stack[e] for e in sorted(stack)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

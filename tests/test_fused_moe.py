@@ -99,6 +99,17 @@ PROMPTS = [list(range(5, 45)), [7, 8, 9], [100, 101, 102, 103, 104, 105, 106]]
 MAX_TOKENS = [12, 9, 7]
 
 
+def generate_from(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(path), device="cpu", dtype="float32", cpu_kv_cache_space=0.01, block_size=4)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=6) for _ in prompts]
+        return [
+            o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        ]
+    finally:
+        llm.engine.shutdown()
+
+
 def generate(model_dir: Path, tp: int = 1) -> list[list[int]]:
     llm = LLM(
         str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp, cpu_kv_cache_space=0.01,
@@ -224,20 +235,27 @@ def test_fp16_paths_agree_with_fp32(monkeypatch, backend: str) -> None:
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids).float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_gguf_mixture_of_experts_is_refused() -> None:
-    """llama.cpp writes Mixtral as arch llama with an expert count; its experts are not loaded from GGUF."""
-    from engine.weights import gguf_model_config
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_gguf_moe_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """llama.cpp's MoE layout (Mixtral as llama with experts and permuted q/k; qwen2moe with its shared expert;
+    qwen3moe): the expert stacks split per expert, the router and shared gate mapped back. llama.cpp's MoEs have
+    experts in every layer, so the tiny Qwen MoEs do too here."""
+    from tests.quant_checkpoints import write_moe_gguf
 
-    class Field:
-        def __init__(self, value) -> None:
-            self.value = value
-
-        def contents(self):
-            return self.value
-
-    class Reader:
-        fields = {"general.architecture": Field("llama"), "llama.expert_count": Field(8)}
-        tensors: list = []
-
-    with pytest.raises(ValueError, match=r"a mixture of experts \(llama\.expert_count\)"):
-        gguf_model_config(Reader())
+    every_layer = {"qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": []}}
+    model_dir = tiny_random_model_dir(tmp_path, arch, **every_layer.get(arch, {}))
+    gguf_path = tmp_path / f"{arch}.gguf"
+    write_moe_gguf(model_dir, gguf_path)
+    model, config = load_model(gguf_path)
+    ours, expected = load_model(model_dir)
+    assert config.is_moe and all(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size", "attention_bias", "qk_norm"):  # fmt: skip
+        assert getattr(config, field) == getattr(expected, field), field
+    theirs = dict(ours.named_parameters())
+    got = dict(model.named_parameters())
+    assert got.keys() == theirs.keys()
+    for name, a in got.items():
+        assert torch.equal(a, theirs[name]), name
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    assert generate_from(gguf_path, prompts) == hf_greedy(model_dir, prompts, [6, 6])

@@ -164,3 +164,21 @@ def expert_tensors(
         for e, w in enumerate(tensor)
         for part, piece in zip(("gate", "up"), w.chunk(2))
     ]
+
+
+def gguf_expert_tensors(
+    architecture: str, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]] | None:
+    """A llama.cpp MoE tensor, as engine/weights.py names it (model.layers.N.mlp.gate.weight for ffn_gate_inp,
+    model.layers.N.mlp.experts.{gate,up,down}_exps.weight for the (E, ., .) expert stacks), as this architecture's
+    checkpoint tensors; None for any other tensor."""
+    names = _NAMES.get(architecture)
+    m = re.fullmatch(r"(.*\.layers\.\d+)\.mlp\.(?:gate|experts\.(gate|up|down)_exps)\.weight", name)
+    if names is None or m is None:
+        return None
+    layer, part = m.groups()
+    block = f"{layer}.{names.block}"
+    if part is None:
+        return [(f"{block}.gate.weight", tensor)]
+    theirs = {ours: hf for hf, ours in names.parts.items()}[part]
+    return [(f"{block}.experts.{e}.{theirs}.weight", w) for e, w in enumerate(tensor)]
