@@ -9,8 +9,9 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
   eager, as it must be (its shapes depend on the choices);
 - bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
   the device-to-device copy bandwidth measured in the same run.
+- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s.
 Records: moe_fused_<shape>_t<tokens> (us, baseline = the loop's us, ratio = loop / fused; extra: GB/s and
-fraction of copy bandwidth).
+fraction of copy bandwidth, the int4 layer's us and GB/s).
 
 --engine: the engine on dummy Qwen3-30B-A3B weights (bf16, CUDA graphs), batch-1 decode (128 prompt tokens,
 256 generated, the median of 3 less a 1-token generate's time) against its roofline: the bytes a decode step
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth, time_us  # noqa: E402
 from bench.record import record  # noqa: E402
-from kernels.fused_moe import fused_moe_triton  # noqa: E402
+from kernels.fused_moe import Int4Experts, fused_moe_triton  # noqa: E402
 
 SHAPES = {  # hidden, expert intermediate features, experts, top k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -99,6 +100,18 @@ def engine_decode(copy_gbs: float, out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+def int4_like(w: torch.Tensor, group: int = 128) -> Int4Experts:
+    """Random int4 experts of w's (E, N, K) shape (speed does not depend on the values)."""
+    e, n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qweight = torch.randint(
+        -(2**31), 2**31 - 1, (e, k // 8, n), device="cuda", generator=gen, dtype=torch.int32
+    )
+    scales = torch.full((e, k // group, n), 0.007, device="cuda", dtype=torch.float16)
+    zeros = torch.full((e, k // group, n), 8, device="cuda", dtype=torch.uint8)
+    return Int4Experts(qweight, scales, zeros, group)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -125,6 +138,10 @@ def main() -> None:
         )
         w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
+        q13, q2 = int4_like(w13), int4_like(w2)
+        int4_expert_bytes = expert_bytes // 4 + sum(  # nibbles, plus fp16 scales and uint8 zeros
+            (q.scales[0].numel() * 3) for q in (q13, q2)
+        )
         for tokens in args.tokens:
             x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
             probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), dim=-1)
@@ -133,16 +150,20 @@ def main() -> None:
             inputs = (x, w13, w2, weights, ids)
             fused = time_us([partial(fused_moe_triton, *inputs)], reps=20, min_calls=4)
             loop = eager_us(partial(transformers_loop, *inputs))
-            moved = torch.unique(ids).numel() * expert_bytes + 2 * x.numel() * 2
+            int4 = time_us([partial(fused_moe_triton, x, q13, q2, weights, ids)], reps=20, min_calls=4)
+            chosen = torch.unique(ids).numel()
+            moved = chosen * expert_bytes + 2 * x.numel() * 2
+            int4_gbs = (chosen * int4_expert_bytes + 2 * x.numel() * 2) / int4 / 1e3
             gbs = moved / fused / 1e3
             print(
                 f"{shape:<16}{tokens:>7}{fused:>11.1f}{loop:>11.1f}{loop / fused:>9.2f}x{gbs:>9,.0f}"
-                f"{gbs / copy_gbs:>9.2f}"
+                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}"
             )
             record(
                 f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
                 baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
-                extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved},
+                extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved,
+                       "int4_us": int4, "int4_gb_s": int4_gbs},
                 out_dir=args.out_dir, command=COMMAND,
             )  # fmt: skip
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import LinearBase
+from engine.layers.moe import FusedMoE
 from engine.layers.quant import (
     AWQLinearMethod,
     GGUFInt4Method,
@@ -52,13 +53,15 @@ class CheckpointPlan:
     """AWQ or GPTQ: every linear layer of the decoder, except `modules_to_not_convert`; the LM head too
     where a GPTQ config says lm_head=true."""
 
-    dense_experts = False  # AWQ / GPTQ experts are packed int4, which no MoE kernel here takes
+    dense_experts = False  # AWQ / GPTQ experts are int4 too (engine/layers/moe.py: FusedMoE.quantize)
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
         self.quantized_lm_head = config.lm_head
 
     def method_for(self, prefix: str, layer: LinearBase) -> LinearMethod | None:
+        if prefix.endswith((".mlp.gate", ".shared_expert_gate")):  # MoE routers stay dense in these formats
+            return None
         parts = checkpoint_parts(prefix)
         skipped = [any(s in p for s in self.config.modules_to_not_convert) for p in parts]
         if all(skipped):
@@ -108,8 +111,15 @@ def quant_plan(
 
 
 def attach_methods(net: nn.Module, plan: QuantPlan) -> None:
-    """Give every linear layer (built without a dense weight) its method's parameters, or a dense weight."""
+    """Give every linear layer (built without a dense weight) its method's parameters, or a dense weight; a MoE
+    layer's experts their checkpoint's int4 tensors where the plan's experts are not dense."""
     for prefix, layer in net.named_modules():
+        if isinstance(layer, FusedMoE) and not plan.dense_experts:
+            assert isinstance(plan, CheckpointPlan)
+            try:
+                layer.quantize(plan.config)
+            except ValueError as e:
+                raise ValueError(f"{prefix}: {e}") from e
         if not isinstance(layer, LinearBase):
             continue
         method = plan.method_for(prefix, layer)
@@ -135,30 +145,36 @@ def gguf_kept(net: nn.Module) -> set[str]:
 
 def process_weights(net: nn.Module) -> None:
     for prefix, layer in net.named_modules():
-        if isinstance(layer, LinearBase) and isinstance(layer.quant_method, LinearMethod):
-            try:
+        try:
+            if isinstance(layer, LinearBase) and isinstance(layer.quant_method, LinearMethod):
                 layer.quant_method.process_weights(layer)
-            except ValueError as e:
-                raise ValueError(f"{prefix}: {e}") from e
+            elif isinstance(layer, FusedMoE):
+                layer.process_weights()
+        except ValueError as e:
+            raise ValueError(f"{prefix}: {e}") from e
 
 
 @torch.no_grad()
 def init_dummy_quantized(net: nn.Module, seed: int = 0) -> None:
     """Random AWQ / GPTQ tensors for speed work: random nibbles, scales of DUMMY_SCALE, g_idx k // G."""
-    layers = [m for m in net.modules() if isinstance(m, LinearBase) and m.quant_method is not None]
+    layers: list[nn.Module] = [
+        m for m in net.modules() if isinstance(m, LinearBase) and m.quant_method is not None
+    ]
+    layers += [m for m in net.modules() if isinstance(m, FusedMoE) and m.quant is not None]
     device = next(net.parameters()).device
     if not layers or device.type == "meta":
         return
     gen = torch.Generator(device=device).manual_seed(seed)
     for layer in layers:
         for name, param in layer.named_parameters(recurse=False):
-            if name in ("qweight", "qzeros"):
+            kind = name.split("_", 1)[1] if isinstance(layer, FusedMoE) else name  # w13_qweight: qweight
+            if kind in ("qweight", "qzeros"):
                 param.random_(-(2**31), 2**31 - 1, generator=gen)
-            elif name == "scales":
+            elif kind == "scales":
                 param.fill_(DUMMY_SCALE)
-            elif name == "g_idx":
-                groups = layer.get_parameter("scales").shape[0]
-                param.copy_(torch.arange(param.numel(), device=device) // (param.numel() // groups))
+            elif kind == "g_idx":  # each row k // G
+                k, groups = param.shape[-1], layer.get_parameter(name.replace("g_idx", "scales")).shape[-2]
+                param.copy_(torch.arange(k, device=device) // (k // groups))
 
 
 def iter_gguf_quantized(

@@ -321,11 +321,6 @@ def build_model(
     with _default_dtype(dtype), torch.device(device):
         if plan is None:
             return LlamaForCausalLM(config, tp_rank, tp_size).eval()
-        if config.is_moe and not plan.dense_experts:
-            raise ValueError(
-                f"quantized {config.architecture} is not supported: the int4 GEMMs take dense layers, not "
-                "a mixture of experts; serve the model unquantized"
-            )
         with deferred_weights():
             head = getattr(plan, "quantized_lm_head", False)
             net = LlamaForCausalLM(config, tp_rank, tp_size, quantized_lm_head=head).eval()

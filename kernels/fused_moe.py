@@ -18,10 +18,16 @@ fused MoE:
 Decode's few tokens read each chosen expert's weights once a block; most of a block's rows are padding there,
 which costs tensor-core time the GEMV is not bound by.
 
-`fused_moe_reference` loops over the experts the batch chose, transformers' order of operations (the CPU path).
+Int4 experts (Int4Experts: AWQ / GPTQ checkpoints, each expert in kernels/int4_dequant.py's rows layout) are
+dequantized in the same kernels, a tile at a time in registers: (q - z) * s in fp32, rounded to x's dtype.
+
+`fused_moe_reference` loops over the experts the batch chose, transformers' order of operations (the CPU path;
+int4 experts dequantized first).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.int4_dequant import Int4Weight, int4_dequant_reference
 from kernels.silu_and_mul import silu_mul
 
 
@@ -66,11 +73,79 @@ def align_pairs(
     return pair_ids, block_experts, padded_end[-1:].to(torch.int32)
 
 
+@dataclass(frozen=True)
+class Int4Experts:
+    """Every expert's int4 weight of one projection, each laid as kernels/int4_dequant.py's rows layout (an
+    Int4Weight of (K, N) = (input, output) features): qweight (E, K/8, N) int32, scales (E, K/G, N) fp16,
+    zeros (E, K/G, N) uint8; expert e's weight is w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        e, k8, n = self.qweight.shape
+        groups = (e, k8 * 8 // self.group_size, n)
+        if self.group_size % 32 or (k8 * 8) % self.group_size:
+            raise ValueError(
+                f"int4 experts take groups of a multiple of 32 dividing K={k8 * 8}, not {self.group_size}"
+            )
+        if tuple(self.scales.shape) != groups or tuple(self.zeros.shape) != groups:
+            raise ValueError(
+                f"scales {tuple(self.scales.shape)} and zeros {tuple(self.zeros.shape)} must be {groups}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:  # (E, N, K), as a dense (E, N, K) stack
+        e, k8, n = self.qweight.shape
+        return e, n, k8 * 8
+
+    def expert(self, e: int) -> Int4Weight:
+        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # (E, N, K)
+        return torch.stack([int4_dequant_reference(self.expert(e), dtype) for e in range(self.shape[0])])
+
+
+Experts = torch.Tensor | Int4Experts  # a dense (E, N, K) stack or int4 experts
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, K,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sg,
+    INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """Expert `expert`'s (BLOCK_K, BLOCK_N) tile at rows k0.. of K and columns `cols`, in DT: a dense stack's
+    values, or int4 ones as (q - z) * s in fp32 (the reference's rounding), one group a tile."""
+    if INT4:
+        words = tl.arange(0, BLOCK_K // 8) + k0 // 8
+        packed = tl.load(
+            w_ptr + expert * stride_we + words[:, None] * stride_wk + cols[None, :],
+            mask=n_in[None, :],
+            other=0,
+        )  # (BLOCK_K / 8, BLOCK_N): 8 rows a word, row 8r + j in bits 4j..4j + 3
+        shifts = tl.arange(0, 8) * 4
+        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        group = expert * stride_se + (k0 // GROUP) * stride_sg + cols
+        s = tl.load(s_ptr + group, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + group, mask=n_in, other=0).to(tl.float32)[None, :]
+        return (q * s - z * s).to(DT)
+    k_in = ks + k0 < K
+    ptrs = (
+        w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None] * stride_wk
+    )
+    return tl.load(ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0).to(DT)
+
+
 @triton.jit
 def _gate_up_kernel(
     # pointers
     x_ptr,  # (T, H)
-    w_ptr,  # (E, 2 * I, H)
+    w_ptr,  # (E, 2 * I, H) dense, or int4 qweight (E, H / 8, 2 * I)
+    s_ptr,  # int4: scales (E, H / G, 2 * I)
+    z_ptr,  # int4: zeros (E, H / G, 2 * I)
     pair_ptr,  # (num_blocks * BLOCK_M,) int32
     expert_ptr,  # (num_blocks,) int32
     used_ptr,  # (1,) int32
@@ -83,9 +158,14 @@ def _gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sg,
     stride_act,
     # meta
     TOP_K: tl.constexpr,
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -98,31 +178,32 @@ def _gate_up_kernel(
     rows = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = cols < inter
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tokens[:, None] * stride_x + ks[None, :]  # (BLOCK_M, BLOCK_K)
-    gate_tile = (
-        w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    )  # (BLOCK_K, BLOCK_N)
-    up_tile = gate_tile + inter * stride_wn
+    dt = act_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k_in = ks + k0 < H
-        w_mask = k_in[:, None] & (cols < inter)[None, :]
-        a = tl.load(x_tile + k0, mask=rows[:, None] & k_in[None, :], other=0.0)
-        gate = tl.dot(a, tl.load(gate_tile + k0, mask=w_mask, other=0.0), gate, input_precision="ieee")
-        up = tl.dot(a, tl.load(up_tile + k0, mask=w_mask, other=0.0), up, input_precision="ieee")
-    dt = act_ptr.dtype.element_ty
+        a = tl.load(x_tile + k0, mask=rows[:, None] & (ks + k0 < H)[None, :], other=0.0)
+        g = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, H, stride_we, stride_wn, stride_wk,
+                         stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+        u = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols + inter, n_in, H, stride_we, stride_wn,
+                         stride_wk, stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+        gate = tl.dot(a, g, gate, input_precision="ieee")
+        up = tl.dot(a, u, up, input_precision="ieee")
     act = silu_mul(gate.to(dt), up.to(dt))  # each GEMM's output rounded, as the dense MLP's
     dst = act_ptr + pairs[:, None].to(tl.int64) * stride_act + cols[None, :]
-    tl.store(dst, act.to(dt), mask=rows[:, None] & (cols < inter)[None, :])
+    tl.store(dst, act.to(dt), mask=rows[:, None] & n_in[None, :])
 
 
 @triton.jit
 def _down_kernel(
     # pointers
     act_ptr,  # (T * K, I)
-    w_ptr,  # (E, H, I)
+    w_ptr,  # (E, H, I) dense, or int4 qweight (E, I / 8, H)
+    s_ptr,
+    z_ptr,
     weight_ptr,  # (T * K,) fp32: the pairs' router weights
     pair_ptr,
     expert_ptr,
@@ -136,8 +217,13 @@ def _down_kernel(
     stride_act,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sg,
     stride_out,
     # meta
+    INT4: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -150,31 +236,41 @@ def _down_kernel(
     rows = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = cols < H
     ks = tl.arange(0, BLOCK_K)
     a_tile = act_ptr + pairs64[:, None] * stride_act + ks[None, :]
-    w_tile = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        k_in = ks + k0 < inter
-        a = tl.load(a_tile + k0, mask=rows[:, None] & k_in[None, :], other=0.0)
-        w = tl.load(w_tile + k0, mask=k_in[:, None] & (cols < H)[None, :], other=0.0)
+        a = tl.load(a_tile + k0, mask=rows[:, None] & (ks + k0 < inter)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, inter, stride_we, stride_wn, stride_wk,
+                         stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision="ieee")
-    dt = out_ptr.dtype.element_ty
     weight = tl.load(weight_ptr + pairs64, mask=rows, other=0.0)
     out = acc.to(dt).to(tl.float32) * weight[:, None]  # the expert's output rounded, then weighted
     dst = out_ptr + pairs64[:, None] * stride_out + cols[None, :]
-    tl.store(dst, out.to(dt), mask=rows[:, None] & (cols < H)[None, :])
+    tl.store(dst, out.to(dt), mask=rows[:, None] & n_in[None, :])
+
+
+def _weight_args(w: Experts) -> tuple[tuple, dict]:
+    """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
+    stride_sg), and its constexprs."""
+    if isinstance(w, Int4Experts):
+        q, s = w.qweight, w.scales
+        args = (q, s, w.zeros, q.stride(0), 1, q.stride(1), s.stride(0), s.stride(1))
+        return args, {"INT4": True, "GROUP": w.group_size, "BLOCK_K": 64 if w.group_size % 64 == 0 else 32}
+    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0), {"INT4": False, "GROUP": 1, "BLOCK_K": 64}
 
 
 def fused_moe_triton(
     x: torch.Tensor,  # (T, H)
-    w13: torch.Tensor,  # (E, 2 * I, H)
-    w2: torch.Tensor,  # (E, H, I)
+    w13: Experts,  # (E, 2 * I, H)
+    w2: Experts,  # (E, H, I)
     topk_weights: torch.Tensor,  # (T, K) fp32
     topk_ids: torch.Tensor,  # (T, K) int
 ) -> torch.Tensor:  # (T, H) in x's dtype
     _check(x, w13, w2, topk_weights, topk_ids)
-    (tokens, hidden), (experts, inter) = x.shape, (w13.shape[0], w2.shape[2])
+    (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
     top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if num_pairs == 0:
@@ -183,16 +279,18 @@ def fused_moe_triton(
     pair_ids, block_experts, used = align_pairs(topk_ids, experts, rows)
     num_blocks = block_experts.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = 64, 64
+    block_n = 64
+    (w, s, z, *strides), meta = _weight_args(w13)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, pair_ids, block_experts, used, act, num_pairs, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x, w, s, z, pair_ids, block_experts, used, act, num_pairs, hidden, inter, x.stride(0), *strides,
+        act.stride(0), TOP_K=top_k, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    (w, s, z, *strides), meta = _weight_args(w2)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        act, w2, weights, pair_ids, block_experts, used, out, num_pairs, hidden, inter, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), BLOCK_M=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, hidden, inter, act.stride(0),
+        *strides, out.stride(0), BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     return _sum_choices(out.view(tokens, top_k, hidden))
 
@@ -205,11 +303,15 @@ def _sum_choices(per_choice: torch.Tensor) -> torch.Tensor:  # (T, K, H) -> (T, 
 
 
 def fused_moe_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """Expert by expert over the tokens that chose it; each expert's output rounded to x's dtype, weighted, and a
-    token's choices summed in choice order (as the kernels do)."""
+    token's choices summed in choice order (as the kernels do). Int4 experts are dequantized first."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    if isinstance(w13, Int4Experts):
+        w13 = w13.dequantize(x.dtype)
+    if isinstance(w2, Int4Experts):
+        w2 = w2.dequantize(x.dtype)
     tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
     per_choice = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
@@ -224,7 +326,7 @@ def fused_moe_reference(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     if _backend.use_triton(x):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
@@ -232,13 +334,17 @@ def fused_moe(
 
 
 def _check(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be (tokens, hidden), got {tuple(x.shape)}"
     experts, two_inter, hidden = w13.shape
     assert hidden == x.shape[1] and two_inter % 2 == 0, f"w13 {tuple(w13.shape)} for x {tuple(x.shape)}"
-    assert w2.shape == (experts, hidden, two_inter // 2), f"w2 {tuple(w2.shape)} for w13 {tuple(w13.shape)}"
-    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights' last dim not contiguous"
+    assert tuple(w2.shape) == (experts, hidden, two_inter // 2), (
+        f"w2 {tuple(w2.shape)} for w13 {tuple(w13.shape)}"
+    )
+    for w in (w13, w2):
+        stride = w.qweight.stride(2) if isinstance(w, Int4Experts) else w.stride(2)
+        assert stride == 1, "expert weights' last dim not contiguous"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0], (
         f"topk {tuple(topk_ids.shape)} for x {tuple(x.shape)}"
     )

@@ -192,3 +192,32 @@ def write_moe_gguf(model_dir: Path, out: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_int4_moe(model_dir: Path, out: Path, fmt: str, group: int = 32) -> Path:
+    """The tiny MoE as an AWQ or GPTQ checkpoint (round to nearest, `group` inputs a group): every attention
+    projection, expert and shared-expert projection quantized as AutoAWQ / GPTQModel write them; the routers
+    (gate, shared_expert_gate), norms, embeddings and LM head dense."""
+    import re
+
+    from engine.quantize.export import pack, quantization_config
+    from engine.quantize.grid import Grid, round_to_nearest
+
+    grid = Grid(group, min_zero=1 if fmt == "gptq" else 0)
+    quantized = re.compile(r".*\.layers\.\d+\..*(proj|experts\.\d+\.w\d)\.weight")
+    tensors = {}
+    for name, tensor in iter_safetensors(model_dir):
+        if not quantized.fullmatch(name):
+            tensors[name] = tensor.contiguous()
+            continue
+        prefix = name.removesuffix(".weight")
+        for kind, value in pack(fmt, round_to_nearest(tensor.float(), grid)).items():
+            tensors[f"{prefix}.{kind}"] = value.contiguous()
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt, group, sym=False, desc_act=False)
+    (out / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(model_dir / f, out / f)
+    return out

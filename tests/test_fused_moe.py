@@ -15,6 +15,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.layers.moe import FusedMoE
 from engine.llm import LLM
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -53,6 +54,34 @@ def test_kernels_match_the_reference(tokens, hidden, inter, experts, top_k, dtyp
     got = fused_moe_triton(x, w13, w2, weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def int4_experts(experts: int, n: int, k: int, group: int, seed: int):
+    from kernels.fused_moe import Int4Experts
+    from kernels.int4_dequant import pack_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (experts, k, n), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(experts, k // group, n, generator=gen) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (experts, k // group, n), generator=gen, dtype=torch.uint8)
+    return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group)
+
+
+@pytest.mark.parametrize(("tokens", "group"), [(1, 32), (6, 64), (70, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_kernels_match_the_reference(tokens: int, group: int, dtype: torch.dtype) -> None:
+    """Int4 experts (the rows layout, one scale and zero a group) dequantized in the kernels' registers."""
+    hidden, inter, experts, top_k = 128, 64, 4, 2
+    x, _, _, weights, ids = moe_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens)
+    w13, w2 = (
+        int4_experts(experts, 2 * inter, hidden, group, 1),
+        int4_experts(experts, hidden, inter, group, 2),
+    )
+    assert w13.shape == (experts, 2 * inter, hidden) and w2.shape == (experts, hidden, inter)
+    expected = fused_moe_reference(x, w13.dequantize(dtype), w2.dequantize(dtype), weights, ids)
+    torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids), expected, atol=tol, rtol=tol)
 
 
 def test_every_token_on_one_expert() -> None:
@@ -259,3 +288,54 @@ def test_gguf_moe_equals_transformers(tmp_path: Path, arch: str) -> None:
         assert torch.equal(a, theirs[name]), name
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     assert generate_from(gguf_path, prompts) == hf_greedy(model_dir, prompts, [6, 6])
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq"), ("qwen2_moe", "awq")])
+def test_int4_moe_checkpoint_equals_transformers_on_its_dequantized_weights(
+    tmp_path: Path, arch: str, fmt: str
+) -> None:
+    """An AWQ / GPTQ MoE checkpoint (experts, attention and the shared expert int4; routers dense) serves the
+    greedy output transformers gives on the same checkpoint dequantized: on the CPU path, and with the MoE
+    layers through the int4 kernels (interpreted)."""
+    from tests.quant_checkpoints import dequantized_copy, write_int4_moe
+
+    sizes = {} if arch == "mixtral" else {"moe_intermediate_size": 64}  # whole groups of 32
+    checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, arch, **sizes), tmp_path / "int4", fmt)
+    dense = dequantized_copy(checkpoint, tmp_path / "dense")
+    expected = hf_greedy(dense, PROMPTS, MAX_TOKENS)
+    assert generate(checkpoint) == expected
+    model, _ = load_model(checkpoint)
+    experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
+    assert experts.int4 is not None and experts.int4[0].qweight.dtype == torch.int32
+
+
+def test_int4_moe_through_the_kernels(tmp_path: Path, monkeypatch) -> None:
+    import engine.layers.moe as moe
+    from tests.quant_checkpoints import dequantized_copy, write_int4_moe
+
+    class OnTriton:  # the MoE layers take the int4 kernels; the rest of the model stays on torch
+        @staticmethod
+        def use_triton(x: torch.Tensor) -> bool:
+            return True
+
+    monkeypatch.setattr(moe, "_backend", OnTriton)
+    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, "mixtral"), tmp_path / "int4", "gptq")
+    assert generate(checkpoint) == hf_greedy(
+        dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS
+    )
+
+
+def test_int4_moe_act_order_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from tests.quant_checkpoints import write_int4_moe
+
+    model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe", moe_intermediate_size=64)
+    checkpoint = write_int4_moe(model_dir, tmp_path / "int4", "gptq")
+    tensors = load_file(checkpoint / "model.safetensors")
+    name = "model.layers.1.mlp.experts.0.up_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: GPTQ act order"):
+        load_model(checkpoint)

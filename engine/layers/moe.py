@@ -12,6 +12,11 @@ Checkpoint names, per architecture:
                 (Qwen2-MoE also layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight)
 (w1 = gate, w3 = up, w2 = down). Ours: layers.N.mlp.gate.weight, layers.N.mlp.experts.w13 (every expert's gate
 rows, then its up rows) and layers.N.mlp.experts.w2.
+
+AWQ and GPTQ checkpoints hold each expert's projections as their linear layers do (qweight, qzeros, scales; GPTQ's
+g_idx, which must be in group order: act order is refused); `FusedMoE.quantize` registers them stacked over experts
+(gate and up side by side in their output features) as w13_qweight ... and w2_qweight ..., and `process_weights`
+re-lays them into kernels/fused_moe.py's Int4Experts.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.layers.linear import ReplicatedLinear, copy_checked, divide, set_weight_loader
+from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
-from kernels.fused_moe import fused_moe
+from kernels import _backend
+from kernels.fused_moe import Experts, Int4Experts, fused_moe
 
 
 @dataclass(frozen=True)
@@ -44,23 +52,70 @@ _NAMES = {
 
 
 class FusedMoE(nn.Module):
-    """Every expert's weights of one layer, this rank's slice: w13 (E, 2 * I / tp, H), w2 (E, H, I / tp)."""
+    """Every expert's weights of one layer, this rank's slice: w13 (E, 2 * I / tp, H), w2 (E, H, I / tp); or, once
+    `quantize`d, their AWQ / GPTQ tensors, made Int4Experts by `process_weights`."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_experts, self.hidden = num_experts, hidden
         self.inter = divide(inter, tp_size, "moe_intermediate_size")
+        self.quant: QuantConfig | None = None
+        self.int4: tuple[Int4Experts, Int4Experts] | None = None
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # int4 experts dequantized, for the CPU
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
 
+    @property
+    def checkpoint_kinds(self) -> tuple[str, ...]:
+        """The tensors a checkpoint holds per expert projection."""
+        if self.quant is None:
+            return ("weight",)
+        return (
+            ("qweight", "qzeros", "scales", "g_idx")
+            if self.quant.method == "gptq"
+            else ("qweight", "qzeros", "scales")
+        )
+
+    def quantize(self, config: QuantConfig) -> None:
+        """Replace the dense stacks by an AWQ or GPTQ checkpoint's tensors, stacked over experts (the last dim
+        is the output features, packed or not: gate's first half and up's second half in w13's)."""
+        if self.tp_size > 1:
+            raise ValueError("int4 experts are not split across tensor-parallel ranks")
+        h, i, e = self.hidden, self.inter, self.num_experts
+        g = config.group_for(h)
+        if config.group_for(i) != g or h % g or i % g or g % 32:
+            raise ValueError(
+                f"int4 experts take one group size, a multiple of 32 dividing both {h} and {i} features, not {g}"
+            )
+        del self.w13, self.w2
+        self.quant, self.group = config, g
+        self.kinds: dict[str, str] = {}  # parameter -> checkpoint tensor kind
+        for name, (k, n) in (("w13", (h, 2 * i)), ("w2", (i, h))):
+            if config.method == "awq":
+                shapes = {"qweight": ((k, n // 8), torch.int32), "qzeros": ((k // g, n // 8), torch.int32)}
+            else:
+                shapes = {"qweight": ((k // 8, n), torch.int32), "qzeros": ((k // g, n // 8), torch.int32),
+                          "g_idx": ((2 if name == "w13" else 1, k), torch.int32)}  # fmt: skip
+            shapes["scales"] = ((k // g, n), torch.float16)
+            for kind, (shape, dtype) in shapes.items():
+                param = nn.Parameter(torch.empty(e, *shape, dtype=dtype), requires_grad=False)
+                self.register_parameter(f"{name}_{kind}", param)
+                set_weight_loader(param, self.weight_loader)
+                self.kinds[f"{name}_{kind}"] = kind
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id (expert, "gate" | "up" | "down"): one expert's whole checkpoint tensor, of which this rank
-        takes its intermediate features."""
+        takes its intermediate features (dense), or which goes whole into its expert's slot (int4)."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < param.shape[0]):
             raise ValueError(f"bad shard id {shard_id!r} for {param.shape[0]} experts")
         expert, part = shard_id
+        if self.quant is not None:
+            name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
+            self._load_int4(self.kinds[name], param, loaded, expert, part)
+            return
         dim = 1 if part == "down" else 0  # down reads the intermediate features, gate and up write them
         if loaded.dim() != 2 or loaded.shape[dim] != self.inter * self.tp_size:
             raise ValueError(
@@ -73,6 +128,61 @@ class FusedMoE(nn.Module):
         else:
             offset = 0 if part == "gate" else self.inter
             copy_checked(self.w13.data[expert].narrow(0, offset, self.inter), piece)
+
+    def _load_int4(
+        self, kind: str, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str
+    ) -> None:
+        dst = param.data[expert]
+        if kind == "g_idx":  # one row per part (gate and up each have theirs)
+            dst = dst[1 if part == "up" else 0]
+        elif part != "down":  # gate | up along the last dim, the output features (packed or not)
+            half = dst.shape[-1] // 2
+            dst = dst.narrow(-1, 0 if part == "gate" else half, half)
+        copy_checked(dst, loaded)
+
+    def process_weights(self) -> None:
+        """The checkpoint's int4 tensors as Int4Experts (kernels/int4_dequant.py's rows layout)."""
+        if self.quant is None:
+            return
+        self.int4 = (self._int4("w13"), self._int4("w2"))
+        for name in [n for n, _ in self.named_parameters(recurse=False)]:
+            delattr(self, name)
+
+    def _int4(self, name: str) -> Int4Experts:
+        assert self.quant is not None
+        qweight, qzeros = (
+            self.get_parameter(f"{name}_qweight").data,
+            self.get_parameter(f"{name}_qzeros").data,
+        )
+        scales, g = self.get_parameter(f"{name}_scales").data, self.group
+        if self.quant.method == "awq":
+            q = torch.stack([pack_rows(unpack_cols(w, AWQ_ORDER), check=False) for w in qweight])
+            zeros = torch.stack([unpack_cols(z, AWQ_ORDER) for z in qzeros])
+        else:
+            g_idx = self.get_parameter(f"{name}_g_idx").data
+            k = g_idx.shape[-1]
+            if not torch.equal(
+                g_idx, (torch.arange(k, device=g_idx.device) // g).to(g_idx.dtype).expand_as(g_idx)
+            ):
+                raise ValueError(
+                    f"GPTQ act order (a g_idx out of group order) is not supported for experts ({name})"
+                )
+            q = qweight
+            zeros = torch.stack([unpack_cols(z, NATURAL_ORDER) for z in qzeros])
+            if self.quant.zeros_minus_one:
+                zeros = zeros + 1
+        return Int4Experts(q.contiguous(), scales.contiguous(), zeros.contiguous(), g)
+
+    def weights(self, x: torch.Tensor) -> tuple[Experts, Experts]:
+        """(w13, w2) as the kernels take them at x: int4 experts on the GPU, their dense dequantization (made once)
+        on the CPU path."""
+        if self.int4 is None:
+            return self.w13, self.w2
+        if _backend.use_triton(x):
+            return self.int4
+        if self._dense is None or self._dense[0].dtype != x.dtype:
+            self._dense = (self.int4[0].dequantize(x.dtype), self.int4[1].dequantize(x.dtype))
+        return self._dense
 
 
 class SparseMoeBlock(nn.Module):
@@ -108,7 +218,7 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.architecture != "MixtralForCausalLM":
             weights = weights.to(x.dtype).float()
-        out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = fused_moe(x, *self.experts.weights(x), weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -120,7 +230,10 @@ class SparseMoeBlock(nn.Module):
         names = _NAMES[self.architecture]
         block = f"{layer}.{names.block}"
         experts = {
-            f"{block}.experts.{e}.{part}.weight" for e in range(self.num_experts) for part in names.parts
+            f"{block}.experts.{e}.{part}.{kind}"
+            for e in range(self.num_experts)
+            for part in names.parts
+            for kind in self.experts.checkpoint_kinds
         }
         return experts | {f"{block}.gate.weight"}
 
@@ -132,15 +245,16 @@ def to_moe_param(architecture: str, hf_name: str) -> tuple[str, tuple[int, str] 
         return None
     parts = "|".join(names.parts)
     m = re.fullmatch(
-        rf"(.*\.layers\.\d+)\.{names.block}\.(?:gate|experts\.(\d+)\.({parts}))\.weight", hf_name
+        rf"(.*\.layers\.\d+)\.{names.block}\.(?:gate\.weight|experts\.(\d+)\.({parts})\.(\w+))", hf_name
     )
     if m is None:
         return None
-    layer, expert, part = m.groups()
+    layer, expert, part, kind = m.groups()
     if expert is None:
         return f"{layer}.mlp.gate.weight", None
     ours = names.parts[part]
-    return f"{layer}.mlp.experts.{'w2' if ours == 'down' else 'w13'}", (int(expert), ours)
+    stack = "w2" if ours == "down" else "w13"
+    return f"{layer}.mlp.experts.{stack}" + ("" if kind == "weight" else f"_{kind}"), (int(expert), ours)
 
 
 def expert_tensors(

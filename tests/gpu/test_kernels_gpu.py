@@ -256,3 +256,26 @@ def test_fused_moe_replays_in_a_cuda_graph():
         x.copy_(nx), weights.copy_(nweights), ids.copy_(nids)
         graph.replay()
         check(out, fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "group"), [(1, 128), (9, 64), (300, 128), (1, 32)])
+def test_fused_moe_int4_matches_reference(tokens, group, dtype):
+    """Int4 experts (AWQ / GPTQ, rows layout) dequantized in the kernels' registers, Qwen3-30B-A3B's shape."""
+    from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
+    from kernels.int4_dequant import pack_rows
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    x, _, _, weights, ids = moe_case(tokens, 64, 32, experts, top_k, dtype, seed=tokens)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(group)
+
+    def stack(n: int, k: int) -> Int4Experts:
+        q = torch.randint(0, 16, (experts, k, n), device=DEV, generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(experts, k // group, n, device=DEV, generator=gen) * 0.01 + 0.002).half()
+        zeros = torch.randint(0, 16, (experts, k // group, n), device=DEV, generator=gen, dtype=torch.uint8)
+        return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group)
+
+    w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
+    ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
+    check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)

@@ -674,3 +674,21 @@ def test_dummy_int4_llama3_8b_fits_and_decodes():
         {"prompt_token_ids": list(range(100, 164))}, SamplingParams(max_tokens=8, ignore_eos=True)
     )
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int4_moe_serves_as_transformers(tmp_path, arch, fmt, dtype):
+    """An AWQ / GPTQ MoE checkpoint (int4 experts through kernels/fused_moe.py, int4 attention) in CUDA graphs:
+    greedy output is transformers' on the dequantized weights (fp32), up to bf16's near-ties in bf16."""
+    from tests.quant_checkpoints import write_int4_moe
+
+    sizes = {} if arch == "mixtral" else {"moe_intermediate_size": 64}
+    ckpt = write_int4_moe(tiny_random_model_dir(tmp_path, arch, **sizes), tmp_path / "int4", fmt)
+    dense = dequantized_copy(ckpt, tmp_path / "dense")
+    want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
+    got = served(ckpt, dtype=dtype)
+    if dtype == "float32":
+        assert got == want
+    else:
+        assert_greedy_as_reference(got, want, dense)
