@@ -117,8 +117,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.quantization not in (None, "awq", "gptq", "gguf"):
             raise ValueError(f"quantization must be awq, gptq or gguf, got {self.quantization!r}")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError("quantization with tensor_parallel_size > 1 is not supported yet")
         if self.scheduler.preemption_mode == "swap" and self.cache.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap space: set swap_space (GiB of CPU memory)")
         if self.tensor_parallel_size > 1 and (

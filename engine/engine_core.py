@@ -243,7 +243,7 @@ class EngineCore:
         if self.config.tensor_parallel_size > 1:
             from engine.tp.launch import load_sharded, shutdown
 
-            self.ranks, model, model_config = load_sharded(self.config, model_path, self.dtype, self.device)
+            self.ranks, model, model_config = load_sharded(self.config, weights, self.dtype, self.device)
             self._stop_ranks = weakref.finalize(self, shutdown, self.ranks)  # a dropped engine's stop with it
             return model, model_config
         return load_model(

@@ -205,8 +205,8 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
     if arch == "qwen2_moe":  # q/k/v bias; layer 0 dense by decoder_sparse_step; a gated shared expert
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
         return Qwen2MoeConfig(
-            **{**moe, "decoder_sparse_step": 2, **common}, tie_word_embeddings=False, rope_theta=1000000.0,
-            shared_expert_intermediate_size=96,
+            **{**moe, "decoder_sparse_step": 2, "shared_expert_intermediate_size": 96, **common},
+            tie_word_embeddings=False, rope_theta=1000000.0,
         )  # fmt: skip
     if arch == "qwen3_moe":
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)

@@ -225,15 +225,6 @@ def test_bad_moe_configs_are_refused(tmp_path: Path) -> None:
         ModelConfig.from_dict({**config, "num_local_experts": 0})
 
 
-def test_quantized_moe_is_refused(tmp_path: Path) -> None:
-    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized MixtralForCausalLM is not supported"):
-        load_model(model_dir)
-
-
 def _qwen3_moe_dict() -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
@@ -339,3 +330,17 @@ def test_int4_moe_act_order_is_refused(tmp_path: Path) -> None:
     save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: GPTQ act order"):
         load_model(checkpoint)
+
+
+@pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "gptq"), ("qwen2_moe", "awq")])
+def test_int4_moe_at_tp2_equals_transformers(tmp_path: Path, arch: str, fmt: str) -> None:
+    """Each rank holds its half of every int4 expert's intermediate features (whole groups of 32)."""
+    from tests.quant_checkpoints import dequantized_copy, write_int4_moe
+
+    if arch == "mixtral":
+        sizes = {"intermediate_size": 256}
+    else:  # the shared expert's 128 features too split into whole groups
+        sizes = {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 128}
+    checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, arch, **sizes), tmp_path / "int4", fmt)
+    expected = hf_greedy(dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS)
+    assert generate(checkpoint, tp=2) == expected

@@ -115,6 +115,41 @@ def test_phi3_fused_checkpoint_at_tp2_equals_transformers(tmp_path: Path) -> Non
     assert rank_processes() == []
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_int4_checkpoint_at_tp2_equals_transformers_on_its_dequantized_weights(
+    tmp_path: Path, method: str
+) -> None:
+    """quantization= with tensor_parallel_size 2: each rank loads its slice of the packed tensors (a column-parallel
+    layer's output words, a row-parallel one's whole groups) and serves what transformers does on the checkpoint
+    dequantized."""
+    from engine.quantize import QuantizeConfig, quantize
+    from tests.quant_checkpoints import dequantized_copy
+
+    model = tiny_random_model_dir(tmp_path, "llama", intermediate_size=256)
+    config = QuantizeConfig(str(model), str(tmp_path / method), method=method, group_size=32, max_tokens=256)
+    ckpt = quantize(config)
+    expected = hf_greedy(dequantized_copy(ckpt, tmp_path / "dense"), PROMPTS, MAX_TOKENS)
+    with engine(ckpt, 2, quantization=method) as llm:
+        assert generate(llm, greedy()) == expected
+        assert_no_leak(llm)
+    assert rank_processes() == []
+
+
+def test_gguf_at_tp2_equals_transformers_on_its_dequantized_weights(tmp_path: Path, monkeypatch) -> None:
+    """A GGUF file's Q4_0 / Q4_1 / Q8_0 layers kept quantized on each rank (its slice of the blocks)."""
+    from engine.bundled import gguf_model_dir
+    from tests.quant_checkpoints import write_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    write_gguf(tiny_random_model_dir(tmp_path, "llama"), gguf)
+    expected = hf_greedy(gguf_model_dir(gguf), PROMPTS, MAX_TOKENS)
+    with engine(gguf, 2, quantization="gguf") as llm:
+        assert generate(llm, greedy()) == expected
+        assert_no_leak(llm)
+    assert rank_processes() == []
+
+
 @pytest.mark.slow
 def test_bundled_model_at_tp3_equals_transformers(bundled_model_dir: Path) -> None:
     from engine.tokenizer import Tokenizer

@@ -82,8 +82,6 @@ class FusedMoE(nn.Module):
     def quantize(self, config: QuantConfig) -> None:
         """Replace the dense stacks by an AWQ or GPTQ checkpoint's tensors, stacked over experts (the last dim
         is the output features, packed or not: gate's first half and up's second half in w13's)."""
-        if self.tp_size > 1:
-            raise ValueError("int4 experts are not split across tensor-parallel ranks")
         h, i, e = self.hidden, self.inter, self.num_experts
         g = config.group_for(h)
         if config.group_for(i) != g or h % g or i % g or g % 32:
@@ -132,12 +130,24 @@ class FusedMoE(nn.Module):
     def _load_int4(
         self, kind: str, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str
     ) -> None:
+        """One expert's tensor of one projection: gate's and up's output features (the last dim, packed or not)
+        are this rank's slice of the checkpoint's, placed side by side; down's input features (dim 0: rows, words
+        or groups) are this rank's slice; g_idx is one row per part."""
         dst = param.data[expert]
-        if kind == "g_idx":  # one row per part (gate and up each have theirs)
+        dim = 0
+        if kind == "g_idx":
             dst = dst[1 if part == "up" else 0]
-        elif part != "down":  # gate | up along the last dim, the output features (packed or not)
+        elif part != "down":
             half = dst.shape[-1] // 2
-            dst = dst.narrow(-1, 0 if part == "gate" else half, half)
+            dst, dim = dst.narrow(-1, 0 if part == "gate" else half, half), dst.dim() - 1
+        if part != "down" and kind == "g_idx":
+            full = tuple(dst.shape)  # gate's and up's input features are whole on every rank
+        else:
+            full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(dst.shape))
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded.shape)}, model expects {full}")
+        if full != tuple(dst.shape):
+            loaded = loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
         copy_checked(dst, loaded)
 
     def process_weights(self) -> None:
@@ -161,6 +171,10 @@ class FusedMoE(nn.Module):
         else:
             g_idx = self.get_parameter(f"{name}_g_idx").data
             k = g_idx.shape[-1]
+            if (
+                name == "w2"
+            ):  # down's input features are this rank's: its groups counted from the rank's first
+                g_idx = g_idx - self.tp_rank * (k // g)
             if not torch.equal(
                 g_idx, (torch.arange(k, device=g_idx.device) // g).to(g_idx.dtype).expand_as(g_idx)
             ):

@@ -59,8 +59,12 @@ def check_config(config: EngineConfig, model_config: ModelConfig, device: torch.
 
 
 def read_config(model_path: str, load_format: str) -> ModelConfig:
+    from engine.weights import gguf_file, gguf_model_config, open_gguf, resolve_format
+
     if load_format == "dummy" and not Path(model_path).is_dir():
         return dummy_config(model_path)
+    if Path(model_path).exists() and resolve_format(Path(model_path), load_format) == "gguf":
+        return gguf_model_config(open_gguf(gguf_file(Path(model_path))))
     return ModelConfig.from_dir(model_path)
 
 
@@ -91,14 +95,16 @@ def load_sharded(
             config.seed,
             logging.getLogger().getEffectiveLevel(),
             threads,
+            config.quantization,
         )  # fmt: skip
         for r in range(1, tp)
     ]
     ranks = Ranks(starts, on_failure=group.abort)
     try:
         model, model_config = load_model(
-            model_path, dtype=dtype, load_format=config.load_format, device=device, tp_rank=0, tp_size=tp
-        )
+            model_path, dtype=dtype, load_format=config.load_format, device=device, tp_rank=0, tp_size=tp,
+            quantization=config.quantization,
+        )  # fmt: skip
         ranks.collect(Loaded)
         group.join(backend, store, 0, tp)
     except BaseException:

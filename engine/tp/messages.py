@@ -29,6 +29,7 @@ class Start:
     seed: int
     log_level: int
     num_threads: int  # torch's intra-op threads on the CPU (0: leave the default)
+    quantization: str | None = None  # EngineConfig.quantization (None: what the files say)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ class RankWorker:
         self.dtype = getattr(torch, start.dtype)
         self.model, self.config = load_model(
             start.model, dtype=self.dtype, load_format=start.load_format, device=self.device,
-            tp_rank=start.rank, tp_size=start.size,
+            tp_rank=start.rank, tp_size=start.size, quantization=start.quantization,
         )  # fmt: skip
         self.shard = shard_heads(
             self.config.num_attention_heads, self.config.num_key_value_heads, start.size, start.rank
