@@ -84,6 +84,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="split the model over this many GPUs, one process each (default: 1; gloo processes on the CPU)",
     )
     p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="spread a mixture of experts' experts whole over the tensor-parallel ranks instead of splitting each "
+        "expert (default: split)",
+    )
+    p.add_argument(
         "--swap-space",
         type=float,
         default=0.0,
@@ -147,7 +153,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model", "tokenizer", "dtype", "device", "load_format", "quantization", "max_model_len", "block_size",
         "gpu_memory_utilization", "cpu_kv_cache_space", "num_gpu_blocks_override", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "scheduling_policy",
-        "seed", "enforce_eager", "served_model_name", "tensor_parallel_size", "swap_space", "preemption_mode",
+        "seed", "enforce_eager", "served_model_name", "tensor_parallel_size", "enable_expert_parallel", "swap_space",
+        "preemption_mode",
         "kv_cache_dtype", "calculate_kv_scales",
     )  # fmt: skip
     kwargs = {name: getattr(args, name) for name in names}

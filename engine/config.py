@@ -103,6 +103,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     # ranks (processes, one GPU each) that split every layer's heads and weights (engine/tp/)
     tensor_parallel_size: int = 1
+    # vLLM's: a MoE layer's experts spread whole over the tensor-parallel ranks (E / N each) instead of each
+    # expert's intermediate features split over them (engine/layers/moe.py)
+    enable_expert_parallel: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

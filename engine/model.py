@@ -140,7 +140,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, index: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        index: int = 0,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, tp_rank, tp_size)
@@ -149,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         if config.is_moe_layer(index):
             inter = config.shared_expert_intermediate_size
             shared = LlamaMLP(config, tp_rank, tp_size, inter) if inter else None
-            self.mlp = SparseMoeBlock(config, tp_rank, tp_size, shared)
+            self.mlp = SparseMoeBlock(config, tp_rank, tp_size, shared, expert_parallel)
         else:
             self.mlp = LlamaMLP(config, tp_rank, tp_size)
 
@@ -212,14 +219,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp_rank, tp_size, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, tp_rank, tp_size, i, expert_parallel)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -265,12 +275,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, quantized_lm_head: bool = False
-    ) -> None:
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, quantized_lm_head: bool = False,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.has_lm_head = True  # False: a base model's checkpoint, which serves embeddings only
-        self.model = LlamaModel(config, tp_rank, tp_size)
+        self.model = LlamaModel(config, tp_rank, tp_size, expert_parallel)
         self.lm_head: ParallelLMHead | QuantizedLMHead
         if quantized_lm_head:  # a linear layer, which the quantization plan gives its method
             self.lm_head = QuantizedLMHead(config.vocab_size, config.hidden_size, tp_rank, tp_size)

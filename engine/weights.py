@@ -311,6 +311,7 @@ def build_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     plan: QuantPlan | None = None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """The model (tensor-parallel rank `tp_rank`'s share) with uninitialized parameters, allocated directly in
     `dtype` on `device`; with a quantization plan, its linear layers get their methods' tensors instead of
@@ -320,10 +321,12 @@ def build_model(
 
     with _default_dtype(dtype), torch.device(device):
         if plan is None:
-            return LlamaForCausalLM(config, tp_rank, tp_size).eval()
+            return LlamaForCausalLM(config, tp_rank, tp_size, expert_parallel=expert_parallel).eval()
         with deferred_weights():
             head = getattr(plan, "quantized_lm_head", False)
-            net = LlamaForCausalLM(config, tp_rank, tp_size, quantized_lm_head=head).eval()
+            net = LlamaForCausalLM(
+                config, tp_rank, tp_size, quantized_lm_head=head, expert_parallel=expert_parallel
+            ).eval()
         attach_methods(net, plan)
         return net
 
@@ -349,10 +352,12 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     quantization: str | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model: a HF directory, a .gguf file, or (load_format="dummy") a DUMMY_SHAPES name;
-    with tp_size > 1, tensor-parallel rank tp_rank's share of it. `quantization` (awq, gptq, gguf; None: what
-    the files say) is engine/quant_weights.py's."""
+    with tp_size > 1, tensor-parallel rank tp_rank's share of it (a MoE's experts spread whole over the ranks
+    with expert_parallel). `quantization` (awq, gptq, gguf; None: what the files say) is
+    engine/quant_weights.py's."""
     from engine.quant_weights import (
         gguf_kept,
         init_dummy_quantized,
@@ -365,7 +370,13 @@ def load_model(
     if load_format == "dummy":
         config = dummy_config(str(model)) if not path.is_dir() else ModelConfig.from_dir(path)
         net = build_model(
-            config, dtype, device, tp_rank, tp_size, quant_plan(path, quantization, load_format)
+            config,
+            dtype,
+            device,
+            tp_rank,
+            tp_size,
+            quant_plan(path, quantization, load_format),
+            expert_parallel,
         )
         init_dummy_weights(net)
         init_dummy_quantized(net)
@@ -383,7 +394,7 @@ def load_model(
     else:
         config = ModelConfig.from_dir(path)
         safetensors_files(path)  # fail early when there are none
-    net = build_model(config, dtype, device, tp_rank, tp_size, plan)
+    net = build_model(config, dtype, device, tp_rank, tp_size, plan, expert_parallel)
     if gguf:
         kept = gguf_kept(net)
         weights = iter_gguf_quantized(reader, config, kept) if kept else iter_gguf(reader, config)

@@ -21,6 +21,8 @@ which costs tensor-core time the GEMV is not bound by.
 Int4 experts (Int4Experts: AWQ / GPTQ checkpoints, each expert in kernels/int4_dequant.py's rows layout) are
 dequantized in the same kernels, a tile at a time in registers: (q - z) * s in fp32, rounded to x's dtype.
 
+A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
+
 `fused_moe_reference` loops over the experts the batch chose, transformers' order of operations (the CPU path;
 int4 experts dequantized first).
 """
@@ -152,6 +154,7 @@ def _gate_up_kernel(
     act_ptr,  # (T * K, I)
     # sizes
     num_pairs,
+    num_experts,
     H,
     inter,
     # strides
@@ -174,6 +177,8 @@ def _gate_up_kernel(
     if block * BLOCK_M >= tl.load(used_ptr):
         return
     expert = tl.load(expert_ptr + block).to(tl.int64)
+    if expert >= num_experts:  # another rank's expert: the down kernel writes its rows' zeros
+        return
     pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
@@ -211,6 +216,7 @@ def _down_kernel(
     out_ptr,  # (T * K, H)
     # sizes
     num_pairs,
+    num_experts,
     H,
     inter,
     # strides
@@ -237,6 +243,14 @@ def _down_kernel(
     pairs64 = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = cols < H
+    dst = out_ptr + pairs64[:, None] * stride_out + cols[None, :]
+    if expert >= num_experts:  # another rank's expert: it adds nothing here
+        tl.store(
+            dst,
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+            mask=rows[:, None] & n_in[None, :],
+        )
+        return
     ks = tl.arange(0, BLOCK_K)
     a_tile = act_ptr + pairs64[:, None] * stride_act + ks[None, :]
     dt = out_ptr.dtype.element_ty
@@ -248,7 +262,6 @@ def _down_kernel(
         acc = tl.dot(a, w, acc, input_precision="ieee")
     weight = tl.load(weight_ptr + pairs64, mask=rows, other=0.0)
     out = acc.to(dt).to(tl.float32) * weight[:, None]  # the expert's output rounded, then weighted
-    dst = out_ptr + pairs64[:, None] * stride_out + cols[None, :]
     tl.store(dst, out.to(dt), mask=rows[:, None] & n_in[None, :])
 
 
@@ -276,20 +289,20 @@ def fused_moe_triton(
     if num_pairs == 0:
         return torch.zeros_like(x)
     rows = block_m(num_pairs)
-    pair_ids, block_experts, used = align_pairs(topk_ids, experts, rows)
+    pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
     num_blocks = block_experts.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n = 64
     (w, s, z, *strides), meta = _weight_args(w13)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w, s, z, pair_ids, block_experts, used, act, num_pairs, hidden, inter, x.stride(0), *strides,
+        x, w, s, z, pair_ids, block_experts, used, act, num_pairs, experts, hidden, inter, x.stride(0), *strides,
         act.stride(0), TOP_K=top_k, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     (w, s, z, *strides), meta = _weight_args(w2)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
-        act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, hidden, inter, act.stride(0),
+        act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, experts, hidden, inter, act.stride(0),
         *strides, out.stride(0), BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     return _sum_choices(out.view(tokens, top_k, hidden))
@@ -316,6 +329,8 @@ def fused_moe_reference(
     inter = w2.shape[2]
     per_choice = torch.zeros(tokens, top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for expert in torch.unique(topk_ids).tolist():
+        if expert >= w13.shape[0]:
+            continue  # another rank's expert (expert parallelism)
         token_idx, choice = torch.where(topk_ids == expert)
         gate_up = F.linear(x[token_idx], w13[expert])
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]

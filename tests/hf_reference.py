@@ -195,13 +195,8 @@ def _tiny_config(arch: str, **sizes: int) -> Any:
     if arch == "qwen3":
         return Qwen3Config(**{"head_dim": 32, **common}, tie_word_embeddings=True, rope_theta=1000000.0)
     if arch == "mixtral":
-        return MixtralConfig(
-            **common,
-            tie_word_embeddings=False,
-            rope_theta=1000000.0,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
+        moe = dict(num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**{**moe, **common}, tie_word_embeddings=False, rope_theta=1000000.0)
     if arch == "qwen2_moe":  # q/k/v bias; layer 0 dense by decoder_sparse_step; a gated shared expert
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False)
         return Qwen2MoeConfig(

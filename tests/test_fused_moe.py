@@ -139,10 +139,10 @@ def generate_from(path: Path, prompts: list[list[int]]) -> list[list[int]]:
         llm.engine.shutdown()
 
 
-def generate(model_dir: Path, tp: int = 1) -> list[list[int]]:
+def generate(model_dir: Path, tp: int = 1, **kwargs) -> list[list[int]]:
     llm = LLM(
         str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=tp, cpu_kv_cache_space=0.01,
-        block_size=4,
+        block_size=4, **kwargs,
     )  # fmt: skip
     try:
         params = [SamplingParams(temperature=0.0, max_tokens=n) for n in MAX_TOKENS]
@@ -344,3 +344,49 @@ def test_int4_moe_at_tp2_equals_transformers(tmp_path: Path, arch: str, fmt: str
     checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, arch, **sizes), tmp_path / "int4", fmt)
     expected = hf_greedy(dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS)
     assert generate(checkpoint, tp=2) == expected
+
+
+def test_choices_of_experts_held_elsewhere_add_nothing() -> None:
+    """Expert parallelism's convention: a choice of expert E or past it (another rank's) contributes zero, in the
+    kernels as in the reference; the rest is the sum over the experts held here."""
+    x, w13, w2, weights, ids = moe_inputs(9, 32, 16, 4, 2, torch.float32, seed=5)
+    elsewhere = torch.where(
+        ids >= 2, 2, ids
+    )  # this rank holds experts 0 and 1 of 4 (local ids 0, 1; 2: not here)
+    here = fused_moe_reference(x, w13[:2], w2[:2], weights, elsewhere)
+    masked = torch.where(ids < 2, weights, torch.zeros_like(weights))
+    torch.testing.assert_close(here, fused_moe_reference(x, w13, w2, masked, ids))
+    torch.testing.assert_close(fused_moe_triton(x, w13[:2], w2[:2], weights, elsewhere), here)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_at_tp2_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """enable_expert_parallel: each rank holds 2 of the 4 experts whole; the all-reduce sums both ranks' experts
+    (and, for Qwen2-MoE, the shared expert, split as a dense MLP)."""
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    assert generate(model_dir, tp=2, enable_expert_parallel=True) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_expert_parallel_int4_and_shards(tmp_path: Path) -> None:
+    from engine.layers.moe import FusedMoE
+    from tests.quant_checkpoints import dequantized_copy, write_int4_moe
+
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")
+    model, _ = load_model(model_dir, tp_rank=1, tp_size=2, expert_parallel=True)
+    experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
+    whole, _ = load_model(model_dir)
+    full = next(m for m in whole.modules() if isinstance(m, FusedMoE))
+    assert torch.equal(experts.w13, full.w13[2:]) and torch.equal(
+        experts.w2, full.w2[2:]
+    )  # rank 1: experts 2, 3
+    checkpoint = write_int4_moe(model_dir, tmp_path / "int4", "awq")
+    expected = hf_greedy(dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS)
+    assert generate(checkpoint, tp=2, enable_expert_parallel=True) == expected
+
+
+def test_expert_parallel_needs_whole_experts_per_rank(tmp_path: Path) -> None:
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral", num_local_experts=3)
+    with pytest.raises(ValueError, match=r"num_experts \(3\) is not divisible by tensor_parallel_size 2"):
+        LLM(
+            str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True
+        )

@@ -11,7 +11,9 @@ Checkpoint names, per architecture:
     Qwen-MoE:   layers.N.mlp.gate.weight,              layers.N.mlp.experts.E.{gate,up,down}_proj.weight
                 (Qwen2-MoE also layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight)
 (w1 = gate, w3 = up, w2 = down). Ours: layers.N.mlp.gate.weight, layers.N.mlp.experts.w13 (every expert's gate
-rows, then its up rows) and layers.N.mlp.experts.w2.
+rows, then its up rows) and layers.N.mlp.experts.w2. With expert parallelism (vLLM's enable_expert_parallel) a
+rank holds E / N experts whole instead; a choice of another rank's expert contributes nothing there (the
+kernels skip it), and the all-reduce sums every rank's experts.
 
 AWQ and GPTQ checkpoints hold each expert's projections as their linear layers do (qweight, qzeros, scales; GPTQ's
 g_idx, which must be in group order: act order is refused); `FusedMoE.quantize` registers them stacked over experts
@@ -55,16 +57,27 @@ class FusedMoE(nn.Module):
     """Every expert's weights of one layer, this rank's slice: w13 (E, 2 * I / tp, H), w2 (E, H, I / tp); or, once
     `quantize`d, their AWQ / GPTQ tensors, made Int4Experts by `process_weights`."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, tp_rank: int = 0, tp_size: int = 1,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
+        """expert_parallel: this rank holds experts [first, first + E / tp) whole (their intermediate features
+        unsplit); else every expert, its intermediate features split over the ranks."""
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.num_experts, self.hidden = num_experts, hidden
-        self.inter = divide(inter, tp_size, "moe_intermediate_size")
+        self.expert_parallel = expert_parallel and tp_size > 1
+        # the ranks an expert's intermediate features are split over, and this rank's place among them
+        self.tp_rank, self.tp_size = (0, 1) if self.expert_parallel else (tp_rank, tp_size)
+        self.total_experts, self.hidden = num_experts, hidden
+        self.num_experts = (
+            divide(num_experts, tp_size, "num_experts") if self.expert_parallel else num_experts
+        )
+        self.first = tp_rank * self.num_experts if self.expert_parallel else 0
+        self.inter = divide(inter, self.tp_size, "moe_intermediate_size")
         self.quant: QuantConfig | None = None
         self.int4: tuple[Int4Experts, Int4Experts] | None = None
         self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # int4 experts dequantized, for the CPU
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, self.inter), requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
 
@@ -107,9 +120,11 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id (expert, "gate" | "up" | "down"): one expert's whole checkpoint tensor, of which this rank
         takes its intermediate features (dense), or which goes whole into its expert's slot (int4)."""
-        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < param.shape[0]):
-            raise ValueError(f"bad shard id {shard_id!r} for {param.shape[0]} experts")
-        expert, part = shard_id
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.total_experts):
+            raise ValueError(f"bad shard id {shard_id!r} for {self.total_experts} experts")
+        expert, part = shard_id[0] - self.first, shard_id[1]
+        if not 0 <= expert < self.num_experts:
+            return  # another rank's expert (expert parallelism)
         if self.quant is not None:
             name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
             self._load_int4(self.kinds[name], param, loaded, expert, part)
@@ -201,8 +216,9 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(
-        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, shared_expert: nn.Module | None = None
-    ) -> None:
+        self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, shared_expert: nn.Module | None = None,
+        expert_parallel: bool = False,
+    ) -> None:  # fmt: skip
         """shared_expert: the dense MLP of config.shared_expert_intermediate_size features (Qwen2-MoE), made by
         the model (engine/model.py: LlamaMLP)."""
         super().__init__()
@@ -211,8 +227,9 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = config.norm_topk_prob
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.experts = FusedMoE(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size
-        )
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, tp_rank, tp_size,
+            expert_parallel,
+        )  # fmt: skip
         self.shared_expert = shared_expert
         self.shared_expert_gate = (
             ReplicatedLinear(config.hidden_size, 1) if shared_expert is not None else None
@@ -232,7 +249,11 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.architecture != "MixtralForCausalLM":
             weights = weights.to(x.dtype).float()
-        out = fused_moe(x, *self.experts.weights(x), weights, ids)
+        experts = self.experts
+        if experts.expert_parallel:  # this rank's experts by local index; the others' choices land past them
+            ids = torch.where(ids >= experts.first, ids - experts.first, experts.num_experts)
+            ids = torch.where(ids < experts.num_experts, ids, experts.num_experts)
+        out = fused_moe(x, *experts.weights(x), weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -245,7 +266,7 @@ class SparseMoeBlock(nn.Module):
         block = f"{layer}.{names.block}"
         experts = {
             f"{block}.experts.{e}.{part}.{kind}"
-            for e in range(self.num_experts)
+            for e in range(self.experts.total_experts)
             for part in names.parts
             for kind in self.experts.checkpoint_kinds
         }

@@ -47,7 +47,12 @@ def check_config(config: EngineConfig, model_config: ModelConfig, device: torch.
     tp = config.tensor_parallel_size
     check_model(model_config.num_attention_heads, model_config.num_key_value_heads,
                 model_config.intermediate_size, tp)  # fmt: skip
-    if model_config.is_moe and model_config.moe_intermediate_size % tp:
+    if model_config.is_moe and config.enable_expert_parallel and model_config.num_experts % tp:
+        raise ValueError(
+            f"num_experts ({model_config.num_experts}) is not divisible by tensor_parallel_size {tp} "
+            "(enable_expert_parallel spreads whole experts over the ranks)"
+        )
+    if model_config.is_moe and not config.enable_expert_parallel and model_config.moe_intermediate_size % tp:
         raise ValueError(
             f"moe_intermediate_size ({model_config.moe_intermediate_size}) is not divisible by "
             f"tensor_parallel_size {tp}"
@@ -96,6 +101,7 @@ def load_sharded(
             logging.getLogger().getEffectiveLevel(),
             threads,
             config.quantization,
+            config.enable_expert_parallel,
         )  # fmt: skip
         for r in range(1, tp)
     ]
@@ -103,7 +109,7 @@ def load_sharded(
     try:
         model, model_config = load_model(
             model_path, dtype=dtype, load_format=config.load_format, device=device, tp_rank=0, tp_size=tp,
-            quantization=config.quantization,
+            quantization=config.quantization, expert_parallel=config.enable_expert_parallel,
         )  # fmt: skip
         ranks.collect(Loaded)
         group.join(backend, store, 0, tp)

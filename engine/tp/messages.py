@@ -30,6 +30,7 @@ class Start:
     log_level: int
     num_threads: int  # torch's intra-op threads on the CPU (0: leave the default)
     quantization: str | None = None  # EngineConfig.quantization (None: what the files say)
+    expert_parallel: bool = False  # EngineConfig.enable_expert_parallel
 
 
 @dataclass(frozen=True)

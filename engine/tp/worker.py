@@ -54,6 +54,7 @@ class RankWorker:
         self.model, self.config = load_model(
             start.model, dtype=self.dtype, load_format=start.load_format, device=self.device,
             tp_rank=start.rank, tp_size=start.size, quantization=start.quantization,
+            expert_parallel=start.expert_parallel,
         )  # fmt: skip
         self.shard = shard_heads(
             self.config.num_attention_heads, self.config.num_key_value_heads, start.size, start.rank
