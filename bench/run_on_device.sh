@@ -6,7 +6,8 @@
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
-# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights); profile (Nsight Compute's
+# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights); bench_moe
+# bench_moe_engine (mixtures of experts: the layer's kernels, the engine on Qwen3-30B-A3B); profile (Nsight Compute's
 # counters for bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
@@ -50,6 +51,10 @@ if wanted bench_disagg; then
   kill $SMI 2>/dev/null
   python3 -m bench.trace_report "$OUT/d/trace" > "$OUT/d/trace_report.txt" 2>&1
 fi
+# mixtures of experts: the fused MoE layer against transformers' expert loop, then the engine (not in the default STEPS)
+mkdir -p "$OUT/moe"
+step bench_moe 200 python3 -m bench.moe --out-dir "$OUT/moe"
+step bench_moe_engine 300 python3 -m bench.moe --engine --out-dir "$OUT/moe"
 # int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
 mkdir -p "$OUT/q"
 step tests_quant 420 python3 -m pytest tests/gpu/test_quant_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider
