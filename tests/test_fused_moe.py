@@ -298,6 +298,11 @@ def test_int4_moe_checkpoint_equals_transformers_on_its_dequantized_weights(
     model, _ = load_model(checkpoint)
     experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
     assert experts.int4 is not None and experts.int4[0].qweight.dtype == torch.int32
+    params = dict(experts.named_parameters())  # the KV-sizing line's weight bytes count the int4 experts
+    assert (
+        params["w13_qweight"] is not None
+        and params["w2_qweight"].data_ptr() == experts.int4[1].qweight.data_ptr()
+    )
 
 
 def test_int4_moe_through_the_kernels(tmp_path: Path, monkeypatch) -> None:

@@ -169,9 +169,15 @@ class FusedMoE(nn.Module):
         """The checkpoint's int4 tensors as Int4Experts (kernels/int4_dequant.py's rows layout)."""
         if self.quant is None:
             return
-        self.int4 = (self._int4("w13"), self._int4("w2"))
+        laid = {name: self._int4(name) for name in ("w13", "w2")}
         for name in [n for n, _ in self.named_parameters(recurse=False)]:
             delattr(self, name)
+        for name, experts in laid.items():  # parameters again, so the model's weight bytes count them
+            for kind in ("qweight", "scales", "zeros"):
+                self.register_parameter(
+                    f"{name}_{kind}", nn.Parameter(getattr(experts, kind), requires_grad=False)
+                )
+        self.int4 = (laid["w13"], laid["w2"])
 
     def _int4(self, name: str) -> Int4Experts:
         assert self.quant is not None
