@@ -9,7 +9,8 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
   eager, as it must be (its shapes depend on the choices);
 - bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
   the device-to-device copy bandwidth measured in the same run.
-- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s.
+- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s;
+- align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
 Records: moe_fused_<shape>_t<tokens> (us, baseline = the loop's us, ratio = loop / fused; extra: GB/s and
 fraction of copy bandwidth, the int4 layer's us and GB/s).
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth, time_us  # noqa: E402
 from bench.record import record  # noqa: E402
-from kernels.fused_moe import Int4Experts, fused_moe_triton  # noqa: E402
+from kernels.fused_moe import SINGLE_PAIRS, Int4Experts, align_pairs, block_m, fused_moe_triton  # noqa: E402
 
 SHAPES = {  # hidden, expert intermediate features, experts, top k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -151,6 +152,8 @@ def main() -> None:
             fused = time_us([partial(fused_moe_triton, *inputs)], reps=20, min_calls=4)
             loop = eager_us(partial(transformers_loop, *inputs))
             int4 = time_us([partial(fused_moe_triton, x, q13, q2, weights, ids)], reps=20, min_calls=4)
+            rows = block_m(ids.numel())
+            align = time_us([partial(align_pairs, ids, experts + 1, rows)], reps=20, min_calls=4)
             chosen = torch.unique(ids).numel()
             moved = chosen * expert_bytes + 2 * x.numel() * 2
             int4_gbs = (chosen * int4_expert_bytes + 2 * x.numel() * 2) / int4 / 1e3
@@ -163,7 +166,8 @@ def main() -> None:
                 f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
                 baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
                 extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved,
-                       "int4_us": int4, "int4_gb_s": int4_gbs},
+                       "int4_us": int4, "int4_gb_s": int4_gbs, "align_pairs_us": align,
+                       "aligned": ids.numel() > SINGLE_PAIRS},
                 out_dir=args.out_dir, command=COMMAND,
             )  # fmt: skip
 

@@ -7,10 +7,11 @@ Weights, per rank (its slice of every expert's intermediate features under tenso
 On a GPU (and under the interpreter) two grouped GEMMs take every (token, choice) pair of the batch at once,
 sorted by expert so that one program's rows share one expert's weights, the scheme of vLLM's and SGLang's
 fused MoE:
-- `align_pairs` orders the pairs by expert in blocks of BLOCK_M rows, each expert's rows padded to whole
-  blocks (a padding row names a pair past the last and is masked). Torch ops only, no host sync, sized for the
-  worst case (each chosen expert a block with one pair in it), so a CUDA graph captures it; the blocks past
-  the ones in use return at once.
+- `align_pairs` orders the pairs by expert in blocks of BLOCK_M rows, each expert's rows padded to whole blocks
+  (a padding row names a pair past the last and is masked). Torch ops only, no host sync, sized for the worst case
+  (each chosen expert a block with one pair in it), so a CUDA graph captures it; the blocks past the ones in use
+  return at once. Up to SINGLE_PAIRS pairs (decode's few) each pair is a block of its own instead, with no
+  alignment at all.
 - `_gate_up_kernel`: a block's rows of x against its expert's gate and up columns; silu(gate) * up, a row per
   pair, rounded as the dense MLP rounds them (kernels/silu_and_mul.py).
 - `_down_kernel`: those rows against the expert's down projection, times the pair's router weight, a row per
@@ -39,6 +40,11 @@ import triton.language as tl
 from kernels import _backend
 from kernels.int4_dequant import Int4Weight, int4_dequant_reference
 from kernels.silu_and_mul import silu_mul
+
+# at most this many (token, choice) pairs take a block each, in pair order, with no alignment: align_pairs' torch
+# ops cost ~50 us (H100, in a CUDA graph) against the ~50 us of the kernels at one token of Qwen3-30B-A3B (8 pairs),
+# and a token's choices are distinct experts, so no expert is read twice there
+SINGLE_PAIRS = 16
 
 
 def block_m(num_pairs: int) -> int:
@@ -142,6 +148,18 @@ def _weight_tile(
 
 
 @triton.jit
+def _block_pairs(pair_ptr, expert_ptr, block, num_pairs, BLOCK_M: tl.constexpr, SINGLE: tl.constexpr):
+    """Block `block`'s expert and its rows' pairs (num_pairs marks a padding row): from align_pairs' plan, or, SINGLE,
+    pair `block` alone in its block, its expert the router's choice itself (expert_ptr: the (T * K,) choices)."""
+    expert = tl.load(expert_ptr + block).to(tl.int64)
+    if SINGLE:
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_pairs)
+    else:
+        pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     # pointers
     x_ptr,  # (T, H)
@@ -167,6 +185,7 @@ def _gate_up_kernel(
     stride_act,
     # meta
     TOP_K: tl.constexpr,
+    SINGLE: tl.constexpr,
     INT4: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -174,12 +193,12 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(used_ptr):
-        return
-    expert = tl.load(expert_ptr + block).to(tl.int64)
+    if not SINGLE:  # noqa: SIM102 (the load only where there is a plan)
+        if block * BLOCK_M >= tl.load(used_ptr):
+            return
+    expert, pairs = _block_pairs(pair_ptr, expert_ptr, block, num_pairs, BLOCK_M, SINGLE)
     if expert >= num_experts:  # another rank's expert: the down kernel writes its rows' zeros
         return
-    pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     rows = pairs < num_pairs
     tokens = (pairs // TOP_K).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,6 +247,7 @@ def _down_kernel(
     stride_sg,
     stride_out,
     # meta
+    SINGLE: tl.constexpr,
     INT4: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -235,10 +255,10 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(used_ptr):
-        return
-    expert = tl.load(expert_ptr + block).to(tl.int64)
-    pairs = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    if not SINGLE:  # noqa: SIM102 (the load only where there is a plan)
+        if block * BLOCK_M >= tl.load(used_ptr):
+            return
+    expert, pairs = _block_pairs(pair_ptr, expert_ptr, block, num_pairs, BLOCK_M, SINGLE)
     rows = pairs < num_pairs
     pairs64 = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,21 +309,26 @@ def fused_moe_triton(
     if num_pairs == 0:
         return torch.zeros_like(x)
     rows = block_m(num_pairs)
-    pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
+    single = num_pairs <= SINGLE_PAIRS
+    if single:  # a pair a block, in pair order: no alignment to run (distinct experts at one token)
+        block_experts = topk_ids.reshape(-1)
+        pair_ids, used = block_experts, block_experts  # unread
+    else:
+        pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
     num_blocks = block_experts.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n = 64
     (w, s, z, *strides), meta = _weight_args(w13)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w, s, z, pair_ids, block_experts, used, act, num_pairs, experts, hidden, inter, x.stride(0), *strides,
-        act.stride(0), TOP_K=top_k, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
+        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     (w, s, z, *strides), meta = _weight_args(w2)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, experts, hidden, inter, act.stride(0),
-        *strides, out.stride(0), BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
+        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
     )  # fmt: skip
     return _sum_choices(out.view(tokens, top_k, hidden))
 

@@ -45,6 +45,7 @@ def moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, d
         (17, 64, 48, 4, 4),  # every expert chosen by most tokens
         (70, 32, 16, 8, 4),  # 280 pairs: prefill's 64-row blocks
         (5, 32, 16, 16, 2),  # more experts than pairs: most get none
+        (8, 64, 32, 4, 2),  # 16 pairs, a block each with no alignment, experts repeated
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -395,3 +396,20 @@ def test_expert_parallel_needs_whole_experts_per_rank(tmp_path: Path) -> None:
         LLM(
             str(model_dir), device="cpu", dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True
         )
+
+
+def test_decode_sized_batches_skip_the_alignment(monkeypatch) -> None:
+    """Up to SINGLE_PAIRS pairs each pair is a block of its own: align_pairs' ops do not run."""
+    import kernels.fused_moe as fm
+
+    def no_alignment(*args):
+        raise AssertionError("aligned")
+
+    monkeypatch.setattr(fm, "align_pairs", no_alignment)
+    x, w13, w2, weights, ids = moe_inputs(fm.SINGLE_PAIRS // 2, 32, 16, 4, 2, torch.float32, seed=8)
+    torch.testing.assert_close(
+        fused_moe_triton(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids)
+    )
+    x, w13, w2, weights, ids = moe_inputs(fm.SINGLE_PAIRS // 2 + 1, 32, 16, 4, 2, torch.float32, seed=8)
+    with pytest.raises(AssertionError, match="aligned"):
+        fused_moe_triton(x, w13, w2, weights, ids)

@@ -231,7 +231,7 @@ def moe_case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("tokens", "hidden", "inter", "experts", "top_k"),
-    [(1, 2048, 768, 128, 8), (7, 2048, 768, 128, 8), (300, 2048, 768, 128, 8), (1, 1024, 1792, 8, 2),
+    [(1, 2048, 768, 128, 8), (2, 2048, 768, 128, 8), (7, 2048, 768, 128, 8), (300, 2048, 768, 128, 8), (1, 1024, 1792, 8, 2),
      (65, 1000, 200, 8, 2), (513, 1024, 1792, 8, 2)],
 )  # fmt: skip
 def test_fused_moe_matches_reference(tokens, hidden, inter, experts, top_k, dtype):
