@@ -159,7 +159,7 @@ def _block_pairs(pair_ptr, expert_ptr, block, num_pairs, BLOCK_M: tl.constexpr, 
     return expert, pairs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # a step's pairs: one variant for every batch
 def _gate_up_kernel(
     # pointers
     x_ptr,  # (T, H)
@@ -221,7 +221,7 @@ def _gate_up_kernel(
     tl.store(dst, act.to(dt), mask=rows[:, None] & n_in[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # a step's pairs: one variant for every batch
 def _down_kernel(
     # pointers
     act_ptr,  # (T * K, I)
