@@ -298,6 +298,14 @@ def to_moe_param(architecture: str, hf_name: str) -> tuple[str, tuple[int, str] 
     return f"{layer}.mlp.experts.{stack}" + ("" if kind == "weight" else f"_{kind}"), (int(expert), ours)
 
 
+def _per_expert(
+    names: ExpertNames, layer: str, part: str, stack: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """An (E, ., .) stack of one projection (ours: gate, up or down) as each expert's checkpoint tensor."""
+    theirs = {ours: hf for hf, ours in names.parts.items()}[part]
+    return [(f"{layer}.{names.block}.experts.{e}.{theirs}.weight", w) for e, w in enumerate(stack)]
+
+
 def expert_tensors(
     architecture: str, param_name: str, tensor: torch.Tensor
 ) -> list[tuple[str, torch.Tensor]] | None:
@@ -308,17 +316,12 @@ def expert_tensors(
     if names is None or m is None:
         return None
     layer, what = m.groups()
-    block = f"{layer}.{names.block}"
     if what == "gate.weight":
-        return [(f"{block}.gate.weight", tensor)]
-    hf = {ours: theirs for theirs, ours in names.parts.items()}
+        return [(f"{layer}.{names.block}.gate.weight", tensor)]
     if what == "experts.w2":
-        return [(f"{block}.experts.{e}.{hf['down']}.weight", w) for e, w in enumerate(tensor)]
-    return [
-        (f"{block}.experts.{e}.{hf[part]}.weight", piece)
-        for e, w in enumerate(tensor)
-        for part, piece in zip(("gate", "up"), w.chunk(2))
-    ]
+        return _per_expert(names, layer, "down", tensor)
+    gate, up = tensor.chunk(2, dim=1)
+    return _per_expert(names, layer, "gate", gate) + _per_expert(names, layer, "up", up)
 
 
 def gguf_expert_tensors(
@@ -332,8 +335,6 @@ def gguf_expert_tensors(
     if names is None or m is None:
         return None
     layer, part = m.groups()
-    block = f"{layer}.{names.block}"
     if part is None:
-        return [(f"{block}.gate.weight", tensor)]
-    theirs = {ours: hf for hf, ours in names.parts.items()}[part]
-    return [(f"{block}.experts.{e}.{theirs}.weight", w) for e, w in enumerate(tensor)]
+        return [(f"{layer}.{names.block}.gate.weight", tensor)]
+    return _per_expert(names, layer, part, tensor)
