@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import LinearBase
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import FusedMoE, gguf_expert_tensors
 from engine.layers.quant import (
     AWQLinearMethod,
     GGUFInt4Method,
@@ -33,13 +33,16 @@ from engine.model import STACKED_PARAMS
 from engine.model_config import ModelConfig
 
 DUMMY_SCALE = 0.007  # a group of N(0, 0.02) weights spans about 15 of these steps
+EXPERT_STACKS = {"w13": ("gate", "up"), "w2": ("down",)}  # a MoE layer's stacks and the GGUF parts in each
 
 
 class QuantPlan(Protocol):
     quantized_lm_head: bool  # the LM head is a linear layer the plan gives a method (else dense)
-    dense_experts: bool  # a mixture of experts loads its experts dense (else the plan cannot take one)
 
     def method_for(self, prefix: str, layer: LinearBase) -> LinearMethod | None: ...
+
+    def quantize_experts(self, prefix: str, layer: FusedMoE) -> None:
+        """Give a MoE layer's expert stacks the checkpoint's quantized tensors (else they load dense)."""
 
 
 def checkpoint_parts(prefix: str) -> list[str]:
@@ -52,8 +55,6 @@ def checkpoint_parts(prefix: str) -> list[str]:
 class CheckpointPlan:
     """AWQ or GPTQ: every linear layer of the decoder, except `modules_to_not_convert`; the LM head too
     where a GPTQ config says lm_head=true."""
-
-    dense_experts = False  # AWQ / GPTQ experts are int4 too (engine/layers/moe.py: FusedMoE.quantize)
 
     def __init__(self, config: QuantConfig) -> None:
         self.config = config
@@ -70,13 +71,16 @@ class CheckpointPlan:
             raise ValueError(f"modules_to_not_convert leaves only some of {', '.join(parts)} dense")
         return AWQLinearMethod(self.config) if self.config.method == "awq" else GPTQLinearMethod(self.config)
 
+    def quantize_experts(self, prefix: str, layer: FusedMoE) -> None:
+        layer.quantize(self.config)  # AWQ / GPTQ experts are int4 too
+
 
 class GGUFPlan:
     """A layer whose checkpoint tensors are all Q4_0, all Q4_1 or all Q8_0 stays quantized; any other type
-    is dequantized at load (engine/weights.py: iter_gguf) into a dense layer."""
+    is dequantized at load (engine/weights.py: iter_gguf) into a dense layer. So does a MoE's stack of experts
+    (gate and up together, down apart)."""
 
     quantized_lm_head = False  # an untied output tensor is dequantized, whatever its type
-    dense_experts = True  # expert stacks are dequantized at load (iter_gguf), whatever their type
 
     def __init__(self, reader: Any) -> None:
         from engine.weights import gguf_to_hf_name
@@ -93,6 +97,19 @@ class GGUFPlan:
         if kind is None or prefix.endswith(".mlp.gate"):  # a MoE router: dequantized (llama.cpp keeps it F32)
             return None
         return GGUFInt8Method(kind) if kind == "Q8_0" else GGUFInt4Method(kind)
+
+    def quantize_experts(self, prefix: str, layer: FusedMoE) -> None:
+        kinds = {
+            stack: {self.types.get(f"{prefix}.{part}_exps.weight") for part in parts}
+            for stack, parts in EXPERT_STACKS.items()
+        }
+        kept = {
+            stack: str(types.pop())
+            for stack, types in kinds.items()
+            if len(types) == 1 and types <= BLOCK_BYTES.keys()
+        }
+        if kept:
+            layer.quantize_gguf(kept)
 
 
 def quant_plan(
@@ -114,10 +131,9 @@ def attach_methods(net: nn.Module, plan: QuantPlan) -> None:
     """Give every linear layer (built without a dense weight) its method's parameters, or a dense weight; a MoE
     layer's experts their checkpoint's int4 tensors where the plan's experts are not dense."""
     for prefix, layer in net.named_modules():
-        if isinstance(layer, FusedMoE) and not plan.dense_experts:
-            assert isinstance(plan, CheckpointPlan)
+        if isinstance(layer, FusedMoE):
             try:
-                layer.quantize(plan.config)
+                plan.quantize_experts(prefix, layer)
             except ValueError as e:
                 raise ValueError(f"{prefix}: {e}") from e
         if not isinstance(layer, LinearBase):
@@ -134,13 +150,22 @@ def attach_methods(net: nn.Module, plan: QuantPlan) -> None:
 
 
 def gguf_kept(net: nn.Module) -> set[str]:
-    """The GGUF tensors that load quantized: those of the layers that got a GGUF method."""
-    return {
+    """The GGUF tensors that load quantized: those of the layers that got a GGUF method, and the expert stacks
+    kept quantized."""
+    linears = {
         f"{part}.weight"
         for prefix, layer in net.named_modules()
         if isinstance(layer, LinearBase) and isinstance(layer.quant_method, GGUFMethod)
         for part in checkpoint_parts(prefix)
     }
+    experts = {
+        f"{prefix}.{part}_exps.weight"
+        for prefix, layer in net.named_modules()
+        if isinstance(layer, FusedMoE)
+        for stack in layer.gguf
+        for part in EXPERT_STACKS[stack]
+    }
+    return linears | experts
 
 
 def process_weights(net: nn.Module) -> None:
@@ -190,6 +215,13 @@ def iter_gguf_quantized(
     for tensor in reader.tensors:
         name = gguf_to_hf_name(tensor.name)
         if name not in kept:
+            continue
+        if "_exps." in name:  # (E, N, K/32 * bytes): each expert's rows as a tensor of its own
+            stack = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), int(tensor.shape[-2]), -1)
+            raw = torch.from_numpy(np.array(stack, dtype=np.uint8))
+            experts = gguf_expert_tensors(config.architecture, name, raw, "qweight")
+            assert experts is not None, name
+            yield from experts
             continue
         rows = np.asarray(tensor.data).reshape(int(tensor.shape[-1]), -1)  # (N, K/32 * bytes)
         if permuted and ".q_proj." in name:

@@ -19,13 +19,16 @@ fused MoE:
 Decode's few tokens read each chosen expert's weights once a block; most of a block's rows are padding there,
 which costs tensor-core time the GEMV is not bound by.
 
-Int4 experts (Int4Experts: AWQ / GPTQ checkpoints, each expert in kernels/int4_dequant.py's rows layout) are
-dequantized in the same kernels, a tile at a time in registers: (q - z) * s in fp32, rounded to x's dtype.
+Quantized experts are dequantized in the same kernels, a tile at a time in registers, in fp32 (exact: a small
+integer times an fp16 scale), rounded to x's dtype:
+- Int4Experts (AWQ / GPTQ checkpoints, GGUF Q4_0 / Q4_1), each expert in kernels/int4_dequant.py's rows layout:
+  (q - z) * s with integer zero points, q * s + m with GGUF Q4_1's float offsets;
+- Int8Experts (GGUF Q8_0): q * s, a scale per 32 input features, each expert's rows as the checkpoint's.
 
 A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
 
 `fused_moe_reference` loops over the experts the batch chose, transformers' order of operations (the CPU path;
-int4 experts dequantized first).
+quantized experts dequantized first).
 """
 
 from __future__ import annotations
@@ -50,6 +53,20 @@ SINGLE_PAIRS = 16
 def block_m(num_pairs: int) -> int:
     """Rows a program takes: 16 while a step is decode-sized, 64 for prefill's many rows an expert."""
     return 16 if num_pairs <= 256 else 64
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Output columns a program takes in each kernel, and its warps."""
+
+    gate_up_n: int = 64
+    down_n: int = 64
+    warps: int = 4
+
+
+def tiles(num_pairs: int) -> Tiles:
+    """One config for every batch (python -m bench.moe --sweep times others)."""
+    return Tiles()
 
 
 def align_pairs(
@@ -85,7 +102,8 @@ def align_pairs(
 class Int4Experts:
     """Every expert's int4 weight of one projection, each laid as kernels/int4_dequant.py's rows layout (an
     Int4Weight of (K, N) = (input, output) features): qweight (E, K/8, N) int32, scales (E, K/G, N) fp16,
-    zeros (E, K/G, N) uint8; expert e's weight is w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]."""
+    zeros (E, K/G, N) uint8, expert e's weight w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]; or fp16 zeros,
+    GGUF Q4_1's offsets: w[k, n] = q[k, n] * s[k // G, n] + z[k // G, n]."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -103,11 +121,19 @@ class Int4Experts:
             raise ValueError(
                 f"scales {tuple(self.scales.shape)} and zeros {tuple(self.zeros.shape)} must be {groups}"
             )
+        if self.zeros.dtype not in (torch.uint8, torch.float16):
+            raise ValueError(
+                f"int4 experts' zeros are uint8 zero points or fp16 offsets, not {self.zeros.dtype}"
+            )
 
     @property
     def shape(self) -> tuple[int, int, int]:  # (E, N, K), as a dense (E, N, K) stack
         e, k8, n = self.qweight.shape
         return e, n, k8 * 8
+
+    @property
+    def zero_is_offset(self) -> bool:
+        return self.zeros.dtype == torch.float16
 
     def expert(self, e: int) -> Int4Weight:
         return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size)
@@ -116,18 +142,58 @@ class Int4Experts:
         return torch.stack([int4_dequant_reference(self.expert(e), dtype) for e in range(self.shape[0])])
 
 
-Experts = torch.Tensor | Int4Experts  # a dense (E, N, K) stack or int4 experts
+@dataclass(frozen=True)
+class Int8Experts:
+    """Every expert's int8 weight of one projection (GGUF Q8_0): qweight (E, N, K) int8, each expert's rows as
+    the checkpoint holds them, and scales (E, N, K/G) fp16; expert e's weight is w[n, k] = q[n, k] * s[n, k // G]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    def __post_init__(self) -> None:
+        e, n, k = self.qweight.shape
+        if self.qweight.dtype != torch.int8 or self.scales.dtype != torch.float16:
+            raise ValueError(
+                f"int8 experts are int8 with fp16 scales, not {self.qweight.dtype}, {self.scales.dtype}"
+            )
+        if (
+            self.group_size % 16
+            or k % self.group_size
+            or tuple(self.scales.shape) != (e, n, k // self.group_size)
+        ):
+            raise ValueError(
+                f"scales {tuple(self.scales.shape)} must be {(e, n, k // max(self.group_size, 1))}, in groups of a "
+                f"multiple of 16 dividing K={k}, not {self.group_size}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int, int]:  # (E, N, K)
+        e, n, k = self.qweight.shape
+        return e, n, k
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # (E, N, K), exact in fp32 then rounded
+        scales = self.scales.float().repeat_interleave(self.group_size, dim=-1)
+        return (self.qweight.float() * scales).to(dtype)
+
+
+Experts = torch.Tensor | Int4Experts | Int8Experts  # a dense (E, N, K) stack or quantized experts
+# _weight_tile's kinds of stack: dense, int4 with zero points, int4 with float offsets, int8
+DENSE: tl.constexpr = tl.constexpr(0)
+INT4: tl.constexpr = tl.constexpr(1)
+INT4_OFFSETS: tl.constexpr = tl.constexpr(2)
+INT8: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
 def _weight_tile(
     w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, K,
-    stride_we, stride_wn, stride_wk, stride_se, stride_sg,
-    INT4: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
+    stride_we, stride_wn, stride_wk, stride_se, stride_sg, stride_sn,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     """Expert `expert`'s (BLOCK_K, BLOCK_N) tile at rows k0.. of K and columns `cols`, in DT: a dense stack's
-    values, or int4 ones as (q - z) * s in fp32 (the reference's rounding), one group a tile."""
-    if INT4:
+    values, or quantized ones dequantized in fp32 (the references' rounding), one group a tile."""
+    if KIND == INT4 or KIND == INT4_OFFSETS:  # noqa: SIM109 (Triton compares constexprs, no tuple `in`)
         words = tl.arange(0, BLOCK_K // 8) + k0 // 8
         packed = tl.load(
             w_ptr + expert * stride_we + words[:, None] * stride_wk + cols[None, :],
@@ -136,15 +202,26 @@ def _weight_tile(
         )  # (BLOCK_K / 8, BLOCK_N): 8 rows a word, row 8r + j in bits 4j..4j + 3
         shifts = tl.arange(0, 8) * 4
         q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
-        group = expert * stride_se + (k0 // GROUP) * stride_sg + cols
-        s = tl.load(s_ptr + group, mask=n_in, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(z_ptr + group, mask=n_in, other=0).to(tl.float32)[None, :]
-        return (q * s - z * s).to(DT)
-    k_in = ks + k0 < K
-    ptrs = (
-        w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None] * stride_wk
-    )
-    return tl.load(ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0).to(DT)
+    else:
+        k_in = ks + k0 < K
+        ptrs = (
+            w_ptr
+            + expert * stride_we
+            + cols[None, :].to(tl.int64) * stride_wn
+            + (k0 + ks)[:, None] * stride_wk
+        )
+        q = tl.load(ptrs, mask=k_in[:, None] & n_in[None, :], other=0)
+        if KIND == DENSE:
+            return q.to(DT)
+        q = q.to(tl.float32)
+    group = expert * stride_se + (k0 // GROUP) * stride_sg + cols * stride_sn
+    s = tl.load(s_ptr + group, mask=n_in, other=0.0).to(tl.float32)[None, :]
+    if KIND == INT8:
+        return (q * s).to(DT)
+    z = tl.load(z_ptr + group, mask=n_in, other=0).to(tl.float32)[None, :]
+    if KIND == INT4_OFFSETS:
+        return (q * s + z).to(DT)
+    return (q * s - z * s).to(DT)
 
 
 @triton.jit
@@ -182,11 +259,12 @@ def _gate_up_kernel(
     stride_wk,
     stride_se,
     stride_sg,
+    stride_sn,
     stride_act,
     # meta
     TOP_K: tl.constexpr,
     SINGLE: tl.constexpr,
-    INT4: tl.constexpr,
+    KIND: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -211,9 +289,9 @@ def _gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         a = tl.load(x_tile + k0, mask=rows[:, None] & (ks + k0 < H)[None, :], other=0.0)
         g = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, H, stride_we, stride_wn, stride_wk,
-                         stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+                         stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         u = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols + inter, n_in, H, stride_we, stride_wn,
-                         stride_wk, stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+                         stride_wk, stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         gate = tl.dot(a, g, gate, input_precision="ieee")
         up = tl.dot(a, u, up, input_precision="ieee")
     act = silu_mul(gate.to(dt), up.to(dt))  # each GEMM's output rounded, as the dense MLP's
@@ -245,10 +323,11 @@ def _down_kernel(
     stride_wk,
     stride_se,
     stride_sg,
+    stride_sn,
     stride_out,
     # meta
     SINGLE: tl.constexpr,
-    INT4: tl.constexpr,
+    KIND: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -278,7 +357,7 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         a = tl.load(a_tile + k0, mask=rows[:, None] & (ks + k0 < inter)[None, :], other=0.0)
         w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, inter, stride_we, stride_wn, stride_wk,
-                         stride_se, stride_sg, INT4, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+                         stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision="ieee")
     weight = tl.load(weight_ptr + pairs64, mask=rows, other=0.0)
     out = acc.to(dt).to(tl.float32) * weight[:, None]  # the expert's output rounded, then weighted
@@ -287,12 +366,25 @@ def _down_kernel(
 
 def _weight_args(w: Experts) -> tuple[tuple, dict]:
     """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
-    stride_sg), and its constexprs."""
+    stride_sg, stride_sn), and its constexprs. A K tile never spans two groups."""
     if isinstance(w, Int4Experts):
         q, s = w.qweight, w.scales
-        args = (q, s, w.zeros, q.stride(0), 1, q.stride(1), s.stride(0), s.stride(1))
-        return args, {"INT4": True, "GROUP": w.group_size, "BLOCK_K": 64 if w.group_size % 64 == 0 else 32}
-    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0), {"INT4": False, "GROUP": 1, "BLOCK_K": 64}
+        args = (q, s, w.zeros, q.stride(0), 1, q.stride(1), s.stride(0), s.stride(1), 1)
+        kind = INT4_OFFSETS if w.zero_is_offset else INT4
+        return args, {
+            "KIND": kind.value,
+            "GROUP": w.group_size,
+            "BLOCK_K": 64 if w.group_size % 64 == 0 else 32,
+        }
+    if isinstance(w, Int8Experts):
+        q, s = w.qweight, w.scales
+        args = (q, s, s, q.stride(0), q.stride(1), 1, s.stride(0), 1, s.stride(1))
+        return args, {
+            "KIND": INT8.value,
+            "GROUP": w.group_size,
+            "BLOCK_K": 32 if w.group_size % 32 == 0 else 16,
+        }
+    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0), {"KIND": DENSE.value, "GROUP": 1, "BLOCK_K": 64}
 
 
 def fused_moe_triton(
@@ -301,6 +393,7 @@ def fused_moe_triton(
     w2: Experts,  # (E, H, I)
     topk_weights: torch.Tensor,  # (T, K) fp32
     topk_ids: torch.Tensor,  # (T, K) int
+    config: Tiles | None = None,  # None: tiles(T * K)
 ) -> torch.Tensor:  # (T, H) in x's dtype
     _check(x, w13, w2, topk_weights, topk_ids)
     (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
@@ -317,18 +410,18 @@ def fused_moe_triton(
         pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
     num_blocks = block_experts.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block_n = 64
+    cfg = config or tiles(num_pairs)
     (w, s, z, *strides), meta = _weight_args(w13)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
         x, w, s, z, pair_ids, block_experts, used, act, num_pairs, experts, hidden, inter, x.stride(0), *strides,
-        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
+        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.gate_up_n, num_warps=cfg.warps, **meta,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     (w, s, z, *strides), meta = _weight_args(w2)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down_n))](
         act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, experts, hidden, inter, act.stride(0),
-        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=block_n, num_warps=4, **meta,
+        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.down_n, num_warps=cfg.warps, **meta,
     )  # fmt: skip
     return _sum_choices(out.view(tokens, top_k, hidden))
 
@@ -346,9 +439,9 @@ def fused_moe_reference(
     """Expert by expert over the tokens that chose it; each expert's output rounded to x's dtype, weighted, and a
     token's choices summed in choice order (as the kernels do). Int4 experts are dequantized first."""
     _check(x, w13, w2, topk_weights, topk_ids)
-    if isinstance(w13, Int4Experts):
+    if not isinstance(w13, torch.Tensor):
         w13 = w13.dequantize(x.dtype)
-    if isinstance(w2, Int4Experts):
+    if not isinstance(w2, torch.Tensor):
         w2 = w2.dequantize(x.dtype)
     tokens, top_k = topk_ids.shape
     inter = w2.shape[2]
@@ -383,7 +476,7 @@ def _check(
         f"w2 {tuple(w2.shape)} for w13 {tuple(w13.shape)}"
     )
     for w in (w13, w2):
-        stride = w.qweight.stride(2) if isinstance(w, Int4Experts) else w.stride(2)
+        stride = w.stride(2) if isinstance(w, torch.Tensor) else w.qweight.stride(2)
         assert stride == 1, "expert weights' last dim not contiguous"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == x.shape[0], (
         f"topk {tuple(topk_ids.shape)} for x {tuple(x.shape)}"

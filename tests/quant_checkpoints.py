@@ -141,12 +141,14 @@ GGUF_EXPERT_PARTS = {
 }
 
 
-def write_moe_gguf(model_dir: Path, out: Path) -> None:
+def write_moe_gguf(model_dir: Path, out: Path, expert_types: dict[str, str] | None = None) -> None:
     """A llama.cpp-style F32 GGUF of a tiny MoE model (Mixtral as llama with experts, qwen2moe, qwen3moe): each
-    layer's experts stacked into ffn_{gate,up,down}_exps (E, ., .), the shared expert's gate a vector."""
+    layer's experts stacked into ffn_{gate,up,down}_exps (E, ., .), the shared expert's gate a vector;
+    `expert_types`: a GGUF type for some of the stacks (gate, up, down), the rest F32."""
     import re
 
     import gguf
+    from gguf.quants import quantize
 
     c = ModelConfig.from_dir(model_dir)
     arch = GGUF_MOE_ARCHS[c.architecture]
@@ -187,7 +189,13 @@ def write_moe_gguf(model_dir: Path, out: Path) -> None:
             w = w.reshape(-1)
         writer.add_tensor(f"blk.{layer}.{gguf_name}.{kind}" if layer else f"{gguf_name}.{kind}", w)
     for (layer, part), stack in experts.items():
-        writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", np.stack([stack[e] for e in sorted(stack)]))
+        w = np.stack([stack[e] for e in sorted(stack)])
+        qtype = (expert_types or {}).get(part)
+        if qtype is None:
+            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", w)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

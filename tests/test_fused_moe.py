@@ -57,6 +57,17 @@ def test_kernels_match_the_reference(tokens, hidden, inter, experts, top_k, dtyp
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_other_tiles_match_the_reference(tokens: int) -> None:
+    """The tiles bench.moe --sweep times: narrower column blocks than the default, more warps."""
+    from kernels.fused_moe import Tiles
+
+    x, w13, w2, weights, ids = moe_inputs(tokens, 64, 48, 4, 2, torch.float16, seed=3)
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    got = fused_moe_triton(x, w13, w2, weights, ids, Tiles(gate_up_n=16, down_n=32, warps=8))
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
 def int4_experts(experts: int, n: int, k: int, group: int, seed: int):
     from kernels.fused_moe import Int4Experts
     from kernels.int4_dequant import pack_rows
@@ -83,6 +94,57 @@ def test_int4_kernels_match_the_reference(tokens: int, group: int, dtype: torch.
     torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected, atol=0, rtol=0)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids), expected, atol=tol, rtol=tol)
+
+
+def int4_offset_experts(experts: int, n: int, k: int, seed: int):
+    """GGUF Q4_1's form: float offsets in place of zero points, groups of 32."""
+    from kernels.fused_moe import Int4Experts
+
+    w = int4_experts(experts, n, k, 32, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    offsets = (torch.rand(w.zeros.shape, generator=gen) * -0.1).half()
+    return Int4Experts(w.qweight, w.scales, offsets, 32)
+
+
+def int8_experts(experts: int, n: int, k: int, seed: int):
+    """GGUF Q8_0's form: int8 rows, an fp16 scale per 32 input features."""
+    from kernels.fused_moe import Int8Experts
+
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (experts, n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(experts, n, k // 32, generator=gen) * 0.002 + 0.0005).half()
+    return Int8Experts(q, scales, 32)
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 70])
+@pytest.mark.parametrize("kinds", [("q4_1", "q8_0"), ("q8_0", "q4_1"), ("q8_0", "dense")])
+def test_gguf_expert_kinds_in_the_kernels_match_the_reference(tokens: int, kinds: tuple[str, str]) -> None:
+    """GGUF experts kept quantized (Q4_1's offsets, Q8_0's int8 rows), each stack of its own kind."""
+    hidden, inter, experts, top_k = 64, 96, 4, 2
+    x, w13_dense, w2_dense, weights, ids = moe_inputs(
+        tokens, hidden, inter, experts, top_k, torch.float16, tokens
+    )
+    make = {"q4_1": int4_offset_experts, "q8_0": int8_experts}
+    w13 = make[kinds[0]](experts, 2 * inter, hidden, 1) if kinds[0] != "dense" else w13_dense
+    w2 = make[kinds[1]](experts, hidden, inter, 2) if kinds[1] != "dense" else w2_dense
+    assert w13.shape == (experts, 2 * inter, hidden) and w2.shape == (experts, hidden, inter)
+    dense = [w if isinstance(w, torch.Tensor) else w.dequantize(torch.float16) for w in (w13, w2)]
+    expected = fused_moe_reference(x, *dense, weights, ids)
+    torch.testing.assert_close(fused_moe_reference(x, w13, w2, weights, ids), expected, atol=0, rtol=0)
+    torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_quantized_expert_stacks_check_their_shapes() -> None:
+    from kernels.fused_moe import Int4Experts, Int8Experts
+
+    w = int4_experts(2, 16, 64, 32, 0)
+    with pytest.raises(ValueError, match="zero points or fp16 offsets"):
+        Int4Experts(w.qweight, w.scales, w.zeros.float(), 32)
+    q = torch.zeros(2, 16, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"must be \(2, 16, 2\)"):
+        Int8Experts(q, torch.zeros(2, 16, 3, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match="int8 with fp16 scales"):
+        Int8Experts(q.float(), torch.zeros(2, 16, 2, dtype=torch.float16), 32)
 
 
 def test_every_token_on_one_expert() -> None:
@@ -282,6 +344,73 @@ def test_gguf_moe_equals_transformers(tmp_path: Path, arch: str) -> None:
     assert generate_from(gguf_path, prompts) == hf_greedy(model_dir, prompts, [6, 6])
 
 
+@pytest.mark.parametrize(
+    ("arch", "types", "kept"),
+    [
+        ("mixtral", ("Q4_0", "Q4_0", "Q8_0"), {"w13": "Int4Experts", "w2": "Int8Experts"}),
+        ("qwen3_moe", ("Q8_0", "Q8_0", "Q4_1"), {"w13": "Int8Experts", "w2": "Int4Experts"}),
+        ("qwen2_moe", ("Q4_1", "Q8_0", "Q4_1"), {"w2": "Int4Experts"}),  # gate and up differ: w13 dense
+    ],
+)
+def test_gguf_moe_experts_stay_quantized(
+    tmp_path: Path, monkeypatch, arch: str, types: tuple, kept: dict
+) -> None:
+    """A GGUF MoE's Q4_0 / Q4_1 / Q8_0 expert stacks load as int4 / int8 experts, not dense, and serve the greedy
+    output transformers gives on the same file dequantized: on the CPU path and through the kernels."""
+    import engine.layers.moe as moe
+    from engine.bundled import gguf_model_dir
+    from tests.quant_checkpoints import write_moe_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    sizes = {"qwen2_moe": {"decoder_sparse_step": 1}, "qwen3_moe": {"mlp_only_layers": []}}.get(arch, {})
+    if arch != "mixtral":
+        sizes["moe_intermediate_size"] = 64  # whole blocks of 32
+    model_dir = tiny_random_model_dir(tmp_path, arch, **sizes)
+    gguf_path = tmp_path / f"{arch}.gguf"
+    write_moe_gguf(model_dir, gguf_path, dict(zip(("gate", "up", "down"), types)))
+    model, _ = load_model(gguf_path)
+    for layer in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        assert {name: type(w).__name__ for name, w in layer.quantized.items()} == kept
+        assert ("w13" in kept) != hasattr(layer, "w13") and ("w2" in kept) != hasattr(layer, "w2")
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    expected = hf_greedy(gguf_model_dir(gguf_path), prompts, [6, 6])
+    assert generate_from(gguf_path, prompts) == expected
+
+    class OnTriton:  # the MoE layers take the kernels; the rest of the model stays on torch
+        @staticmethod
+        def use_triton(x: torch.Tensor) -> bool:
+            return True
+
+    monkeypatch.setattr(moe, "_backend", OnTriton)
+    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    assert generate_from(gguf_path, prompts) == expected
+
+
+@pytest.mark.parametrize("parallel", ["tp", "ep"])
+def test_gguf_moe_quantized_experts_at_tp2(tmp_path: Path, monkeypatch, parallel: str) -> None:
+    """Under tensor parallelism each rank takes its rows of gate's and up's blocks and its blocks of down's input
+    features; under expert parallelism its experts' blocks whole."""
+    from engine.bundled import gguf_model_dir
+    from tests.quant_checkpoints import write_moe_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral")  # 128 intermediate features: 2 blocks a rank
+    gguf_path = tmp_path / "mixtral.gguf"
+    write_moe_gguf(model_dir, gguf_path, {"gate": "Q4_1", "up": "Q4_1", "down": "Q8_0"})
+    kwargs = {"enable_expert_parallel": True} if parallel == "ep" else {}
+    assert generate(gguf_path, tp=2, **kwargs) == hf_greedy(gguf_model_dir(gguf_path), PROMPTS, MAX_TOKENS)
+
+
+def test_gguf_moe_blocks_must_divide_over_the_ranks(tmp_path: Path) -> None:
+    from tests.quant_checkpoints import write_moe_gguf
+
+    model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe", mlp_only_layers=[], moe_intermediate_size=96)
+    gguf_path = tmp_path / "qwen3_moe.gguf"
+    write_moe_gguf(model_dir, gguf_path, {"down": "Q4_0"})  # 48 features a rank: a block and a half
+    with pytest.raises(ValueError, match="GGUF blocks hold 32 input features; this rank's experts have 48"):
+        load_model(gguf_path, tp_rank=0, tp_size=2)
+
+
 @pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq"), ("qwen2_moe", "awq")])
 def test_int4_moe_checkpoint_equals_transformers_on_its_dequantized_weights(
     tmp_path: Path, arch: str, fmt: str
@@ -298,11 +427,11 @@ def test_int4_moe_checkpoint_equals_transformers_on_its_dequantized_weights(
     assert generate(checkpoint) == expected
     model, _ = load_model(checkpoint)
     experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
-    assert experts.int4 is not None and experts.int4[0].qweight.dtype == torch.int32
+    assert experts.quantized["w13"].qweight.dtype == torch.int32
     params = dict(experts.named_parameters())  # the KV-sizing line's weight bytes count the int4 experts
     assert (
         params["w13_qweight"] is not None
-        and params["w2_qweight"].data_ptr() == experts.int4[1].qweight.data_ptr()
+        and params["w2_qweight"].data_ptr() == experts.quantized["w2"].qweight.data_ptr()
     )
 
 

@@ -19,6 +19,10 @@ AWQ and GPTQ checkpoints hold each expert's projections as their linear layers d
 g_idx, which must be in group order: act order is refused); `FusedMoE.quantize` registers them stacked over experts
 (gate and up side by side in their output features) as w13_qweight ... and w2_qweight ..., and `process_weights`
 re-lays them into kernels/fused_moe.py's Int4Experts.
+
+GGUF files hold each projection stacked over experts (ffn_{gate,up,down}_exps); a stack of Q4_0, Q4_1 or Q8_0 (gate
+and up of one type) stays quantized: `FusedMoE.quantize_gguf` takes each expert's rows of blocks, and
+`process_weights` makes them Int4Experts (Q4) or Int8Experts (Q8_0). Other types load dense.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
 from kernels import _backend
-from kernels.fused_moe import Experts, Int4Experts, fused_moe
+from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe
+
+Quantized = Int4Experts | Int8Experts
 
 
 @dataclass(frozen=True)
@@ -74,16 +80,18 @@ class FusedMoE(nn.Module):
         self.first = tp_rank * self.num_experts if self.expert_parallel else 0
         self.inter = divide(inter, self.tp_size, "moe_intermediate_size")
         self.quant: QuantConfig | None = None
-        self.int4: tuple[Int4Experts, Int4Experts] | None = None
-        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None  # int4 experts dequantized, for the CPU
+        self.gguf: dict[str, str] = {}  # stack (w13, w2) -> its GGUF type, for the stacks kept quantized
+        self.quantized: dict[str, Quantized] = {}  # stack -> its experts as the kernels take them
+        self._dense: dict[str, torch.Tensor] = {}  # quantized stacks dequantized, for the CPU path
         self.w13 = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(self.num_experts, hidden, self.inter), requires_grad=False)
         set_weight_loader(self.w13, self.weight_loader)
         set_weight_loader(self.w2, self.weight_loader)
 
-    @property
-    def checkpoint_kinds(self) -> tuple[str, ...]:
-        """The tensors a checkpoint holds per expert projection."""
+    def checkpoint_kinds(self, stack: str) -> tuple[str, ...]:
+        """The tensors a checkpoint holds per expert projection of a stack (w13, w2)."""
+        if stack in self.gguf:
+            return ("qweight",)  # the projection's rows of blocks
         if self.quant is None:
             return ("weight",)
         return (
@@ -91,6 +99,26 @@ class FusedMoE(nn.Module):
             if self.quant.method == "gptq"
             else ("qweight", "qzeros", "scales")
         )
+
+    def quantize_gguf(self, types: dict[str, str]) -> None:
+        """Keep the stacks in `types` (w13, w2 -> Q4_0, Q4_1 or Q8_0) as the GGUF's blocks: each expert's rows (output
+        features) of K / 32 blocks, this rank's rows of gate and up and its blocks of down's input features."""
+        from engine.layers.quant.gguf import BLOCK, BLOCK_BYTES
+
+        for name, qtype in types.items():
+            n, k = (2 * self.inter, self.hidden) if name == "w13" else (self.hidden, self.inter)
+            if k % BLOCK:
+                raise ValueError(
+                    f"GGUF blocks hold {BLOCK} input features; this rank's experts have {k} ({name})"
+                )
+            delattr(self, name)
+            param = nn.Parameter(
+                torch.empty(self.num_experts, n, k // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8),
+                requires_grad=False,
+            )
+            self.register_parameter(f"{name}_qweight", param)
+            set_weight_loader(param, self.weight_loader)
+            self.gguf[name] = qtype
 
     def quantize(self, config: QuantConfig) -> None:
         """Replace the dense stacks by an AWQ or GPTQ checkpoint's tensors, stacked over experts (the last dim
@@ -119,12 +147,15 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         """shard_id (expert, "gate" | "up" | "down"): one expert's whole checkpoint tensor, of which this rank
-        takes its intermediate features (dense), or which goes whole into its expert's slot (int4)."""
+        takes its intermediate features (dense, GGUF blocks), or which goes whole into its expert's slot (int4)."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and 0 <= shard_id[0] < self.total_experts):
             raise ValueError(f"bad shard id {shard_id!r} for {self.total_experts} experts")
         expert, part = shard_id[0] - self.first, shard_id[1]
         if not 0 <= expert < self.num_experts:
             return  # another rank's expert (expert parallelism)
+        if self.gguf.get("w2" if part == "down" else "w13"):
+            self._load_gguf(param, loaded, expert, part)
+            return
         if self.quant is not None:
             name = next(n for n, p in self.named_parameters(recurse=False) if p is param)
             self._load_int4(self.kinds[name], param, loaded, expert, part)
@@ -165,19 +196,48 @@ class FusedMoE(nn.Module):
             loaded = loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim])
         copy_checked(dst, loaded)
 
+    def _load_gguf(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, part: str) -> None:
+        """One expert's rows of blocks of one projection: this rank's rows of gate or up, placed as w13's first or
+        second half; this rank's blocks of down's input features."""
+        dst = param.data[expert]
+        dim = 1 if part == "down" else 0  # down: blocks of its input features; gate, up: rows
+        if part != "down":
+            dst = dst.narrow(0, 0 if part == "gate" else self.inter, self.inter)
+        full = tuple(n * self.tp_size if d == dim else n for d, n in enumerate(dst.shape))
+        if loaded.dtype != torch.uint8 or tuple(loaded.shape) != full:
+            raise ValueError(
+                f"shape mismatch: checkpoint has {tuple(loaded.shape)} {loaded.dtype}, an expert's {part} "
+                f"{self.gguf['w2' if part == 'down' else 'w13']} blocks are {full} uint8"
+            )
+        copy_checked(dst, loaded.narrow(dim, self.tp_rank * dst.shape[dim], dst.shape[dim]))
+
     def process_weights(self) -> None:
-        """The checkpoint's int4 tensors as Int4Experts (kernels/int4_dequant.py's rows layout)."""
-        if self.quant is None:
+        """The checkpoint's int4 tensors as Int4Experts (kernels/int4_dequant.py's rows layout), GGUF blocks as
+        Int4Experts or Int8Experts."""
+        if self.quant is None and not self.gguf:
             return
-        laid = {name: self._int4(name) for name in ("w13", "w2")}
-        for name in [n for n, _ in self.named_parameters(recurse=False)]:
+        laid: dict[str, Quantized] = {name: self._int4(name) for name in ("w13", "w2")} if self.quant else {}
+        laid |= {name: self._from_gguf(name, qtype) for name, qtype in self.gguf.items()}
+        for name in [n for n, _ in self.named_parameters(recurse=False) if n.split("_")[0] in laid]:
             delattr(self, name)
         for name, experts in laid.items():  # parameters again, so the model's weight bytes count them
-            for kind in ("qweight", "scales", "zeros"):
+            kinds = (
+                ("qweight", "scales", "zeros") if isinstance(experts, Int4Experts) else ("qweight", "scales")
+            )
+            for kind in kinds:
                 self.register_parameter(
                     f"{name}_{kind}", nn.Parameter(getattr(experts, kind), requires_grad=False)
                 )
-        self.int4 = (laid["w13"], laid["w2"])
+        self.quantized = laid
+
+    def _from_gguf(self, name: str, qtype: str) -> Quantized:
+        from engine.layers.quant.gguf import BLOCK, BLOCK_BYTES, unpack_q4, unpack_q8
+
+        raw = self.get_parameter(f"{name}_qweight").data
+        blocks = raw.view(*raw.shape[:2], -1, BLOCK_BYTES[qtype])  # (E, N, K / 32, B)
+        if qtype == "Q8_0":
+            return Int8Experts(*unpack_q8(blocks), BLOCK)
+        return Int4Experts(*unpack_q4(blocks, qtype), BLOCK)
 
     def _int4(self, name: str) -> Int4Experts:
         assert self.quant is not None
@@ -209,15 +269,20 @@ class FusedMoE(nn.Module):
         return Int4Experts(q.contiguous(), scales.contiguous(), zeros.contiguous(), g)
 
     def weights(self, x: torch.Tensor) -> tuple[Experts, Experts]:
-        """(w13, w2) as the kernels take them at x: int4 experts on the GPU, their dense dequantization (made once)
-        on the CPU path."""
-        if self.int4 is None:
-            return self.w13, self.w2
+        """(w13, w2) as the kernels take them at x: quantized experts on the GPU, their dense dequantization (made
+        once) on the CPU path."""
+        return self._stack("w13", x), self._stack("w2", x)
+
+    def _stack(self, name: str, x: torch.Tensor) -> Experts:
+        experts = self.quantized.get(name)
+        if experts is None:
+            return self.get_parameter(name)
         if _backend.use_triton(x):
-            return self.int4
-        if self._dense is None or self._dense[0].dtype != x.dtype:
-            self._dense = (self.int4[0].dequantize(x.dtype), self.int4[1].dequantize(x.dtype))
-        return self._dense
+            return experts
+        dense = self._dense.get(name)
+        if dense is None or dense.dtype != x.dtype:
+            dense = self._dense[name] = experts.dequantize(x.dtype)
+        return dense
 
 
 class SparseMoeBlock(nn.Module):
@@ -273,8 +338,8 @@ class SparseMoeBlock(nn.Module):
         experts = {
             f"{block}.experts.{e}.{part}.{kind}"
             for e in range(self.experts.total_experts)
-            for part in names.parts
-            for kind in self.experts.checkpoint_kinds
+            for part, ours in names.parts.items()
+            for kind in self.experts.checkpoint_kinds("w2" if ours == "down" else "w13")
         }
         return experts | {f"{block}.gate.weight"}
 
@@ -299,11 +364,11 @@ def to_moe_param(architecture: str, hf_name: str) -> tuple[str, tuple[int, str] 
 
 
 def _per_expert(
-    names: ExpertNames, layer: str, part: str, stack: torch.Tensor
+    names: ExpertNames, layer: str, part: str, stack: torch.Tensor, kind: str = "weight"
 ) -> list[tuple[str, torch.Tensor]]:
     """An (E, ., .) stack of one projection (ours: gate, up or down) as each expert's checkpoint tensor."""
     theirs = {ours: hf for hf, ours in names.parts.items()}[part]
-    return [(f"{layer}.{names.block}.experts.{e}.{theirs}.weight", w) for e, w in enumerate(stack)]
+    return [(f"{layer}.{names.block}.experts.{e}.{theirs}.{kind}", w) for e, w in enumerate(stack)]
 
 
 def expert_tensors(
@@ -325,11 +390,11 @@ def expert_tensors(
 
 
 def gguf_expert_tensors(
-    architecture: str, name: str, tensor: torch.Tensor
+    architecture: str, name: str, tensor: torch.Tensor, kind: str = "weight"
 ) -> list[tuple[str, torch.Tensor]] | None:
     """A llama.cpp MoE tensor, as engine/weights.py names it (model.layers.N.mlp.gate.weight for ffn_gate_inp,
     model.layers.N.mlp.experts.{gate,up,down}_exps.weight for the (E, ., .) expert stacks), as this architecture's
-    checkpoint tensors; None for any other tensor."""
+    checkpoint tensors; None for any other tensor. kind "qweight": a stack's rows of blocks, kept quantized."""
     names = _NAMES.get(architecture)
     m = re.fullmatch(r"(.*\.layers\.\d+)\.mlp\.(?:gate|experts\.(gate|up|down)_exps)\.weight", name)
     if names is None or m is None:
@@ -337,4 +402,4 @@ def gguf_expert_tensors(
     layer, part = m.groups()
     if part is None:
         return [(f"{layer}.{names.block}.gate.weight", tensor)]
-    return _per_expert(names, layer, part, tensor)
+    return _per_expert(names, layer, part, tensor, kind)

@@ -279,3 +279,25 @@ def test_fused_moe_int4_matches_reference(tokens, group, dtype):
     w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
     ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 300])
+def test_fused_moe_gguf_experts_match_reference(tokens, dtype):
+    """GGUF experts kept quantized, Qwen3-30B-A3B's shape: gate/up Q4_1 (float offsets), down Q8_0 (int8 rows)."""
+    from kernels.fused_moe import Int4Experts, Int8Experts, fused_moe_reference, fused_moe_triton
+    from kernels.int4_dequant import pack_rows
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    _, _, _, weights, ids = moe_case(tokens, 64, 32, experts, top_k, dtype, seed=tokens)
+    x = torch.randn(tokens, hidden, device=DEV, dtype=dtype)
+    gen = torch.Generator(device=DEV).manual_seed(tokens)
+    q = torch.randint(0, 16, (experts, hidden, 2 * inter), device=DEV, generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(experts, hidden // 32, 2 * inter, device=DEV, generator=gen) * 0.01 + 0.002).half()
+    offsets = (torch.rand(experts, hidden // 32, 2 * inter, device=DEV, generator=gen) * -0.08).half()
+    w13 = Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, offsets, 32)
+    q8 = torch.randint(-127, 128, (experts, hidden, inter), device=DEV, generator=gen, dtype=torch.int8)
+    s8 = (torch.rand(experts, hidden, inter // 32, device=DEV, generator=gen) * 0.0004 + 0.0001).half()
+    w2 = Int8Experts(q8, s8, 32)
+    ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
+    check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)

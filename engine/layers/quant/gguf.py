@@ -7,7 +7,7 @@
 Each row of a GGUF tensor is one output feature's blocks, so the checkpoint tensor is (N, K/32 * B) bytes
 and shards along N (rows) and K (whole blocks) as a dense weight does. Q4 types are re-laid into the
 kernels' int4 layout (Q4_1's m as float offsets); Q8_0 keeps int8 rows and dequantizes for the dense GEMM
-(kernels/int8_dequant.py). The products are exact in fp32: the dense weight equals gguf's dequantization.
+(kernels/int8_dequant.py). A MoE's expert stacks of these types stay quantized the same way (engine/layers/moe.py). The products are exact in fp32: the dense weight equals gguf's dequantization.
 """
 
 from __future__ import annotations
@@ -50,23 +50,35 @@ class GGUFMethod(LinearMethod):
         self.add_param(layer, "qweight", (n, k // BLOCK * b), torch.uint8, Axis(0), Axis(1, BLOCK, b))
 
 
+def unpack_q4(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks (..., N, K/32, B) as the kernels' rows layout, over any leading dims: qweight (..., K/8, N)
+    int32, scales (..., K/32, N) fp16, zeros (..., K/32, N): Q4_0's zero point 8 (uint8), Q4_1's offsets m (fp16)."""
+    lead = blocks.shape[:-2]
+    scales = _fp16(blocks[..., 0:2])  # (..., N, K/32)
+    qs = blocks[..., -16:].reshape(*lead, -1, 8, 2)  # byte i: element i (low nibble), element i + 16 (high)
+    low = (qs[..., 0] & 0xF) | (qs[..., 1] << 4)  # (..., N, K/32, 8): elements 2b, 2b + 1 of 0..15
+    high = (qs[..., 0] >> 4) | (qs[..., 1] & 0xF0)  # the same of 16..31
+    words = torch.cat([low, high], dim=-1).contiguous().view(torch.int32).view(*lead, -1)  # (..., N, K/8)
+    if qtype == "Q4_1":
+        zeros = _fp16(blocks[..., 2:4]).transpose(-1, -2)  # offsets m
+    else:
+        zeros = torch.full(scales.transpose(-1, -2).shape, 8, dtype=torch.uint8, device=scales.device)
+    qweight = words.transpose(-1, -2).contiguous()  # the kernels' rows-packed words
+    return qweight, scales.transpose(-1, -2).contiguous(), zeros.contiguous()
+
+
+def unpack_q8(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (..., N, K/32, 34) as int8 rows (..., N, K) and their scales (..., N, K/32) fp16."""
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(*blocks.shape[:-2], -1)
+    return q, _fp16(blocks[..., 0:2]).contiguous()
+
+
 class GGUFInt4Method(GGUFMethod, Int4Method):
     """Q4_0 / Q4_1: the int4 kernel."""
 
     def process_weights(self, layer: LinearBase) -> None:
-        blocks = _blocks(layer, self.qtype)
-        n = blocks.shape[0]
-        scales = _fp16(blocks[..., 0:2])  # (N, K/32)
-        qs = blocks[..., -16:].reshape(n, -1, 8, 2)  # byte i: element i (low nibble), element i + 16 (high)
-        low = (qs[..., 0] & 0xF) | (qs[..., 1] << 4)  # (N, K/32, 8): elements 2b, 2b + 1 of 0..15
-        high = (qs[..., 0] >> 4) | (qs[..., 1] & 0xF0)  # the same of 16..31
-        words = torch.cat([low, high], dim=-1).contiguous().view(torch.int32).view(n, -1)  # (N, K/8)
-        if self.qtype == "Q4_1":
-            zeros = _fp16(blocks[..., 2:4]).t()  # offsets m
-        else:
-            zeros = torch.full(scales.t().shape, 8, dtype=torch.uint8, device=scales.device)
-        qweight = words.t().contiguous()  # (K/8, N): the kernels' rows-packed words
-        self.install(layer, Int4Weight(qweight, scales.t().contiguous(), zeros.contiguous(), BLOCK))
+        qweight, scales, zeros = unpack_q4(_blocks(layer, self.qtype), self.qtype)
+        self.install(layer, Int4Weight(qweight, scales, zeros, BLOCK))
 
 
 class GGUFInt8Method(GGUFMethod):
@@ -75,13 +87,10 @@ class GGUFInt8Method(GGUFMethod):
     weight: Int8Weight | None = None
 
     def process_weights(self, layer: LinearBase) -> None:
-        blocks = _blocks(layer, self.qtype)
-        n = blocks.shape[0]
-        scales = _fp16(blocks[..., 0:2])  # (N, K/32)
-        q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1)  # (N, K)
+        q, scales = unpack_q8(_blocks(layer, self.qtype))
         del layer.qweight
         layer.register_parameter("qweight", nn.Parameter(q, requires_grad=False))
-        layer.register_parameter("scales", nn.Parameter(scales.contiguous(), requires_grad=False))
+        layer.register_parameter("scales", nn.Parameter(scales, requires_grad=False))
         self.weight = Int8Weight(tensor(layer, "qweight"), tensor(layer, "scales"), BLOCK)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
