@@ -1,7 +1,7 @@
 """A mixture-of-experts layer's FFN on the GPU: the fused kernels (kernels/fused_moe.py) against the expert loop
 transformers runs, and against the copy bandwidth for the expert bytes the batch reads.
 
-    python -m bench.moe [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 512 4096] [--out-dir DIR]
+    python -m bench.moe [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 512 4096] [--out-dir DIR] [--sweep]
 
 Per shape (one layer of dummy bf16 experts, the router's choices drawn at random) and token count:
 - fused: median CUDA-graph replay of fused_moe_triton (alignment, both GEMMs, the sum of the choices);
@@ -11,6 +11,8 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
   the device-to-device copy bandwidth measured in the same run.
 - int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s;
 - align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
+--sweep: also time each token count's layer (bf16 and int4) at other tiles (columns a program in each kernel, warps);
+record moe_tiles_<shape> (the default's us and every tile's, per token count).
 Records: moe_fused_<shape>_t<tokens> (us, baseline = the loop's us, ratio = loop / fused; extra: GB/s and
 fraction of copy bandwidth, the int4 layer's us and GB/s).
 
@@ -35,7 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth, time_us  # noqa: E402
 from bench.record import record  # noqa: E402
-from kernels.fused_moe import SINGLE_PAIRS, Int4Experts, align_pairs, block_m, fused_moe_triton  # noqa: E402
+from kernels.fused_moe import (  # noqa: E402
+    SINGLE_PAIRS,
+    Int4Experts,
+    Tiles,
+    align_pairs,
+    block_m,
+    fused_moe_triton,
+)
 
 SHAPES = {  # hidden, expert intermediate features, experts, top k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -121,6 +130,7 @@ def main() -> None:
     p.add_argument(
         "--engine", action="store_true", help="the engine's batch-1 decode on Qwen3-30B-A3B instead"
     )
+    p.add_argument("--sweep", action="store_true", help="also time other tiles per token count")
     args = p.parse_args()
     copies = copy_bandwidth()
     copy_gbs = max(copies["copy_"], copies["mul_kernel"])
@@ -143,6 +153,7 @@ def main() -> None:
         int4_expert_bytes = expert_bytes // 4 + sum(  # nibbles, plus fp16 scales and uint8 zeros
             (q.scales[0].numel() * 3) for q in (q13, q2)
         )
+        swept: dict[str, dict[str, float]] = {}
         for tokens in args.tokens:
             x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
             probs = torch.softmax(torch.randn(tokens, experts, device="cuda", generator=gen), dim=-1)
@@ -170,6 +181,36 @@ def main() -> None:
                        "aligned": ids.numel() > SINGLE_PAIRS},
                 out_dir=args.out_dir, command=COMMAND,
             )  # fmt: skip
+            if args.sweep:
+                swept[f"t{tokens}"] = sweep(x, (w13, w2), (q13, q2), weights, ids)
+        if swept:
+            best = {t: min(times, key=times.__getitem__) for t, times in swept.items()}
+            print(f"{shape} tiles, fastest per token count: {best}")
+            first = next(iter(swept.values()))
+            record(
+                f"moe_tiles_{shape}", first["default"], "us", baseline=None,
+                extra={"us_by_tokens_and_tiles": swept, "fastest": best}, out_dir=args.out_dir,
+                command=f"{COMMAND} --sweep --shapes {shape}",
+            )  # fmt: skip
+
+
+def sweep(x, dense, int4, weights, ids) -> dict[str, float]:
+    """The layer's us at each tile config, bf16 and int4 experts: {"bf16 gate_up_n/down_n/warps": us, ...}."""
+    out = {}
+    for kind, (w13, w2) in (("bf16", dense), ("int4", int4)):
+        for gate_up_n in (16, 32, 64):
+            for down_n in (16, 32, 64):
+                for warps in (4, 8):
+                    cfg = Tiles(gate_up_n, down_n, warps)
+                    us = time_us(
+                        [partial(fused_moe_triton, x, w13, w2, weights, ids, cfg)], reps=10, min_calls=4
+                    )
+                    out[f"{kind} {gate_up_n}/{down_n}/{warps}"] = us
+        out[f"{kind} default"] = time_us(
+            [partial(fused_moe_triton, x, w13, w2, weights, ids)], reps=10, min_calls=4
+        )
+    out["default"] = out["bf16 default"]
+    return out
 
 
 if __name__ == "__main__":
