@@ -1,4 +1,5 @@
-"""`pdserve quantize`: write an int4 checkpoint (AWQ or GPTQ layout) of a dense model (engine/quantize/)."""
+"""`pdserve quantize`: write an int4 checkpoint (AWQ or GPTQ layout) of a model, dense or a mixture of experts
+(engine/quantize/)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def add_quantize_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the checkpoint's layout (default: awq for --method awq, gptq otherwise)",
     )
     p.add_argument("--sym", action="store_true", help="symmetric: every zero point 8 (GPTQ sym=true)")
-    p.add_argument("--desc-act", action="store_true", help="GPTQ act order: columns by decreasing activation")
+    p.add_argument(
+        "--desc-act",
+        action="store_true",
+        help="GPTQ act order: columns by decreasing activation (not for MoE models)",
+    )
     p.add_argument(
         "--lm-head",
         action="store_true",

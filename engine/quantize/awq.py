@@ -8,6 +8,8 @@ half where that lowers the output error. Both minimise the linear's output error
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.quantize.grid import Grid
@@ -22,23 +24,59 @@ def _sample(x: torch.Tensor, max_tokens: int) -> torch.Tensor:
     return x[torch.linspace(0, x.shape[0] - 1, max_tokens, device=x.device).long()]
 
 
-@torch.no_grad()
-def search_scales(x: torch.Tensor, w: torch.Tensor, grid: Grid, max_tokens: int = 1024) -> torch.Tensor:
-    """x (T, K) inputs, w (N, K): the per-input-channel scales (K,) minimising ||x w^T - (x / s) Q(w s)^T||."""
-    x = _sample(x, max_tokens)
-    x_mean = x.abs().mean(0)  # (K,)
+def _weight_mean(w: torch.Tensor, grid: Grid) -> torch.Tensor:  # (N, K) -> (K,)
     groups = w.abs().reshape(-1, grid.group_size)
-    w_mean = (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)  # (K,)
-    reference = x @ w.t()
+    return (groups / (groups.amax(1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+
+
+def _best_scales(
+    x_mean: torch.Tensor, w_mean: torch.Tensor, error: Callable[[torch.Tensor], float]
+) -> torch.Tensor:
+    """The candidate s = x_mean^a / w_mean^(1 - a) (normalised) with the least error."""
     best, best_err = torch.ones_like(x_mean), float("inf")
     for i in range(N_GRID):
         a = i / N_GRID
         s = (x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4)).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        err = (reference - x @ (grid.fake_quant(w * s) / s).t()).pow(2).mean().item()
+        err = error(s)
         if err < best_err:
             best, best_err = s, err
     return best
+
+
+@torch.no_grad()
+def search_scales(x: torch.Tensor, w: torch.Tensor, grid: Grid, max_tokens: int = 1024) -> torch.Tensor:
+    """x (T, K) inputs, w (N, K): the per-input-channel scales (K,) minimising ||x w^T - (x / s) Q(w s)^T||."""
+    x = _sample(x, max_tokens)
+    reference = x @ w.t()
+
+    def error(s: torch.Tensor) -> float:
+        return (reference - x @ (grid.fake_quant(w * s) / s).t()).pow(2).mean().item()
+
+    return _best_scales(x.abs().mean(0), _weight_mean(w, grid), error)
+
+
+@torch.no_grad()
+def search_shared_scales(
+    x: torch.Tensor, linears: list[tuple[torch.Tensor, torch.Tensor]], grid: Grid, max_tokens: int = 1024
+) -> torch.Tensor:
+    """One scale (K,) for several linears that read x (T, K), each on some of its rows (a MoE layer's experts on
+    the tokens routed to them): linears [(x_i (T_i, K), w_i (N_i, K))], minimising the summed squared error of
+    their outputs. mean|x| is x's, mean|w| over every w_i's rows."""
+    pairs = [(_sample(xi, max_tokens), wi) for xi, wi in linears if xi.shape[0]]
+    references = [xi @ wi.t() for xi, wi in pairs]
+    count = sum(ref.numel() for ref in references)
+    rows = sum(w.shape[0] for _, w in linears)
+    w_mean = torch.stack([_weight_mean(w, grid) * w.shape[0] for _, w in linears]).sum(0) / rows
+
+    def error(s: torch.Tensor) -> float:
+        total = sum(
+            (ref - xi @ (grid.fake_quant(wi * s) / s).t()).pow(2).sum().item()
+            for ref, (xi, wi) in zip(references, pairs, strict=True)
+        )
+        return total / max(count, 1)
+
+    return _best_scales(_sample(x, max_tokens).abs().mean(0), w_mean, error)
 
 
 @torch.no_grad()

@@ -11,16 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from engine.attention_metadata import AttentionMetadata
 from engine.layers.linear import LinearBase
-from engine.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.layers.moe import SparseMoeBlock
+from engine.model import LlamaDecoderLayer, LlamaForCausalLM
 
 DATA = Path(__file__).resolve().parent / "data"
 CALIBRATION_TEXT = DATA / "calibration.txt"
 HELDOUT_TEXT = DATA / "heldout.txt"
 BLOCK = 16
-LINEARS = ("qkv", "o", "gate_up", "down")
 
 State = tuple[torch.Tensor, torch.Tensor | None]  # (hidden, residual)
 
@@ -31,14 +32,19 @@ def token_sequences(ids: list[int], seq_len: int) -> list[list[int]]:
 
 
 def linears(layer: LlamaDecoderLayer) -> dict[str, LinearBase]:
-    mlp = layer.mlp
-    assert isinstance(mlp, LlamaMLP), "a dense layer (quantize refuses mixtures of experts)"
-    return {
-        "qkv": layer.self_attn.qkv_proj,
-        "o": layer.self_attn.o_proj,
-        "gate_up": mlp.gate_up_proj,
-        "down": mlp.down_proj,
-    }
+    """The layer's linears, in the order they run: the attention's and a dense MLP's (a MoE layer's experts are
+    engine/quantize/experts.py's)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(mlp, SparseMoeBlock):
+        return {"qkv": attn.qkv_proj, "o": attn.o_proj}
+    return {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+
+
+def calibrated(layer: LlamaDecoderLayer) -> dict[str, nn.Module]:
+    """The modules whose inputs calibration reads: the linears, and a MoE block ("moe"), whose input the router
+    and every expert read."""
+    moe = {"moe": layer.mlp} if isinstance(layer.mlp, SparseMoeBlock) else {}
+    return {**linears(layer), **moe}
 
 
 class LayerRunner:
@@ -81,13 +87,13 @@ class LayerRunner:
 
     @torch.no_grad()
     def inputs(self, layer: LlamaDecoderLayer, state: State) -> dict[str, torch.Tensor]:
-        """What each of the layer's linears receives: {"qkv" | "o" | "gate_up" | "down": (T, in_features)}."""
+        """What each of `calibrated(layer)` receives: {"qkv" | "o" | "gate_up" | "down" | "moe": (T, in_features)}."""
         seen: dict[str, torch.Tensor] = {}
         hooks = [
             module.register_forward_pre_hook(
                 lambda _m, args, name=name: seen.__setitem__(name, args[0].clone())
             )
-            for name, module in linears(layer).items()
+            for name, module in calibrated(layer).items()
         ]
         try:
             self.run(layer, state)

@@ -8,24 +8,29 @@ Tensor names, dtypes and packing are the formats' own (engine/layers/quant/awq.p
 Everything else (embeddings, norms, an untied LM head, biases) is fp16, as AutoAWQ and AutoGPTQ save it;
 with GPTQ's lm_head=true (GPTQModel's option, which vLLM reads) the LM head is quantized too, as
 lm_head.qweight etc., and the config no longer ties it to the embedding.
-The merged layers are split back into q/k/v_proj and gate/up_proj.
+The merged layers are split back into q/k/v_proj and gate/up_proj. A mixture of experts' routed experts
+are written one expert at a time under the architecture's names (Mixtral's block_sparse_moe.experts.E.{w1,w3,w2},
+the Qwen MoEs' mlp.experts.E.{gate,up,down}_proj) in the same packing; the routers stay dense.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.layers.moe import expert_tensors, to_moe_param
 from engine.layers.quant.base import output_slot
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_cols, pack_rows
 from engine.model import STACKED_PARAMS, LlamaForCausalLM
 from engine.quant_weights import checkpoint_parts
 from engine.quantize.grid import QuantizedWeight
 
+EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)")  # a routed expert's projection in the results
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
     "vocab.json", "merges.txt", "tokenizer.model",
@@ -71,6 +76,8 @@ def checkpoint_tensors(
         if prefix == "lm_head":  # a quantized LM head (GPTQ lm_head=true): one part, the whole vocabulary
             tensors.update({f"lm_head.{name}": t.cpu() for name, t in pack(fmt, result).items()})
             continue
+        if EXPERT.fullmatch(prefix):  # written with their stacks below
+            continue
         layer = modules[prefix]
         shard_ids: list[str | int | None] = [
             sid for _, (ours, sid) in STACKED_PARAMS.items() if ours in prefix + "."
@@ -87,7 +94,31 @@ def checkpoint_tensors(
     for name, param in dense.items():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
             continue
-        tensors[name] = param.data.half().cpu().contiguous()
+        moe = expert_tensors(model.config.architecture, name, param.data)
+        if moe is None:
+            tensors[name] = param.data.half().cpu().contiguous()
+        else:
+            tensors.update(moe_tensors(model.config.architecture, moe, results, fmt))
+    return tensors
+
+
+def moe_tensors(
+    architecture: str, theirs: list[tuple[str, torch.Tensor]], results: dict[str, QuantizedWeight], fmt: str
+) -> dict[str, torch.Tensor]:
+    """A MoE parameter's checkpoint tensors (engine/layers/moe.py: expert_tensors): the router dense, each
+    expert's projection as results' model.layers.N.mlp.experts.E.{gate,up,down} packed."""
+    tensors = {}
+    for name, t in theirs:
+        ours = to_moe_param(architecture, name)
+        assert ours is not None, name
+        param, shard = ours
+        if shard is None:  # the router
+            tensors[name] = t.half().cpu().contiguous()
+            continue
+        expert, part = shard
+        layer = param.split(".mlp.", 1)[0]
+        packed = pack(fmt, results[f"{layer}.mlp.experts.{expert}.{part}"])
+        tensors.update({f"{name.removesuffix('.weight')}.{kind}": v.cpu() for kind, v in packed.items()})
     return tensors
 
 

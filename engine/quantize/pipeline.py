@@ -1,4 +1,4 @@
-"""`pdserve quantize`: a dense model to an int4 checkpoint, one decoder layer at a time.
+"""`pdserve quantize`: a model to an int4 checkpoint, one decoder layer at a time.
 
     state = embeddings of the calibration tokens
     for each layer:
@@ -7,6 +7,8 @@
               clipping, then round to the grid
         gptq: for qkv, o, gate_up, down in turn: inputs (with the ones before already quantized) ->
               Hessian -> GPTQ
+        a mixture of experts' layer: its attention as above, its experts on the tokens routed to them
+              (engine/quantize/experts.py); the routers stay dense
         the layer's weights become their dequantized values; state = the layer's output
     write the checkpoint (engine/quantize/export.py)
 
@@ -22,16 +24,19 @@ from pathlib import Path
 
 import torch
 
+from engine.layers.moe import SparseMoeBlock
+from engine.layers.norm import RMSNorm
 from engine.model import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from engine.model_config import ModelConfig
 from engine.quantize.awq import search_clip, search_scales
 from engine.quantize.calibration import (
     CALIBRATION_TEXT,
-    LINEARS,
     LayerRunner,
     State,
     linears,
     token_sequences,
 )
+from engine.quantize.experts import quantize_moe
 from engine.quantize.export import quantization_config, write_checkpoint
 from engine.quantize.gptq import gptq, hessian
 from engine.quantize.grid import Grid, QuantizedWeight, round_to_nearest
@@ -109,10 +114,8 @@ def quantize(cfg: QuantizeConfig) -> Path:
             "them (qkv_proj, gate_up_proj): a Phi-3 checkpoint cannot be quantized here"
         )
     if config.is_moe:
-        raise ValueError(
-            f"pdserve quantize takes dense models; {config.architecture}'s experts cannot be quantized here"
-        )
-    sizes = {module.input_size for module in linears(model.model.layers[0]).values()}  # type: ignore[arg-type]
+        check_experts(cfg, config)
+    sizes = {k for layer in model.model.layers for k in input_sizes(layer)}  # type: ignore[arg-type]
     if any(k % cfg.group_size for k in sizes):
         raise ValueError(
             f"group size {cfg.group_size} does not divide every linear layer's input features "
@@ -160,6 +163,38 @@ def quantize_lm_head(
     return gptq(weight, hessian(x), cfg.grid, cfg.desc_act)
 
 
+def check_experts(cfg: QuantizeConfig, config: ModelConfig) -> None:
+    """What int4 experts can be (engine/layers/moe.py: FusedMoE.quantize): one group size dividing both their
+    input sizes, g_idx in group order."""
+    if cfg.desc_act:
+        raise ValueError(
+            f"GPTQ act order (--desc-act) is not available for {config.architecture}: int4 experts need g_idx in "
+            "group order (the engine's and vLLM's fused MoE kernels refuse act order); quantize without it"
+        )
+    h, i = config.hidden_size, config.moe_intermediate_size
+    if h % cfg.group_size or i % cfg.group_size:
+        fits = [g for g in (128, 64, 32) if h % g == 0 and i % g == 0]
+        hint = (
+            f"try {fits[0]}" if fits else "no multiple of 32 does, so these experts cannot be quantized here"
+        )
+        raise ValueError(
+            f"int4 experts take one group size dividing both the hidden size ({h}) and the experts' intermediate "
+            f"size ({i}); {cfg.group_size} does not: {hint}"
+        )
+
+
+def input_sizes(layer: LlamaDecoderLayer) -> list[int]:
+    """The input features of every linear layer quantized in `layer` (experts included)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    sizes = [attn.qkv_proj.input_size, attn.o_proj.input_size]
+    dense = mlp.shared_expert if isinstance(mlp, SparseMoeBlock) else mlp
+    if isinstance(mlp, SparseMoeBlock):
+        sizes += [mlp.experts.hidden, mlp.experts.inter]
+    if isinstance(dense, LlamaMLP):
+        sizes += [dense.gate_up_proj.input_size, dense.down_proj.input_size]
+    return sizes
+
+
 def largest_group(sizes: set[int]) -> int:
     """The largest of 128, 64, 32 that divides every size (32: any model whose sizes are multiples of 32)."""
     return next((g for g in (128, 64) if all(k % g == 0 for k in sizes)), 32)
@@ -176,55 +211,60 @@ _PATHS = {
 def quantize_layer(
     cfg: QuantizeConfig, runner: LayerRunner, layer: LlamaDecoderLayer, state: State
 ) -> dict[str, QuantizedWeight]:
-    """Quantize one decoder layer in place (its linears hold their dequantized weights afterwards)."""
-    mods = linears(layer)
+    """Quantize one decoder layer in place (its linears hold their dequantized weights afterwards). A MoE layer's
+    experts: engine/quantize/experts.py, on the block's input (for GPTQ with the attention quantized)."""
     out: dict[str, QuantizedWeight] = {}
+    inputs = runner.inputs(layer, state) if cfg.method == "awq" else {}
     if cfg.method == "awq":
-        apply_awq(layer, runner.inputs(layer, state), cfg.grid)
-    for name in LINEARS:
-        weight = mods[name].weight.data
+        apply_awq(layer, inputs, cfg.grid)
+    for name, linear in linears(layer).items():
+        weight = linear.weight.data
         if cfg.method == "gptq":
             x = runner.inputs(layer, state)[name]  # the linears before it are quantized already
             out[name] = gptq(weight, hessian(x), cfg.grid, cfg.desc_act)
         else:
             out[name] = round_to_nearest(weight, cfg.grid)
         weight.copy_(out[name].dequantize())
-    return {_PATHS[name]: w for name, w in out.items()}
+    done = {_PATHS[name]: w for name, w in out.items()}
+    if isinstance(layer.mlp, SparseMoeBlock):
+        block_input = runner.inputs(layer, state)["moe"] if cfg.method == "gptq" else inputs.get("moe")
+        done |= quantize_moe(cfg.method, layer.mlp, layer.post_attention_layernorm, block_input, cfg.grid)
+    return done
 
 
 @torch.no_grad()
 def apply_awq(layer: LlamaDecoderLayer, inputs: dict[str, torch.Tensor], grid: Grid) -> None:
     """Search and fold each linear's input scales, then clip every linear but q and k (attention scores
-    are sensitive to them; AutoAWQ leaves them too)."""
+    are sensitive to them; AutoAWQ leaves them too). A MoE layer's MLP is engine/quantize/experts.py's."""
     attn, mlp = layer.self_attn, layer.mlp
-    assert isinstance(mlp, LlamaMLP), "a dense layer (quantize refuses mixtures of experts)"
-    qkv, o, gate_up, down = (
-        m.weight.data for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    )
-    inter = down.shape[1]
+    qkv, o = attn.qkv_proj.weight.data, attn.o_proj.weight.data
     v_rows = slice(qkv.shape[0] - attn.num_kv_heads * attn.head_dim, qkv.shape[0])
-    scaled = {}
     s = search_scales(inputs["qkv"], qkv, grid)
     layer.input_layernorm.weight.data.div_(s)
     qkv.mul_(s)
-    scaled["qkv"] = inputs["qkv"] / s
-    scaled["o"] = inputs["o"]
+    scaled_qkv, scaled_o = inputs["qkv"] / s, inputs["o"]
     if v_rows.stop - v_rows.start == o.shape[1]:  # no GQA: o_proj's inputs are v's outputs, row for row
         s = search_scales(inputs["o"], o, grid)
         qkv[v_rows].div_(s[:, None])
         if attn.qkv_proj.bias is not None:
             attn.qkv_proj.bias.data[v_rows].div_(s)
         o.mul_(s)
-        scaled["o"] = inputs["o"] / s
+        scaled_o = inputs["o"] / s
+    qkv[v_rows] = search_clip(scaled_qkv, qkv[v_rows], grid)
+    o.copy_(search_clip(scaled_o, o, grid))
+    if isinstance(mlp, LlamaMLP):
+        awq_mlp(mlp, layer.post_attention_layernorm, inputs, grid)
+
+
+def awq_mlp(mlp: LlamaMLP, norm: RMSNorm, inputs: dict[str, torch.Tensor], grid: Grid) -> None:
+    gate_up, down = mlp.gate_up_proj.weight.data, mlp.down_proj.weight.data
+    inter = down.shape[1]
     s = search_scales(inputs["gate_up"], gate_up, grid)
-    layer.post_attention_layernorm.weight.data.div_(s)
+    norm.weight.data.div_(s)
     gate_up.mul_(s)
-    scaled["gate_up"] = inputs["gate_up"] / s
+    scaled_gate_up = inputs["gate_up"] / s
     s = search_scales(inputs["down"], down, grid)
     gate_up[inter:].div_(s[:, None])  # up's rows: silu(gate) * up / s
     down.mul_(s)
-    scaled["down"] = inputs["down"] / s
-    qkv[v_rows] = search_clip(scaled["qkv"], qkv[v_rows], grid)
-    o.copy_(search_clip(scaled["o"], o, grid))
-    gate_up.copy_(search_clip(scaled["gate_up"], gate_up, grid))
-    down.copy_(search_clip(scaled["down"], down, grid))
+    gate_up.copy_(search_clip(scaled_gate_up, gate_up, grid))
+    down.copy_(search_clip(inputs["down"] / s, down, grid))
