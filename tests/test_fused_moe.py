@@ -147,6 +147,42 @@ def test_quantized_expert_stacks_check_their_shapes() -> None:
         Int8Experts(q.float(), torch.zeros(2, 16, 2, dtype=torch.float16), 32)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize", "round_to"),
+    [(1, 128, 8, True, torch.bfloat16), (5, 60, 4, False, torch.float16), (9, 8, 2, True, None), (3, 6, 1, False, None)],
+)  # fmt: skip
+def test_route_kernel_matches_the_reference(tokens, experts, top_k, renormalize, round_to) -> None:
+    """The router's softmax, top k, renormalising and rounding in one kernel (Qwen3-30B-A3B's 128 experts top 8,
+    Qwen2-MoE's 60 top 4, Mixtral's 8 top 2), and expert parallelism's local ids."""
+    from kernels import fused_moe as fm
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)) * 3
+    for first, held in ((0, experts), (experts // 2, experts // 2)):
+        want_w, want_ids = fm.route_reference(logits, top_k, renormalize, round_to, first, held)
+        got_w, got_ids = fm.route_triton(logits, top_k, renormalize, round_to, first, held)
+        assert got_ids.dtype == torch.int32 and torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
+    assert set(want_ids.flatten().tolist()) <= set(range(held + 1))  # the other rank's choices at `held`
+
+
+def test_route_kernel_breaks_ties_by_the_lowest_expert() -> None:
+    from kernels import fused_moe as fm
+
+    logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, 0.1]])
+    weights, ids = fm.route_triton(logits, 2, True)
+    assert ids.tolist() == [[1, 2]] and torch.allclose(weights, torch.tensor([[0.5, 0.5]]))
+
+
+def test_choices_sum_in_one_kernel_as_the_reference_does(monkeypatch) -> None:
+    from kernels import fused_moe as fm
+
+    # fp16: the interpreter truncates bf16 stores
+    per_choice = torch.randn(3, 8, 200, generator=torch.Generator().manual_seed(0)).half()
+    want = fm._sum_choices(per_choice)
+    monkeypatch.setattr(fm._backend, "use_triton", lambda t: True)
+    assert torch.equal(fm._sum_choices(per_choice), want)
+
+
 def test_every_token_on_one_expert() -> None:
     x, w13, w2, weights, _ = moe_inputs(20, 32, 16, 4, 2, torch.float32, seed=1)
     ids = torch.tensor([[2, 0]] * 20)  # expert 2's rows span two 16-row blocks; experts 1 and 3 idle

@@ -39,7 +39,7 @@ from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
 from kernels import _backend
-from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe
+from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe, route
 
 Quantized = Int4Experts | Int8Experts
 
@@ -314,16 +314,12 @@ class SparseMoeBlock(nn.Module):
         config says so; the Qwen MoEs round them to the model's dtype), then the chosen experts' weighted sum, plus
         the gated shared expert's output where there is one."""
         assert not ordered, "a MoE layer takes x in column order"
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (num_tokens, num_experts)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.architecture != "MixtralForCausalLM":
-            weights = weights.to(x.dtype).float()
         experts = self.experts
-        if experts.expert_parallel:  # this rank's experts by local index; the others' choices land past them
-            ids = torch.where(ids >= experts.first, ids - experts.first, experts.num_experts)
-            ids = torch.where(ids < experts.num_experts, ids, experts.num_experts)
+        weights, ids = route(
+            self.gate(x), self.top_k, self.renormalize,
+            round_to=None if self.architecture == "MixtralForCausalLM" else x.dtype,
+            first=experts.first, held=experts.num_experts,
+        )  # fmt: skip
         out = fused_moe(x, *experts.weights(x), weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)

@@ -301,3 +301,20 @@ def test_fused_moe_gguf_experts_match_reference(tokens, dtype):
     w2 = Int8Experts(q8, s8, 32)
     ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize", "round_to"),
+    [(1, 128, 8, True, torch.bfloat16), (300, 128, 8, False, torch.bfloat16), (7, 60, 4, False, torch.float16),
+     (64, 8, 2, True, None)],
+)  # fmt: skip
+def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, round_to):
+    """The router's softmax, top k, renormalising and rounding in one kernel, from bf16 logits."""
+    from kernels.fused_moe import route_reference, route_triton
+
+    logits = (torch.randn(tokens, experts, device=DEV) * 3).to(torch.bfloat16)
+    want_w, want_ids = route_reference(logits, top_k, renormalize, round_to)
+    got_w, got_ids = route_triton(logits, top_k, renormalize, round_to)
+    assert torch.equal(got_ids, want_ids)
+    ulp = {None: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[round_to]  # one fp32 ulp may round apart
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=ulp)
