@@ -6,9 +6,10 @@
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
-# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights); bench_moe
-# bench_moe_engine (mixtures of experts: the layer's kernels, the engine on Qwen3-30B-A3B); profile (Nsight Compute's
-# counters for bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
+# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights);
+# tests_moe bench_moe sweep_moe bench_moe_engine (mixtures of experts: their GPU tests, the layer's kernels and
+# tiles, the engine on Qwen3-30B-A3B); profile (Nsight Compute's counters for bench/profile_kernels.py); and on a
+# machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
@@ -53,7 +54,10 @@ if wanted bench_disagg; then
 fi
 # mixtures of experts: the fused MoE layer against transformers' expert loop, then the engine (not in the default STEPS)
 mkdir -p "$OUT/moe"
+step tests_moe 240 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_quant_gpu.py tests/gpu/test_kernels_gpu.py \
+  tests/gpu/test_cuda_graph_gpu.py -q ${XDIST/8/6} -rfE -p no:cacheprovider -k "moe or mixtral or route"
 step bench_moe 200 python3 -m bench.moe --out-dir "$OUT/moe"
+step sweep_moe 300 python3 -m bench.moe --shapes qwen3-30b-a3b --tokens 1 8 64 --sweep --out-dir "$OUT/moe/sweep"
 step bench_moe_engine 300 python3 -m bench.moe --engine --out-dir "$OUT/moe"
 # int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
 mkdir -p "$OUT/q"
@@ -85,4 +89,4 @@ step bench_tp 420 python3 -m bench.tp --out-dir "$OUT/tp"
 mkdir -p "$OUT/kvm"
 step tests_kv_memory 300 python3 -m pytest tests/gpu/test_kv_memory_gpu.py -q $XDIST -rfE -p no:cacheprovider
 step bench_kv_memory 480 python3 -m bench.kv_memory --out-dir "$OUT/kvm"
-tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat thr tp q kvm steps.txt $(cd "$OUT" && ls *.txt)
+tar czf "$OUT/results.tgz" -C "$OUT" k kv d lat thr tp q kvm moe steps.txt $(cd "$OUT" && ls *.txt)
