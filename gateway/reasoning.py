@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.structured_output import THINK_MARKERS
-from gateway.tools import held_prefix
+from gateway.call_stream import held_prefix
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = THINK_MARKERS

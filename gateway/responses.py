@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.tokenizer import Tokenizer
+from gateway.call_stream import CallStream, Delta
 from gateway.reasoning import Reasoning, ReasoningStream
-from gateway.tools import CallStream, Delta, ToolPlan
+from gateway.tools import ToolPlan
 from protos import pdserve_pb2 as pb
 
 

@@ -8,19 +8,11 @@ import json
 
 import pytest
 
+from gateway.call_stream import Delta, HermesCalls, Llama3JsonCalls, NamedCall, RequiredCalls
+from gateway.list_calls import MistralCalls, PythonicCalls
 from gateway.protocol import ChatCompletionRequest
 from gateway.responses import Choice, Formatter, TokenText, Totals
-from gateway.tools import (
-    Delta,
-    HermesCalls,
-    Llama3JsonCalls,
-    MistralCalls,
-    NamedCall,
-    PythonicCalls,
-    RequiredCalls,
-    ToolPlan,
-    required_schema,
-)
+from gateway.tools import ToolPlan, required_schema
 from protos import pdserve_pb2 as pb
 
 HERMES = (
@@ -90,6 +82,93 @@ def test_the_mistral_and_pythonic_parsers_find_the_same_calls_however_the_text_i
         assert (out.content, out.calls) == (plain, []), plain
 
 
+# the first calls' strings hold brackets, quotes and escapes that must not end them early
+MISTRAL_TWO = (
+    'Sure. [TOOL_CALLS][{"name": "search", "arguments": {"q": "a ] } \\" ["}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+PYTHONIC_TWO = "[search(s='x)]', t=\"[(\", u='''a']''', v='', w=\"\\\"]\"), get_time()]"
+MISTRAL_ARGS = {"q": 'a ] } " ['}
+PYTHONIC_ARGS = {"s": "x)]", "t": "[(", "u": "a']", "v": "", "w": '"]'}
+
+
+def sent_at(stream, text: str) -> list[int]:
+    """Fed one character at a time: after which character each call goes out."""
+    return [i for i, ch in enumerate(text) for _ in stream.feed(ch).calls]
+
+
+@pytest.mark.parametrize(
+    ("stream", "text", "first_end", "last", "args"),
+    [
+        # an object ends its element at its "}"; a Python call's text may go on after ")", so at "," or "]"
+        (MistralCalls, MISTRAL_TWO, '["}}', "}", MISTRAL_ARGS),
+        (PythonicCalls, PYTHONIC_TWO, '"\\"]"),', "]", PYTHONIC_ARGS),
+    ],
+)
+def test_each_call_goes_out_once_its_element_is_complete(stream, text, first_end, last, args):
+    cut = text.index(first_end) + len(first_end)
+    assert sent_at(stream(), text) == [cut - 1, text.rindex(last)]
+    parser = stream()
+    head = parser.feed(text[:cut])  # the feed that completes the first element, none of the second fed
+    assert [(c["index"], c["function"]["name"]) for c in head.calls] == [(0, "search")]
+    assert json.loads(head.calls[0]["function"]["arguments"]) == args
+    assert head.calls[0]["id"].startswith("chatcmpl-tool-") and "get_time" not in text[:cut]
+    tail = parser.feed(text[cut:])
+    tail.add(parser.finish())
+    assert [(c["index"], c["function"]["name"]) for c in tail.calls] == [(1, "get_time")] and not tail.content
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("mistral", MISTRAL_TWO),
+        ("pythonic", PYTHONIC_TWO),
+        ("mistral", 'x [TOOL_CALLS][{"name": "f", "arguments": {}}, 5, {"name": "g", "arguments": {}}]'),
+        ("mistral", 'x [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}'),  # cut short (max_tokens)
+        ("pythonic", "[f(a=1), g(1), h()]"),
+        ("pythonic", "\n [f(a=1), # a comment, ] (\n g(b='''x\ny'''),]  "),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 3, 7])
+def test_streamed_mistral_and_pythonic_calls_are_the_whole_texts(parser, text, size):
+    plan = ToolPlan("auto", parser=parser)
+    message, _ = plan.message(text, "stop")
+    streamed = run(plan.stream(), text, size)
+    assert (streamed.content or None) == message["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed.calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
+
+
+def test_mistral_content_streams_before_the_tag():
+    parser = MistralCalls()
+    assert parser.feed("Sure, ").content == "Sure,"  # its whitespace waits for what follows
+    assert parser.feed("one moment. [TOOL").content == " one moment."  # the tag's start is held
+    rest = parser.feed('_CALLS][{"name": "f", "arguments": {}}')
+    assert (rest.content, [c["function"]["name"] for c in rest.calls]) == ("", ["f"])
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_list_that_stops_being_calls_after_some_is_content_from_there(size):
+    """Calls that went out stay calls, and the text after the last of them is content; where none went out,
+    the whole text is content, as written."""
+    for stream, text, content in [
+        (MistralCalls, 'x [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, 5]', "x, 5]"),
+        (PythonicCalls, "[f(a=1), g(1), h()]", ", g(1), h()]"),
+        (PythonicCalls, "[f(a=1)] and then", "] and then"),
+    ]:
+        out = run(stream(), text, size)
+        assert (out.content, calls(out)) == (content, [(0, "f", {"a": 1})]), text
+    for stream, text in [
+        (MistralCalls, 'x [TOOL_CALLS][{"nam": "f"}, {"name": "g", "arguments": {}}]'),
+        (MistralCalls, 'x [TOOL_CALLS] {"name": "g", "arguments": {}}'),
+        (PythonicCalls, "[g(1), f(a=1)]"),
+        (PythonicCalls, "[f(a=1)(b=2), g()]"),
+    ]:
+        out = run(stream(), text, size)
+        assert (out.content, out.calls) == (text, []), text
+
+
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_text_without_calls_stays_content(size):
     plain = "The weather is <b>fine</b> { not a call }"
@@ -139,6 +218,7 @@ def response(index: int, text: str, finish: str = "") -> pb.GenerateResponse:
         (ToolPlan("auto", parser="llama3_json"), LLAMA, "tool_calls"),
         (ToolPlan("auto", parser="mistral"), MISTRAL, "tool_calls"),
         (ToolPlan("auto", parser="pythonic"), PYTHONIC, "tool_calls"),
+        (ToolPlan("auto", parser="pythonic"), "[f(a=1), g(1)]", "tool_calls"),  # content after a call
         (ToolPlan("named", name="f"), '{"a": 1}', "stop"),  # a named call keeps the engine's reason
         (ToolPlan("auto", parser="hermes"), "No call here.", "stop"),
     ],
