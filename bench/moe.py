@@ -194,18 +194,27 @@ def main() -> None:
             )  # fmt: skip
 
 
+# prefill's tiles: (rows, columns, dense K tile, warps, stages)
+PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 3),
+                 (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3)]  # fmt: skip
+
+
 def sweep(x, dense, int4, weights, ids) -> dict[str, float]:
-    """The layer's us at each tile config, bf16 and int4 experts: {"bf16 gate_up_n/down_n/warps": us, ...}."""
+    """The layer's us at each tile config, bf16 and int4 experts: decode-sized batches {"bf16 gate_up_n/down_n/warps":
+    us}, prefill's {"bf16 m128 n128 k64 w8 s3": us}."""
     out = {}
+    prefill = ids.numel() > 256
     for kind, (w13, w2) in (("bf16", dense), ("int4", int4)):
-        for gate_up_n in (16, 32, 64):
-            for down_n in (16, 32, 64):
-                for warps in (4, 8):
-                    cfg = Tiles(gate_up_n, down_n, warps)
-                    us = time_us(
-                        [partial(fused_moe_triton, x, w13, w2, weights, ids, cfg)], reps=10, min_calls=4
-                    )
-                    out[f"{kind} {gate_up_n}/{down_n}/{warps}"] = us
+        configs = (
+            {f"{kind} m{m} n{n} k{k} w{w} s{st}": Tiles(n, n, w, block_m=m, block_k=k, stages=st)
+             for m, n, k, w, st in PREFILL_TILES}
+            if prefill
+            else {f"{kind} {gu}/{dn}/{w}": Tiles(gu, dn, w) for gu in (16, 32, 64) for dn in (16, 32, 64) for w in (4, 8)}
+        )  # fmt: skip
+        for name, cfg in configs.items():
+            out[name] = time_us(
+                [partial(fused_moe_triton, x, w13, w2, weights, ids, cfg)], reps=5, min_calls=2
+            )
         out[f"{kind} default"] = time_us(
             [partial(fused_moe_triton, x, w13, w2, weights, ids)], reps=10, min_calls=4
         )

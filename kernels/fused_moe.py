@@ -57,11 +57,15 @@ def block_m(num_pairs: int) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """Output columns a program takes in each kernel, and its warps."""
+    """Output columns a program takes in each kernel, its warps, and (None: as block_m, the stack's kind and
+    Triton choose) its rows, a dense stack's K tile and the pipeline's stages."""
 
     gate_up_n: int = 64
     down_n: int = 64
     warps: int = 4
+    block_m: int | None = None
+    block_k: int | None = None
+    stages: int | None = None
 
 
 def tiles(num_pairs: int) -> Tiles:
@@ -364,7 +368,7 @@ def _down_kernel(
     tl.store(dst, out.to(dt), mask=rows[:, None] & n_in[None, :])
 
 
-def _weight_args(w: Experts) -> tuple[tuple, dict]:
+def _weight_args(w: Experts, cfg: Tiles) -> tuple[tuple, dict]:
     """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
     stride_sg, stride_sn), and its constexprs. A K tile never spans two groups."""
     if isinstance(w, Int4Experts):
@@ -384,7 +388,11 @@ def _weight_args(w: Experts) -> tuple[tuple, dict]:
             "GROUP": w.group_size,
             "BLOCK_K": 32 if w.group_size % 32 == 0 else 16,
         }
-    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0), {"KIND": DENSE.value, "GROUP": 1, "BLOCK_K": 64}
+    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0), {
+        "KIND": DENSE.value,
+        "GROUP": 1,
+        "BLOCK_K": cfg.block_k or 64,
+    }
 
 
 def fused_moe_triton(
@@ -401,8 +409,9 @@ def fused_moe_triton(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    rows = block_m(num_pairs)
+    cfg = config or tiles(num_pairs)
     single = num_pairs <= SINGLE_PAIRS
+    rows = block_m(num_pairs) if single or cfg.block_m is None else cfg.block_m
     if single:  # a pair a block, in pair order: no alignment to run (distinct experts at one token)
         block_experts = topk_ids.reshape(-1)
         pair_ids, used = block_experts, block_experts  # unread
@@ -410,18 +419,18 @@ def fused_moe_triton(
         pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
     num_blocks = block_experts.numel()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    cfg = config or tiles(num_pairs)
-    (w, s, z, *strides), meta = _weight_args(w13)
+    launch = {"num_warps": cfg.warps} | ({"num_stages": cfg.stages} if cfg.stages else {})
+    (w, s, z, *strides), meta = _weight_args(w13, cfg)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
         x, w, s, z, pair_ids, block_experts, used, act, num_pairs, experts, hidden, inter, x.stride(0), *strides,
-        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.gate_up_n, num_warps=cfg.warps, **meta,
+        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.gate_up_n, **launch, **meta,
     )  # fmt: skip
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    (w, s, z, *strides), meta = _weight_args(w2)
+    (w, s, z, *strides), meta = _weight_args(w2, cfg)
     _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down_n))](
         act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, experts, hidden, inter, act.stride(0),
-        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.down_n, num_warps=cfg.warps, **meta,
+        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.down_n, **launch, **meta,
     )  # fmt: skip
     return _sum_choices(out.view(tokens, top_k, hidden))
 

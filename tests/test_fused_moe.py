@@ -57,14 +57,18 @@ def test_kernels_match_the_reference(tokens, hidden, inter, experts, top_k, dtyp
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("tokens", [1, 70])
-def test_other_tiles_match_the_reference(tokens: int) -> None:
-    """The tiles bench.moe --sweep times: narrower column blocks than the default, more warps."""
+@pytest.mark.parametrize(
+    ("tokens", "tiles"),
+    [(1, (16, 32, 8, None, None, None)), (70, (16, 32, 8, None, None, None)), (300, (32, 64, 8, 128, 32, 3))],
+)
+def test_other_tiles_match_the_reference(tokens: int, tiles: tuple) -> None:
+    """The tiles bench.moe --sweep times: narrower column blocks than the default, more warps; prefill's taller
+    blocks, another K tile and pipeline depth."""
     from kernels.fused_moe import Tiles
 
     x, w13, w2, weights, ids = moe_inputs(tokens, 64, 48, 4, 2, torch.float16, seed=3)
     expected = fused_moe_reference(x, w13, w2, weights, ids)
-    got = fused_moe_triton(x, w13, w2, weights, ids, Tiles(gate_up_n=16, down_n=32, warps=8))
+    got = fused_moe_triton(x, w13, w2, weights, ids, Tiles(*tiles))
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 

@@ -242,6 +242,18 @@ def test_fused_moe_matches_reference(tokens, hidden, inter, experts, top_k, dtyp
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
 
 
+@pytest.mark.parametrize("tiles", [(128, 128, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 32, 4, 4)])
+def test_fused_moe_prefill_tiles_match_reference(tiles):
+    """The tiles bench.moe --sweep times for prefill's many rows an expert."""
+    from kernels.fused_moe import Tiles, fused_moe_reference, fused_moe_triton
+
+    m, n, k, warps, stages = tiles
+    x, w13, w2, weights, ids = moe_case(700, 1024, 768, 8, 2, torch.bfloat16, seed=7)
+    cfg = Tiles(n, n, warps, block_m=m, block_k=k, stages=stages)
+    ref = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+    check(fused_moe_triton(x, w13, w2, weights, ids, cfg), ref, torch.bfloat16)
+
+
 def test_fused_moe_replays_in_a_cuda_graph():
     """Captured once, replayed on other tokens choosing other experts: the alignment runs on the GPU."""
     from kernels.fused_moe import fused_moe_reference, fused_moe_triton
@@ -309,12 +321,21 @@ def test_fused_moe_gguf_experts_match_reference(tokens, dtype):
      (64, 8, 2, True, None)],
 )  # fmt: skip
 def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, round_to):
-    """The router's softmax, top k, renormalising and rounding in one kernel, from bf16 logits."""
+    """The router's softmax, top k, renormalising and rounding in one kernel; from bf16 logits, which tie often, a
+    top k whose order among equal probabilities is the kernel's own (the lowest expert first)."""
     from kernels.fused_moe import route_reference, route_triton
 
-    logits = (torch.randn(tokens, experts, device=DEV) * 3).to(torch.bfloat16)
+    logits = torch.randn(tokens, experts, device=DEV) * 3  # fp32: no ties
     want_w, want_ids = route_reference(logits, top_k, renormalize, round_to)
     got_w, got_ids = route_triton(logits, top_k, renormalize, round_to)
     assert torch.equal(got_ids, want_ids)
     ulp = {None: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[round_to]  # one fp32 ulp may round apart
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=ulp)
+    tied = logits.to(torch.bfloat16)
+    got_w, got_ids = route_triton(tied, top_k, renormalize, round_to)
+    torch.testing.assert_close(
+        got_w, route_reference(tied, top_k, renormalize, round_to)[0], atol=1e-6, rtol=ulp
+    )
+    probs = torch.softmax(tied.float(), dim=-1)
+    assert torch.equal(probs.gather(1, got_ids.long()), torch.topk(probs, top_k, dim=-1).values)
+    assert all(len(set(row)) == top_k for row in got_ids.tolist())
