@@ -46,6 +46,7 @@ def moe_inputs(tokens: int, hidden: int, inter: int, experts: int, top_k: int, d
         (70, 32, 16, 8, 4),  # 280 pairs: prefill's 64-row blocks
         (5, 32, 16, 16, 2),  # more experts than pairs: most get none
         (8, 64, 32, 4, 2),  # 16 pairs, a block each with no alignment, experts repeated
+        (260, 32, 24, 2, 2),  # 260 rows an expert: prefill's taller tiles
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
