@@ -70,7 +70,17 @@ class _Brackets:
         return True
 
 
-class MistralCalls(CallStream):
+class _ListCalls(CallStream):
+    """A list read a character at a time (`_read`: the call of the element a character ends, if any)."""
+
+    def _read(self, ch: str) -> dict | None:
+        raise NotImplementedError
+
+    def _calls(self, text: str) -> list[dict]:
+        return [call for call in map(self._read, text) if call is not None]
+
+
+class MistralCalls(_ListCalls):
     """`mistral`: content, then `[TOOL_CALLS]` and a JSON array of {"name", "arguments"} objects (Mistral's
     v0.3 format). The content streams, and each element goes out as a call once its object closes. An array
     that does not parse as calls is content, as written, tag and all; where calls went out before that showed,
@@ -98,10 +108,7 @@ class MistralCalls(CallStream):
             out.content = self._content(self.pending[:at])
             text, self.pending, self.after = self.pending[at + len(MISTRAL_TAG) :], "", []
         self.after.append(text)
-        for ch in text:
-            call = self._read(ch)
-            if call is not None:
-                out.calls.append(call)
+        out.calls += self._calls(text)
         return out
 
     def _read(self, ch: str) -> dict | None:
@@ -140,7 +147,7 @@ class MistralCalls(CallStream):
         return Delta(calls=[c for c in calls if c is not None])
 
 
-class PythonicCalls(CallStream):
+class PythonicCalls(_ListCalls):
     """`pythonic` (Llama 3.2 and 4): a text that is a Python list of calls with keyword arguments,
     `[get_weather(city="Paris"), get_time()]`; any other text is content. Each element goes out as a call once
     the "," or "]" after it comes (a call's text may go on: `f(x=1)(y=2)`). A list that does not parse as calls
@@ -167,12 +174,7 @@ class PythonicCalls(CallStream):
                 return Delta(content=held)
             self.started = bool(lead)
             text = "".join(self.text) if lead else ""
-        out = Delta()
-        for ch in text:
-            call = self._read(ch)
-            if call is not None:
-                out.calls.append(call)
-        return out
+        return Delta(calls=self._calls(text))
 
     def _read(self, ch: str) -> dict | None:
         """Reads one character of the list: the call of the element it ends, if any."""
