@@ -19,7 +19,8 @@ fraction of copy bandwidth, the int4 layer's us and GB/s).
 --engine: the engine on dummy Qwen3-30B-A3B weights (bf16, CUDA graphs), batch-1 decode (128 prompt tokens,
 256 generated, the median of 3 less a 1-token generate's time) against its roofline: the bytes a decode step
 reads (every dense weight, the 8 chosen experts of each layer, the LM head) over the copy bandwidth. Record
-moe_engine_decode_b1_qwen3-30b-a3b (tok/s, ceiling = the roofline's tok/s).
+moe_engine_decode_b1_qwen3-30b-a3b (tok/s, ceiling = the roofline's tok/s); `--quantization awq`: dummy int4
+experts and linears (group 128), record moe_engine_decode_b1_qwen3-30b-a3b_awq.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ def eager_us(fn, reps: int = 10) -> float:
     return statistics.median(times) * 1e6
 
 
-def engine_decode(copy_gbs: float, out_dir: Path | None) -> None:
+def engine_decode(copy_gbs: float, out_dir: Path | None, quantization: str | None = None) -> None:
     from engine import LLM, SamplingParams
     from engine.model_config import dummy_config
 
     name = "Qwen3-30B-A3B"
     config = dummy_config(name)
-    llm = LLM(name, load_format="dummy", dtype="bfloat16", enable_prefix_caching=False)
+    llm = LLM(
+        name, load_format="dummy", dtype="bfloat16", enable_prefix_caching=False, quantization=quantization
+    )
     prompt = torch.randint(10, config.vocab_size - 10, (128,), generator=torch.Generator().manual_seed(0))
 
     def generate(n: int) -> float:
@@ -96,17 +99,25 @@ def engine_decode(copy_gbs: float, out_dir: Path | None) -> None:
     full = statistics.median(generate(256) for _ in range(3))
     one = statistics.median(generate(1) for _ in range(3))
     tok_s = 255 / (full - one)
-    model = llm.engine.runner.model
-    total = sum(p.numel() for p in model.parameters())
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    embed = config.vocab_size * config.hidden_size  # the embedding's one row a step, not its table
-    step_bytes = (total - embed - experts + experts * config.num_experts_per_tok // config.num_experts) * 2
+    params = dict(llm.engine.runner.model.named_parameters())
+    nbytes = {n: p.numel() * p.element_size() for n, p in params.items()}
+    experts = sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
+    embed = sum(
+        b for n, b in nbytes.items() if n.endswith("embed_tokens.weight")
+    )  # one row a step, not the table
+    step_bytes = (
+        sum(nbytes.values()) - embed - experts + experts * config.num_experts_per_tok // config.num_experts
+    )
     roofline = copy_gbs * 1e9 / step_bytes
-    print(f"engine {name} batch-1 decode {tok_s:.1f} tok/s; roofline {roofline:.0f} ({tok_s / roofline:.2f})")
+    suffix = f"_{quantization}" if quantization else ""
+    print(
+        f"engine {name}{suffix} batch-1 decode {tok_s:.1f} tok/s; roofline {roofline:.0f} ({tok_s / roofline:.2f})"
+    )
     record(
-        "moe_engine_decode_b1_qwen3-30b-a3b", tok_s, "tok/s", ceiling=roofline,
+        f"moe_engine_decode_b1_qwen3-30b-a3b{suffix}", tok_s, "tok/s", ceiling=roofline,
         ceiling_name="roofline: a decode step's weight bytes (8 of 128 experts a layer) / copy bandwidth",
-        extra={"step_bytes": step_bytes, "copy_gb_s": copy_gbs}, out_dir=out_dir, command=f"{COMMAND} --engine",
+        extra={"step_bytes": step_bytes, "copy_gb_s": copy_gbs}, out_dir=out_dir,
+        command=f"{COMMAND} --engine" + (f" --quantization {quantization}" if quantization else ""),
     )  # fmt: skip
 
 
@@ -131,12 +142,13 @@ def main() -> None:
         "--engine", action="store_true", help="the engine's batch-1 decode on Qwen3-30B-A3B instead"
     )
     p.add_argument("--sweep", action="store_true", help="also time other tiles per token count")
+    p.add_argument("--quantization", choices=["awq"], default=None, help="--engine: dummy int4 (AWQ) weights")
     args = p.parse_args()
     copies = copy_bandwidth()
     copy_gbs = max(copies["copy_"], copies["mul_kernel"])
     print(f"copy bandwidth {copy_gbs:,.0f} GB/s")
     if args.engine:
-        engine_decode(copy_gbs, args.out_dir)
+        engine_decode(copy_gbs, args.out_dir, args.quantization)
         return
     print(
         f"{'shape':<16}{'tokens':>7}{'fused us':>11}{'loop us':>11}{'speed-up':>10}{'GB/s':>9}{'of copy':>9}"
