@@ -7,9 +7,9 @@
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
 # kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights);
-# tests_moe bench_moe sweep_moe bench_moe_engine bench_moe_engine_awq (mixtures of experts: their GPU tests, the layer's kernels and
-# tiles, the engine on Qwen3-30B-A3B); profile (Nsight Compute's counters for bench/profile_kernels.py); and on a
-# machine with 2 GPUs tests_tp bench_tp
+# tests_moe bench_moe sweep_moe bench_moe_engine bench_moe_engine_awq (mixtures of experts: their GPU tests, the
+# layer's kernels and tiles, the engine on Qwen3-30B-A3B, bf16 and int4); profile (Nsight Compute's counters for
+# bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
 # clock every 20 ms to clocks.csv, and every process writes stage timestamps (engine/trace.py) to d/trace.
 set -u
