@@ -28,7 +28,7 @@ from engine.layers.quant import (
     QuantConfig,
     resolve_quantization,
 )
-from engine.layers.quant.gguf import BLOCK_BYTES, GGUFMethod
+from engine.layers.quant.gguf import BLOCK_BYTES, EXPERT_BLOCKS, GGUFMethod
 from engine.model import STACKED_PARAMS
 from engine.model_config import ModelConfig
 
@@ -77,8 +77,8 @@ class CheckpointPlan:
 
 class GGUFPlan:
     """A layer whose checkpoint tensors are all Q4_0, all Q4_1 or all Q8_0 stays quantized; any other type
-    is dequantized at load (engine/weights.py: iter_gguf) into a dense layer. So does a MoE's stack of experts
-    (gate and up together, down apart)."""
+    is dequantized at load (engine/weights.py: iter_gguf) into a dense layer. A MoE's stack of experts (gate and up
+    together, down apart) stays quantized in those types and in Q4_K and Q6_K (engine/layers/moe.py)."""
 
     quantized_lm_head = False  # an untied output tensor is dequantized, whatever its type
 
@@ -106,7 +106,7 @@ class GGUFPlan:
         kept = {
             stack: str(types.pop())
             for stack, types in kinds.items()
-            if len(types) == 1 and types <= BLOCK_BYTES.keys()
+            if len(types) == 1 and types <= EXPERT_BLOCKS.keys()
         }
         if kept:
             layer.quantize_gguf(kept)

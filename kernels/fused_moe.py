@@ -21,9 +21,9 @@ which costs tensor-core time the GEMV is not bound by.
 
 Quantized experts are dequantized in the same kernels, a tile at a time in registers, in fp32 (exact: a small
 integer times an fp16 scale), rounded to x's dtype:
-- Int4Experts (AWQ / GPTQ checkpoints, GGUF Q4_0 / Q4_1), each expert in kernels/int4_dequant.py's rows layout:
-  (q - z) * s with integer zero points, q * s + m with GGUF Q4_1's float offsets;
-- Int8Experts (GGUF Q8_0): q * s, a scale per 32 input features, each expert's rows as the checkpoint's.
+- Int4Experts (AWQ / GPTQ checkpoints, GGUF Q4_0 / Q4_1 / Q4_K), each expert in kernels/int4_dequant.py's rows
+  layout: (q - z) * s with integer zero points, q * s + m with GGUF Q4_1's and Q4_K's float offsets;
+- Int8Experts (GGUF Q8_0, Q6_K): q * s, a scale per 32 (16) input features, each expert's rows as the checkpoint's.
 
 A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
 
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
-from kernels.int4_dequant import Int4Weight, int4_dequant_reference
+from kernels.int4_dequant import unpack_rows
 from kernels.silu_and_mul import silu_mul
 
 # at most this many (token, choice) pairs take a block each, in pair order, with no alignment: align_pairs' torch
@@ -115,9 +115,9 @@ def align_pairs(
 @dataclass(frozen=True)
 class Int4Experts:
     """Every expert's int4 weight of one projection, each laid as kernels/int4_dequant.py's rows layout (an
-    Int4Weight of (K, N) = (input, output) features): qweight (E, K/8, N) int32, scales (E, K/G, N) fp16,
-    zeros (E, K/G, N) uint8, expert e's weight w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]; or fp16 zeros,
-    GGUF Q4_1's offsets: w[k, n] = q[k, n] * s[k // G, n] + z[k // G, n]."""
+    Int4Weight of (K, N) = (input, output) features): qweight (E, K/8, N) int32, scales (E, K/G, N) fp16 (fp32: GGUF
+    Q4_K's products d * sc, exact), zeros (E, K/G, N) uint8, expert e's weight w[k, n] = (q[k, n] - z[k // G, n]) *
+    s[k // G, n]; or float zeros, GGUF Q4_1's and Q4_K's offsets: w[k, n] = q[k, n] * s[k // G, n] + z[k // G, n]."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -135,9 +135,11 @@ class Int4Experts:
             raise ValueError(
                 f"scales {tuple(self.scales.shape)} and zeros {tuple(self.zeros.shape)} must be {groups}"
             )
-        if self.zeros.dtype not in (torch.uint8, torch.float16):
+        floats = (torch.float16, torch.float32)
+        if self.zeros.dtype not in (torch.uint8, *floats) or self.scales.dtype not in floats:
             raise ValueError(
-                f"int4 experts' zeros are uint8 zero points or fp16 offsets, not {self.zeros.dtype}"
+                f"int4 experts' scales are fp16 or fp32 and their zeros uint8 zero points or float offsets, not "
+                f"{self.scales.dtype}, {self.zeros.dtype}"
             )
 
     @property
@@ -147,13 +149,18 @@ class Int4Experts:
 
     @property
     def zero_is_offset(self) -> bool:
-        return self.zeros.dtype == torch.float16
+        return self.zeros.is_floating_point()
 
-    def expert(self, e: int) -> Int4Weight:
-        return Int4Weight(self.qweight[e], self.scales[e], self.zeros[e], self.group_size)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # (E, N, K)
-        return torch.stack([int4_dequant_reference(self.expert(e), dtype) for e in range(self.shape[0])])
+    def dequantize(
+        self, dtype: torch.dtype
+    ) -> torch.Tensor:  # (E, N, K): in fp32 as the kernels, then rounded
+        e, n, k = self.shape
+        g = self.group_size
+        q = unpack_rows(self.qweight.transpose(0, 1).reshape(k // 8, e * n)).view(k // g, g, e, n).float()
+        s = self.scales.float().permute(1, 0, 2)[:, None]  # (K/G, 1, E, N)
+        z = self.zeros.float().permute(1, 0, 2)[:, None]
+        dense = q * s + z if self.zero_is_offset else q * s - z * s  # exact products in fp32
+        return dense.reshape(k, e, n).permute(1, 2, 0).to(dtype).contiguous()
 
 
 @dataclass(frozen=True)
@@ -167,9 +174,9 @@ class Int8Experts:
 
     def __post_init__(self) -> None:
         e, n, k = self.qweight.shape
-        if self.qweight.dtype != torch.int8 or self.scales.dtype != torch.float16:
+        if self.qweight.dtype != torch.int8 or self.scales.dtype not in (torch.float16, torch.float32):
             raise ValueError(
-                f"int8 experts are int8 with fp16 scales, not {self.qweight.dtype}, {self.scales.dtype}"
+                f"int8 experts are int8 with fp16 or fp32 scales, not {self.qweight.dtype}, {self.scales.dtype}"
             )
         if (
             self.group_size % 16

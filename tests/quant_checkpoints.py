@@ -195,11 +195,27 @@ def write_moe_gguf(model_dir: Path, out: Path, expert_types: dict[str, str] | No
             writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", w)
         else:
             kind = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", quantize(w, kind), raw_dtype=kind)
+            raw = random_k_blocks(w.shape, qtype, int(layer)) if qtype.endswith("_K") else quantize(w, kind)
+            writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", raw, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def random_k_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
+    """Random Q4_K or Q6_K super-blocks of a (..., K) tensor (gguf-py cannot quantize to them): random nibbles,
+    6-bit scales and mins or int8 scales, with super-block scales d (and dmin) small enough for a tiny model."""
+    nbytes = {"Q4_K": 144, "Q6_K": 210}[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, nbytes), dtype=np.uint8)
+    if qtype == "Q4_K":  # d, dmin: the first two fp16s
+        blocks[..., 0:4] = rng.uniform(1e-4, 3e-4, (*blocks.shape[:-1], 2)).astype(np.float16).view(np.uint8)
+    else:  # d: the last fp16
+        blocks[..., 208:210] = (
+            rng.uniform(3e-5, 8e-5, (*blocks.shape[:-1], 1)).astype(np.float16).view(np.uint8)
+        )
+    return blocks.reshape(*shape[:-1], -1)
 
 
 def write_int4_moe(model_dir: Path, out: Path, fmt: str, group: int = 32) -> Path:

@@ -143,12 +143,14 @@ def test_quantized_expert_stacks_check_their_shapes() -> None:
     from kernels.fused_moe import Int4Experts, Int8Experts
 
     w = int4_experts(2, 16, 64, 32, 0)
-    with pytest.raises(ValueError, match="zero points or fp16 offsets"):
-        Int4Experts(w.qweight, w.scales, w.zeros.float(), 32)
+    with pytest.raises(ValueError, match="zero points or float offsets"):
+        Int4Experts(w.qweight, w.scales, w.zeros.to(torch.int32), 32)
+    with pytest.raises(ValueError, match="scales are fp16 or fp32"):
+        Int4Experts(w.qweight, w.scales.double(), w.zeros, 32)
     q = torch.zeros(2, 16, 64, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"must be \(2, 16, 2\)"):
         Int8Experts(q, torch.zeros(2, 16, 3, dtype=torch.float16), 32)
-    with pytest.raises(ValueError, match="int8 with fp16 scales"):
+    with pytest.raises(ValueError, match="int8 with fp16 or fp32 scales"):
         Int8Experts(q.float(), torch.zeros(2, 16, 2, dtype=torch.float16), 32)
 
 
@@ -442,14 +444,51 @@ def test_gguf_moe_quantized_experts_at_tp2(tmp_path: Path, monkeypatch, parallel
     assert generate(gguf_path, tp=2, **kwargs) == hf_greedy(gguf_model_dir(gguf_path), PROMPTS, MAX_TOKENS)
 
 
-def test_gguf_moe_blocks_must_divide_over_the_ranks(tmp_path: Path) -> None:
+def test_gguf_moe_experts_whose_blocks_split_across_ranks_load_dense(tmp_path: Path) -> None:
     from tests.quant_checkpoints import write_moe_gguf
 
     model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe", mlp_only_layers=[], moe_intermediate_size=96)
     gguf_path = tmp_path / "qwen3_moe.gguf"
-    write_moe_gguf(model_dir, gguf_path, {"down": "Q4_0"})  # 48 features a rank: a block and a half
-    with pytest.raises(ValueError, match="GGUF blocks hold 32 input features; this rank's experts have 48"):
-        load_model(gguf_path, tp_rank=0, tp_size=2)
+    write_moe_gguf(model_dir, gguf_path, {"down": "Q4_0", "gate": "Q4_0", "up": "Q4_0"})
+    model, _ = load_model(gguf_path, tp_rank=0, tp_size=2)  # down: 48 features a rank, a block and a half
+    for layer in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        assert set(layer.quantized) == {"w13"} and layer.w2.shape == (4, 64, 48)
+
+
+def test_gguf_moe_k_quant_experts_stay_quantized(tmp_path: Path, monkeypatch) -> None:
+    """Q4_K experts as int4 in groups of 32 with fp32 scales and offsets, Q6_K as int8 rows in groups of 16: the
+    products llama.cpp's dequantization takes, so the engine equals transformers on the file dequantized by gguf."""
+    import engine.layers.moe as moe
+    from engine.bundled import gguf_model_dir
+    from kernels.fused_moe import Int4Experts, Int8Experts
+    from tests.quant_checkpoints import write_moe_gguf
+
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))
+    model_dir = tiny_random_model_dir(tmp_path, "mixtral", hidden_size=256, intermediate_size=256)
+    gguf_path = tmp_path / "mixtral.gguf"
+    write_moe_gguf(model_dir, gguf_path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"})
+    model, _ = load_model(gguf_path)
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(
+        isinstance(m.quantized["w13"], Int4Experts) and isinstance(m.quantized["w2"], Int8Experts)
+        for m in layers
+    )
+    dense = load_model(gguf_model_dir(gguf_path))[0]
+    for got, want in zip(layers, (m for m in dense.modules() if isinstance(m, FusedMoE))):
+        x = torch.zeros(1)
+        assert torch.equal(got.weights(x)[0], want.w13) and torch.equal(got.weights(x)[1], want.w2)
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    expected = hf_greedy(gguf_model_dir(gguf_path), prompts, [6, 6])
+    assert generate_from(gguf_path, prompts) == expected
+
+    class OnTriton:  # the MoE layers take the kernels; the rest of the model stays on torch
+        @staticmethod
+        def use_triton(x: torch.Tensor) -> bool:
+            return True
+
+    monkeypatch.setattr(moe, "_backend", OnTriton)
+    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    assert generate_from(gguf_path, prompts[1:]) == expected[1:]  # one prompt: the interpreter is slow
 
 
 @pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq"), ("qwen2_moe", "awq")])

@@ -20,13 +20,14 @@ g_idx, which must be in group order: act order is refused); `FusedMoE.quantize` 
 (gate and up side by side in their output features) as w13_qweight ... and w2_qweight ..., and `process_weights`
 re-lays them into kernels/fused_moe.py's Int4Experts.
 
-GGUF files hold each projection stacked over experts (ffn_{gate,up,down}_exps); a stack of Q4_0, Q4_1 or Q8_0 (gate
-and up of one type) stays quantized: `FusedMoE.quantize_gguf` takes each expert's rows of blocks, and
-`process_weights` makes them Int4Experts (Q4) or Int8Experts (Q8_0). Other types load dense.
+GGUF files hold each projection stacked over experts (ffn_{gate,up,down}_exps); a stack of Q4_0, Q4_1, Q4_K, Q8_0 or
+Q6_K (gate and up of one type) stays quantized: `FusedMoE.quantize_gguf` takes each expert's rows of blocks, and
+`process_weights` makes them Int4Experts (Q4_0, Q4_1, Q4_K) or Int8Experts (Q8_0, Q6_K). Other types load dense.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from kernels import _backend
 from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe, route
 
 Quantized = Int4Experts | Int8Experts
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -101,19 +103,21 @@ class FusedMoE(nn.Module):
         )
 
     def quantize_gguf(self, types: dict[str, str]) -> None:
-        """Keep the stacks in `types` (w13, w2 -> Q4_0, Q4_1 or Q8_0) as the GGUF's blocks: each expert's rows (output
-        features) of K / 32 blocks, this rank's rows of gate and up and its blocks of down's input features."""
-        from engine.layers.quant.gguf import BLOCK, BLOCK_BYTES
+        """Keep the stacks in `types` (w13, w2 -> a type of EXPERT_BLOCKS) as the GGUF's blocks: each expert's rows
+        (output features) of K / block blocks, this rank's rows of gate and up and its blocks of down's input features.
+        A stack whose input features on this rank are not whole blocks (tensor parallelism) loads dense instead."""
+        from engine.layers.quant.gguf import EXPERT_BLOCKS
 
         for name, qtype in types.items():
             n, k = (2 * self.inter, self.hidden) if name == "w13" else (self.hidden, self.inter)
-            if k % BLOCK:
-                raise ValueError(
-                    f"GGUF blocks hold {BLOCK} input features; this rank's experts have {k} ({name})"
-                )
+            weights, nbytes = EXPERT_BLOCKS[qtype]
+            if k % weights:
+                logger.info("%s experts: %d input features a rank are not whole %s blocks of %d; loaded dense",
+                            name, k, qtype, weights)  # fmt: skip
+                continue
             delattr(self, name)
             param = nn.Parameter(
-                torch.empty(self.num_experts, n, k // BLOCK * BLOCK_BYTES[qtype], dtype=torch.uint8),
+                torch.empty(self.num_experts, n, k // weights * nbytes, dtype=torch.uint8),
                 requires_grad=False,
             )
             self.register_parameter(f"{name}_qweight", param)
@@ -231,13 +235,18 @@ class FusedMoE(nn.Module):
         self.quantized = laid
 
     def _from_gguf(self, name: str, qtype: str) -> Quantized:
-        from engine.layers.quant.gguf import BLOCK, BLOCK_BYTES, unpack_q4, unpack_q8
+        from engine.layers.quant.gguf import EXPERT_BLOCKS, unpack_q4, unpack_q4_k, unpack_q6_k, unpack_q8
 
         raw = self.get_parameter(f"{name}_qweight").data
-        blocks = raw.view(*raw.shape[:2], -1, BLOCK_BYTES[qtype])  # (E, N, K / 32, B)
+        weights, nbytes = EXPERT_BLOCKS[qtype]
+        blocks = raw.view(*raw.shape[:2], -1, nbytes)  # (E, N, K / weights, bytes)
         if qtype == "Q8_0":
-            return Int8Experts(*unpack_q8(blocks), BLOCK)
-        return Int4Experts(*unpack_q4(blocks, qtype), BLOCK)
+            return Int8Experts(*unpack_q8(blocks), 32)
+        if qtype == "Q6_K":
+            return Int8Experts(*unpack_q6_k(blocks), 16)
+        if qtype == "Q4_K":
+            return Int4Experts(*unpack_q4_k(blocks), 32)
+        return Int4Experts(*unpack_q4(blocks, qtype), 32)
 
     def _int4(self, name: str) -> Int4Experts:
         assert self.quant is not None

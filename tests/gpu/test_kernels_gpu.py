@@ -293,10 +293,12 @@ def test_fused_moe_int4_matches_reference(tokens, group, dtype):
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
 
 
+@pytest.mark.parametrize("kquant", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 9, 300])
-def test_fused_moe_gguf_experts_match_reference(tokens, dtype):
-    """GGUF experts kept quantized, Qwen3-30B-A3B's shape: gate/up Q4_1 (float offsets), down Q8_0 (int8 rows)."""
+def test_fused_moe_gguf_experts_match_reference(tokens, dtype, kquant):
+    """GGUF experts kept quantized, Qwen3-30B-A3B's shape: gate/up Q4_1 (float offsets), down Q8_0 (int8 rows); or
+    as Q4_K and Q6_K load (fp32 scales and offsets, int8 groups of 16)."""
     from kernels.fused_moe import Int4Experts, Int8Experts, fused_moe_reference, fused_moe_triton
     from kernels.int4_dequant import pack_rows
 
@@ -307,10 +309,13 @@ def test_fused_moe_gguf_experts_match_reference(tokens, dtype):
     q = torch.randint(0, 16, (experts, hidden, 2 * inter), device=DEV, generator=gen, dtype=torch.uint8)
     scales = (torch.rand(experts, hidden // 32, 2 * inter, device=DEV, generator=gen) * 0.01 + 0.002).half()
     offsets = (torch.rand(experts, hidden // 32, 2 * inter, device=DEV, generator=gen) * -0.08).half()
+    if kquant:
+        scales, offsets = scales.float(), offsets.float()
     w13 = Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, offsets, 32)
+    group = 16 if kquant else 32
     q8 = torch.randint(-127, 128, (experts, hidden, inter), device=DEV, generator=gen, dtype=torch.int8)
-    s8 = (torch.rand(experts, hidden, inter // 32, device=DEV, generator=gen) * 0.0004 + 0.0001).half()
-    w2 = Int8Experts(q8, s8, 32)
+    s8 = torch.rand(experts, hidden, inter // group, device=DEV, generator=gen) * 0.0004 + 0.0001
+    w2 = Int8Experts(q8, s8 if kquant else s8.half(), group)
     ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
 

@@ -25,6 +25,8 @@ from kernels.int8_dequant import Int8Weight, int8_dequant, int8_dequant_referenc
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# the types a MoE's expert stacks keep: (weights, bytes) a block; the K-quants' super-blocks hold 256 weights
+EXPERT_BLOCKS = {**{t: (BLOCK, b) for t, b in BLOCK_BYTES.items()}, "Q4_K": (256, 144), "Q6_K": (256, 210)}
 
 
 def _blocks(layer: LinearBase, qtype: str) -> torch.Tensor:  # (N, K/32, B) uint8
@@ -65,6 +67,49 @@ def unpack_q4(blocks: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Ten
         zeros = torch.full(scales.transpose(-1, -2).shape, 8, dtype=torch.uint8, device=scales.device)
     qweight = words.transpose(-1, -2).contiguous()  # the kernels' rows-packed words
     return qweight, scales.transpose(-1, -2).contiguous(), zeros.contiguous()
+
+
+def unpack_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (..., N, K/256, 144: d, dmin fp16, 12 bytes of 6-bit scales and mins, 128 of nibbles) as the
+    rows layout in groups of 32: qweight (..., K/8, N) int32, scales d * sc and offsets -dmin * m, (..., K/32, N)
+    fp32 (exact products, so q * s + z is llama.cpp's d * sc * q - dmin * m)."""
+    lead, supers = blocks.shape[:-3], blocks.shape[-2]
+    d, dmin = _fp16(blocks[..., 0:2]).float(), _fp16(blocks[..., 2:4]).float()  # (..., N, K/256)
+    packed = blocks[
+        ..., 4:16
+    ]  # 0-3: scale low 6 bits (+2 high of 4-7), 4-7: mins, 8-11: 4-7's low 4 bits each
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], dim=-1)  # (..., N, K/256, 8)
+    mins = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    scales = (d[..., None] * sc.float()).flatten(-2)  # (..., N, K/32)
+    offsets = -(dmin[..., None] * mins.float()).flatten(-2)
+    qs = blocks[..., 16:].reshape(
+        *blocks.shape[:-1], 4, 32
+    )  # byte b of chunk c: weights 64c + b, 64c + 32 + b
+    q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(*lead, blocks.shape[-3], -1)  # (..., N, K) 0..15
+    assert q.shape[-1] == supers * 256
+    return _rows_layout(q), scales.transpose(-1, -2).contiguous(), offsets.transpose(-1, -2).contiguous()
+
+
+def unpack_q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K super-blocks (..., N, K/256, 210: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d
+    fp16) as int8 rows q - 32 (..., N, K) and scales d * sc (..., N, K/16) fp32 (exact products, as llama.cpp's)."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 64)  # weights 128a + 64s + b: nibble s of byte 64a + b
+    qh = blocks[..., 128:192].reshape(*lead, 2, 32)  # weights 128a + 32s + b: bits 2s..2s+1 of byte 32a + b
+    low = torch.stack([ql & 0xF, ql >> 4], dim=-2).reshape(*lead, 256)
+    high = torch.stack([(qh >> (2 * s)) & 0x3 for s in range(4)], dim=-2).reshape(*lead, 256)
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).flatten(-2)  # (..., N, K)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8).float()  # (..., N, K/256, 16)
+    scales = (_fp16(blocks[..., 208:210]).float()[..., None] * sc).flatten(-2)  # (..., N, K/16)
+    return q, scales
+
+
+def _rows_layout(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 (..., N, K) as the kernels' rows-packed words (..., K/8, N): row 8r + j in bits 4j.. of word r."""
+    pairs = q.to(torch.uint8).reshape(*q.shape[:-1], -1, 4, 2)  # (..., N, K/8, 4, 2): rows 8r + 2b + h
+    words = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32).squeeze(-1)  # (..., N, K/8)
+    return words.transpose(-1, -2).contiguous()
 
 
 def unpack_q8(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
