@@ -234,6 +234,20 @@ PROMPTS = [list(range(5, 45)), [7, 8, 9], [100, 101, 102, 103, 104, 105, 106]]
 MAX_TOKENS = [12, 9, 7]
 
 
+def moe_layers_on_the_kernels(monkeypatch) -> None:
+    """The MoE layers take the Triton kernels (interpreted), quantized experts included; the rest of the model stays
+    on torch."""
+    import engine.layers.moe as moe
+
+    class OnTriton:
+        @staticmethod
+        def use_triton(x: torch.Tensor) -> bool:
+            return True
+
+    monkeypatch.setattr(moe, "_backend", OnTriton)
+    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+
+
 def generate_from(path: Path, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(str(path), device="cpu", dtype="float32", cpu_kv_cache_space=0.01, block_size=4)
     try:
@@ -400,7 +414,6 @@ def test_gguf_moe_experts_stay_quantized(
 ) -> None:
     """A GGUF MoE's Q4_0 / Q4_1 / Q8_0 expert stacks load as int4 / int8 experts, not dense, and serve the greedy
     output transformers gives on the same file dequantized: on the CPU path and through the kernels."""
-    import engine.layers.moe as moe
     from engine.bundled import gguf_model_dir
     from tests.quant_checkpoints import write_moe_gguf
 
@@ -419,13 +432,7 @@ def test_gguf_moe_experts_stay_quantized(
     expected = hf_greedy(gguf_model_dir(gguf_path), prompts, [6, 6])
     assert generate_from(gguf_path, prompts) == expected
 
-    class OnTriton:  # the MoE layers take the kernels; the rest of the model stays on torch
-        @staticmethod
-        def use_triton(x: torch.Tensor) -> bool:
-            return True
-
-    monkeypatch.setattr(moe, "_backend", OnTriton)
-    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    moe_layers_on_the_kernels(monkeypatch)
     assert generate_from(gguf_path, prompts) == expected
 
 
@@ -458,7 +465,6 @@ def test_gguf_moe_experts_whose_blocks_split_across_ranks_load_dense(tmp_path: P
 def test_gguf_moe_k_quant_experts_stay_quantized(tmp_path: Path, monkeypatch) -> None:
     """Q4_K experts as int4 in groups of 32 with fp32 scales and offsets, Q6_K as int8 rows in groups of 16: the
     products llama.cpp's dequantization takes, so the engine equals transformers on the file dequantized by gguf."""
-    import engine.layers.moe as moe
     from engine.bundled import gguf_model_dir
     from kernels.fused_moe import Int4Experts, Int8Experts
     from tests.quant_checkpoints import write_moe_gguf
@@ -481,13 +487,7 @@ def test_gguf_moe_k_quant_experts_stay_quantized(tmp_path: Path, monkeypatch) ->
     expected = hf_greedy(gguf_model_dir(gguf_path), prompts, [6, 6])
     assert generate_from(gguf_path, prompts) == expected
 
-    class OnTriton:  # the MoE layers take the kernels; the rest of the model stays on torch
-        @staticmethod
-        def use_triton(x: torch.Tensor) -> bool:
-            return True
-
-    monkeypatch.setattr(moe, "_backend", OnTriton)
-    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    moe_layers_on_the_kernels(monkeypatch)
     assert generate_from(gguf_path, prompts[1:]) == expected[1:]  # one prompt: the interpreter is slow
 
 
@@ -516,16 +516,9 @@ def test_int4_moe_checkpoint_equals_transformers_on_its_dequantized_weights(
 
 
 def test_int4_moe_through_the_kernels(tmp_path: Path, monkeypatch) -> None:
-    import engine.layers.moe as moe
     from tests.quant_checkpoints import dequantized_copy, write_int4_moe
 
-    class OnTriton:  # the MoE layers take the int4 kernels; the rest of the model stays on torch
-        @staticmethod
-        def use_triton(x: torch.Tensor) -> bool:
-            return True
-
-    monkeypatch.setattr(moe, "_backend", OnTriton)
-    monkeypatch.setattr(moe, "fused_moe", fused_moe_triton)
+    moe_layers_on_the_kernels(monkeypatch)
     checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, "mixtral"), tmp_path / "int4", "gptq")
     assert generate(checkpoint) == hf_greedy(
         dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS
