@@ -9,7 +9,8 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
   eager, as it must be (its shapes depend on the choices);
 - bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
   the device-to-device copy bandwidth measured in the same run.
-- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s;
+- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s; and
+  with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
 - align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
 --sweep: also time each token count's layer (bf16 and int4) at other tiles (columns a program in each kernel, warps);
 record moe_tiles_<shape> (the default's us and every tile's, per token count).
@@ -41,6 +42,7 @@ from bench.record import record  # noqa: E402
 from kernels.fused_moe import (  # noqa: E402
     SINGLE_PAIRS,
     Int4Experts,
+    Int8Experts,
     Tiles,
     align_pairs,
     block_m,
@@ -133,6 +135,19 @@ def int4_like(w: torch.Tensor, group: int = 128) -> Int4Experts:
     return Int4Experts(qweight, scales, zeros, group)
 
 
+def gguf_k_like(w13: torch.Tensor, w2: torch.Tensor) -> tuple[Int4Experts, Int8Experts]:
+    """Experts as a Q4_K_M GGUF loads them: gate/up Q4_K (int4, groups of 32, fp32 scales and offsets), down Q6_K
+    (int8 rows, fp32 scales a 16)."""
+    q4 = int4_like(w13, 32)
+    q13 = Int4Experts(
+        q4.qweight, q4.scales.float(), torch.full_like(q4.scales, -0.05, dtype=torch.float32), 32
+    )
+    e, n, k = w2.shape
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q8 = torch.randint(-32, 32, (e, n, k), device="cuda", generator=gen, dtype=torch.int8)
+    return q13, Int8Experts(q8, torch.full((e, n, k // 16), 0.003, device="cuda"), 16)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -162,6 +177,7 @@ def main() -> None:
         w2 = torch.randn(experts, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
         q13, q2 = int4_like(w13), int4_like(w2)
+        gguf_k = gguf_k_like(w13, w2)
         int4_expert_bytes = expert_bytes // 4 + sum(  # nibbles, plus fp16 scales and uint8 zeros
             (q.scales[0].numel() * 3) for q in (q13, q2)
         )
@@ -175,6 +191,7 @@ def main() -> None:
             fused = time_us([partial(fused_moe_triton, *inputs)], reps=20, min_calls=4)
             loop = eager_us(partial(transformers_loop, *inputs))
             int4 = time_us([partial(fused_moe_triton, x, q13, q2, weights, ids)], reps=20, min_calls=4)
+            k_quants = time_us([partial(fused_moe_triton, x, *gguf_k, weights, ids)], reps=20, min_calls=4)
             rows = block_m(ids.numel())
             align = time_us([partial(align_pairs, ids, experts + 1, rows)], reps=20, min_calls=4)
             chosen = torch.unique(ids).numel()
@@ -183,13 +200,13 @@ def main() -> None:
             gbs = moved / fused / 1e3
             print(
                 f"{shape:<16}{tokens:>7}{fused:>11.1f}{loop:>11.1f}{loop / fused:>9.2f}x{gbs:>9,.0f}"
-                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}"
+                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}{k_quants:>10.1f}"
             )
             record(
                 f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
                 baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
                 extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved,
-                       "int4_us": int4, "int4_gb_s": int4_gbs, "align_pairs_us": align,
+                       "int4_us": int4, "int4_gb_s": int4_gbs, "gguf_q4_k_q6_k_us": k_quants, "align_pairs_us": align,
                        "aligned": ids.numel() > SINGLE_PAIRS},
                 out_dir=args.out_dir, command=COMMAND,
             )  # fmt: skip
