@@ -151,9 +151,7 @@ class Int4Experts:
     def zero_is_offset(self) -> bool:
         return self.zeros.is_floating_point()
 
-    def dequantize(
-        self, dtype: torch.dtype
-    ) -> torch.Tensor:  # (E, N, K): in fp32 as the kernels, then rounded
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # (E, N, K), in fp32 as the kernels, rounded
         e, n, k = self.shape
         g = self.group_size
         q = unpack_rows(self.qweight.transpose(0, 1).reshape(k // 8, e * n)).view(k // g, g, e, n).float()
@@ -165,8 +163,9 @@ class Int4Experts:
 
 @dataclass(frozen=True)
 class Int8Experts:
-    """Every expert's int8 weight of one projection (GGUF Q8_0): qweight (E, N, K) int8, each expert's rows as
-    the checkpoint holds them, and scales (E, N, K/G) fp16; expert e's weight is w[n, k] = q[n, k] * s[n, k // G]."""
+    """Every expert's int8 weight of one projection (GGUF Q8_0, Q6_K): qweight (E, N, K) int8, each expert's rows as
+    the checkpoint holds them, and scales (E, N, K/G) fp16 or fp32 (Q6_K's d * sc, exact); expert e's weight is
+    w[n, k] = q[n, k] * s[n, k // G]."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
