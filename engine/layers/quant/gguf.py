@@ -7,7 +7,8 @@
 Each row of a GGUF tensor is one output feature's blocks, so the checkpoint tensor is (N, K/32 * B) bytes
 and shards along N (rows) and K (whole blocks) as a dense weight does. Q4 types are re-laid into the
 kernels' int4 layout (Q4_1's m as float offsets); Q8_0 keeps int8 rows and dequantizes for the dense GEMM
-(kernels/int8_dequant.py). A MoE's expert stacks of these types stay quantized the same way (engine/layers/moe.py). The products are exact in fp32: the dense weight equals gguf's dequantization.
+(kernels/int8_dequant.py). The products are exact in fp32: the dense weight equals gguf's dequantization. A MoE's
+expert stacks of these types, and of Q4_K and Q6_K, stay quantized too (engine/layers/moe.py).
 """
 
 from __future__ import annotations
@@ -75,17 +76,15 @@ def unpack_q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     fp32 (exact products, so q * s + z is llama.cpp's d * sc * q - dmin * m)."""
     lead, supers = blocks.shape[:-3], blocks.shape[-2]
     d, dmin = _fp16(blocks[..., 0:2]).float(), _fp16(blocks[..., 2:4]).float()  # (..., N, K/256)
-    packed = blocks[
-        ..., 4:16
-    ]  # 0-3: scale low 6 bits (+2 high of 4-7), 4-7: mins, 8-11: 4-7's low 4 bits each
-    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # bytes 0-3: sub-blocks 0-3's scales (6 bits) and 4-7's scales' top 2 bits; 4-7: the same of the mins; 8-11:
+    # sub-blocks 4-7's scales' low 4 bits and mins' low 4 bits
+    low, mid, high = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
     sc = torch.cat([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], dim=-1)  # (..., N, K/256, 8)
     mins = torch.cat([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], dim=-1)
     scales = (d[..., None] * sc.float()).flatten(-2)  # (..., N, K/32)
     offsets = -(dmin[..., None] * mins.float()).flatten(-2)
-    qs = blocks[..., 16:].reshape(
-        *blocks.shape[:-1], 4, 32
-    )  # byte b of chunk c: weights 64c + b, 64c + 32 + b
+    # byte b of chunk c holds weights 64c + b (low nibble) and 64c + 32 + b (high)
+    qs = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 32)
     q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(*lead, blocks.shape[-3], -1)  # (..., N, K) 0..15
     assert q.shape[-1] == supers * 256
     return _rows_layout(q), scales.transpose(-1, -2).contiguous(), offsets.transpose(-1, -2).contiguous()
