@@ -9,11 +9,13 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
   eager, as it must be (its shapes depend on the choices);
 - bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
   the device-to-device copy bandwidth measured in the same run.
-- int4: the same layer with int4 experts (group 128, dequantized in the kernels), its us and its bytes' GB/s; and
-  with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
+- int4: the same layer with int4 experts (group 128), its us, its bytes' GB/s and their fraction of copy bandwidth:
+  up to GEMV_MAX_PAIRS pairs the GEMVs (kernels/fused_moe_gemv.py), and beside them the grouped kernels
+  (int4_grouped_us); with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
 - align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
 --sweep: also time each token count's layer (bf16 and int4) at other tiles (columns a program in each kernel, warps);
-record moe_tiles_<shape> (the default's us and every tile's, per token count).
+record moe_tiles_<shape> (the default's us and every tile's, per token count). --sweep-gemv: only the int4 layer, at
+each of the GEMVs' tiles (GEMV_TILES) beside the grouped kernels; record moe_gemv_tiles_<shape>.
 Records: moe_fused_<shape>_t<tokens> (us, baseline = the loop's us, ratio = loop / fused; extra: GB/s and
 fraction of copy bandwidth, the int4 layer's us and GB/s).
 
@@ -48,6 +50,7 @@ from kernels.fused_moe import (  # noqa: E402
     block_m,
     fused_moe_triton,
 )
+from kernels.fused_moe_gemv import GemvTiles  # noqa: E402
 
 SHAPES = {  # hidden, expert intermediate features, experts, top k
     "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -157,6 +160,11 @@ def main() -> None:
         "--engine", action="store_true", help="the engine's batch-1 decode on Qwen3-30B-A3B instead"
     )
     p.add_argument("--sweep", action="store_true", help="also time other tiles per token count")
+    p.add_argument(
+        "--sweep-gemv",
+        action="store_true",
+        help="time only the int4 GEMVs' tiles (record moe_gemv_tiles_<shape>)",
+    )
     p.add_argument("--quantization", choices=["awq"], default=None, help="--engine: dummy int4 (AWQ) weights")
     args = p.parse_args()
     copies = copy_bandwidth()
@@ -167,6 +175,7 @@ def main() -> None:
         return
     print(
         f"{'shape':<16}{'tokens':>7}{'fused us':>11}{'loop us':>11}{'speed-up':>10}{'GB/s':>9}{'of copy':>9}"
+        f"{'int4 us':>10}{'int4 GB/s':>11}{'grouped':>10}{'Q4_K_M':>10}"
     )
     for shape in args.shapes:
         hidden, inter, experts, top_k = SHAPES[shape]
@@ -188,9 +197,16 @@ def main() -> None:
             weights, ids = torch.topk(probs, top_k, dim=-1)
             weights = weights / weights.sum(-1, keepdim=True)
             inputs = (x, w13, w2, weights, ids)
+            if args.sweep_gemv:
+                swept[f"t{tokens}"] = sweep_gemv(x, (q13, q2), weights, ids)
+                print(shape, tokens, {k: round(v, 1) for k, v in swept[f"t{tokens}"].items()})
+                continue
             fused = time_us([partial(fused_moe_triton, *inputs)], reps=20, min_calls=4)
             loop = eager_us(partial(transformers_loop, *inputs))
             int4 = time_us([partial(fused_moe_triton, x, q13, q2, weights, ids)], reps=20, min_calls=4)
+            grouped = time_us(
+                [partial(fused_moe_triton, x, q13, q2, weights, ids, gemv=None)], reps=20, min_calls=4
+            )
             k_quants = time_us([partial(fused_moe_triton, x, *gguf_k, weights, ids)], reps=20, min_calls=4)
             rows = block_m(ids.numel())
             align = time_us([partial(align_pairs, ids, experts + 1, rows)], reps=20, min_calls=4)
@@ -200,13 +216,14 @@ def main() -> None:
             gbs = moved / fused / 1e3
             print(
                 f"{shape:<16}{tokens:>7}{fused:>11.1f}{loop:>11.1f}{loop / fused:>9.2f}x{gbs:>9,.0f}"
-                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}{k_quants:>10.1f}"
+                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}{grouped:>10.1f}{k_quants:>10.1f}"
             )
             record(
                 f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
                 baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
                 extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved,
-                       "int4_us": int4, "int4_gb_s": int4_gbs, "gguf_q4_k_q6_k_us": k_quants, "align_pairs_us": align,
+                       "int4_us": int4, "int4_gb_s": int4_gbs, "int4_of_copy": int4_gbs / copy_gbs,
+                       "int4_grouped_us": grouped, "gguf_q4_k_q6_k_us": k_quants, "align_pairs_us": align,
                        "aligned": ids.numel() > SINGLE_PAIRS},
                 out_dir=args.out_dir, command=COMMAND,
             )  # fmt: skip
@@ -216,16 +233,26 @@ def main() -> None:
             best = {t: min(times, key=times.__getitem__) for t, times in swept.items()}
             print(f"{shape} tiles, fastest per token count: {best}")
             first = next(iter(swept.values()))
+            kind, flag = ("gemv_tiles", "--sweep-gemv") if args.sweep_gemv else ("tiles", "--sweep")
             record(
-                f"moe_tiles_{shape}", first["default"], "us", baseline=None,
+                f"moe_{kind}_{shape}", first["default"], "us", baseline=None,
                 extra={"us_by_tokens_and_tiles": swept, "fastest": best}, out_dir=args.out_dir,
-                command=f"{COMMAND} --sweep --shapes {shape}",
+                command=f"{COMMAND} {flag} --shapes {shape}",
             )  # fmt: skip
 
 
 # prefill's tiles: (rows, columns, dense K tile, warps, stages)
 PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 3),
                  (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)]  # fmt: skip
+
+
+# the GEMVs' tiles: "gate_up_n/down_n/block_k/warps"
+GEMV_TILES = {
+    f"{gu}/{dn}/{k}/{w}": GemvTiles(gu, dn, k, w)
+    for gu, dn in ((8, 16), (16, 16), (16, 32), (32, 32), (32, 64), (8, 32))
+    for k in (128, 256)
+    for w in (2, 4)
+}
 
 
 def sweep(x, dense, int4, weights, ids) -> dict[str, float]:
@@ -248,6 +275,21 @@ def sweep(x, dense, int4, weights, ids) -> dict[str, float]:
             [partial(fused_moe_triton, x, w13, w2, weights, ids)], reps=10, min_calls=4
         )
     out["default"] = out["bf16 default"]
+    return out
+
+
+def sweep_gemv(x, int4, weights, ids) -> dict[str, float]:
+    """The int4 layer's us at each GEMV tile config {"gate_up_n/down_n/block_k/warps": us}, its default's and the
+    grouped kernels'."""
+    q13, q2 = int4
+    out = {
+        name: time_us([partial(fused_moe_triton, x, q13, q2, weights, ids, gemv=tiles)], reps=5, min_calls=2)
+        for name, tiles in GEMV_TILES.items()
+    }
+    out["default"] = time_us([partial(fused_moe_triton, x, q13, q2, weights, ids)], reps=10, min_calls=4)
+    out["grouped"] = time_us(
+        [partial(fused_moe_triton, x, q13, q2, weights, ids, gemv=None)], reps=10, min_calls=4
+    )
     return out
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GEMV_TILES, GemvTiles, down_gemv, gate_up_gemv
 from kernels.int4_dequant import unpack_rows
 from kernels.silu_and_mul import silu_mul
 
@@ -418,6 +419,7 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,  # (T, K) fp32
     topk_ids: torch.Tensor,  # (T, K) int
     config: Tiles | None = None,  # None: tiles() picks
+    gemv: GemvTiles | None = GEMV_TILES,  # int4 stacks' kernels up to GEMV_MAX_PAIRS pairs; None: never
 ) -> torch.Tensor:  # (T, H) in x's dtype
     _check(x, w13, w2, topk_weights, topk_ids)
     (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
@@ -425,31 +427,63 @@ def fused_moe_triton(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
+    few = gemv is not None and num_pairs <= GEMV_MAX_PAIRS
+    gemv_gate_up, gemv_down = few and isinstance(w13, Int4Experts), few and isinstance(w2, Int4Experts)
     quantized = not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor))
     cfg = config or tiles(num_pairs, experts, quantized)
+    plan = None if gemv_gate_up and gemv_down else _plan(topk_ids, experts, cfg)
+    pair_experts = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    launch = {"num_warps": cfg.warps} | ({"num_stages": cfg.stages} if cfg.stages else {})
+    if gemv_gate_up:
+        act = gate_up_gemv(x, w13, pair_experts, top_k, gemv)  # type: ignore[arg-type]
+    else:
+        assert plan is not None
+        act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+        (w, s, z, *strides), meta = _weight_args(w13, cfg)
+        _gate_up_kernel[(plan.num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
+            x, w, s, z, plan.pair_ids, plan.block_experts, plan.used, act, num_pairs, experts, hidden, inter,
+            x.stride(0), *strides, act.stride(0), TOP_K=top_k, SINGLE=plan.single, BLOCK_M=plan.rows,
+            BLOCK_N=cfg.gate_up_n, **launch, **meta,
+        )  # fmt: skip
+    if gemv_down:
+        out = down_gemv(act, w2, weights, pair_experts, gemv)  # type: ignore[arg-type]
+    else:
+        assert plan is not None
+        out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+        (w, s, z, *strides), meta = _weight_args(w2, cfg)
+        _down_kernel[(plan.num_blocks, triton.cdiv(hidden, cfg.down_n))](
+            act, w, s, z, weights, plan.pair_ids, plan.block_experts, plan.used, out, num_pairs, experts, hidden,
+            inter, act.stride(0), *strides, out.stride(0), SINGLE=plan.single, BLOCK_M=plan.rows,
+            BLOCK_N=cfg.down_n, **launch, **meta,
+        )  # fmt: skip
+    return _sum_choices(out.view(tokens, top_k, hidden))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The grouped kernels' blocks: align_pairs' (pair_ids, block_experts, used), or, single, a pair a block."""
+
+    pair_ids: torch.Tensor
+    block_experts: torch.Tensor
+    used: torch.Tensor
+    rows: int  # BLOCK_M
+    single: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_experts.numel()
+
+
+def _plan(topk_ids: torch.Tensor, experts: int, cfg: Tiles) -> _Plan:
+    num_pairs = topk_ids.numel()
     single = num_pairs <= SINGLE_PAIRS
     rows = block_m(num_pairs) if single or cfg.block_m is None else cfg.block_m
     if single:  # a pair a block, in pair order: no alignment to run (distinct experts at one token)
         block_experts = topk_ids.reshape(-1)
-        pair_ids, used = block_experts, block_experts  # unread
-    else:
-        pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
-    num_blocks = block_experts.numel()
-    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    launch = {"num_warps": cfg.warps} | ({"num_stages": cfg.stages} if cfg.stages else {})
-    (w, s, z, *strides), meta = _weight_args(w13, cfg)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
-        x, w, s, z, pair_ids, block_experts, used, act, num_pairs, experts, hidden, inter, x.stride(0), *strides,
-        act.stride(0), TOP_K=top_k, SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.gate_up_n, **launch, **meta,
-    )  # fmt: skip
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    (w, s, z, *strides), meta = _weight_args(w2, cfg)
-    _down_kernel[(num_blocks, triton.cdiv(hidden, cfg.down_n))](
-        act, w, s, z, weights, pair_ids, block_experts, used, out, num_pairs, experts, hidden, inter, act.stride(0),
-        *strides, out.stride(0), SINGLE=single, BLOCK_M=rows, BLOCK_N=cfg.down_n, **launch, **meta,
-    )  # fmt: skip
-    return _sum_choices(out.view(tokens, top_k, hidden))
+        return _Plan(block_experts, block_experts, block_experts, rows, True)  # pair_ids and used unread
+    pair_ids, block_experts, used = align_pairs(topk_ids, experts + 1, rows)  # E: another rank's experts
+    return _Plan(pair_ids, block_experts, used, rows, False)
 
 
 def _sum_choices(per_choice: torch.Tensor) -> torch.Tensor:  # (T, K, H) -> (T, H)

@@ -176,6 +176,65 @@ def _by_nibble(x_tile, R: tl.constexpr):
 
 
 @triton.jit
+def nibble_products(
+    packed, x_tile, mask_hi, mask_lo, shape: tl.constexpr, R: tl.constexpr, EXACT: tl.constexpr
+):
+    """A K tile's products on the CUDA cores: packed (BLOCK_N, R) words, 8 input rows a word, against x's (8R,)
+    row or (BLOCK_M, 8R) rows. Returns part = sum_j plane_j * x_j, (BLOCK_N, R) or (BLOCK_M, BLOCK_N, R), where
+    plane_j is nibble j as magic_j + q (q itself when EXACT: fp32 x, exact products), and per packed row x's sum
+    and sum_j magic_j x_j (zero when EXACT), the terms the zero and the magic take off. `shape`: part's. (Summed
+    from zeros: starting from the first product cost the one-row kernel 16 more registers.)"""
+    u = packed.to(tl.uint32, bitcast=True)
+    rot = ((u << 16) | (u >> 16)).to(tl.int32, bitcast=True)
+    x_by_j = _by_nibble(x_tile.to(tl.float32), R)  # x at input rows 8r + j, for each j
+    part = tl.zeros(shape, dtype=tl.float32)
+    x_sum = tl.zeros(x_by_j[0].shape, dtype=tl.float32)
+    x_odd = tl.zeros(x_by_j[0].shape, dtype=tl.float32)  # x of the odd nibbles: magic 2048, not 128
+    for j in tl.static_range(8):
+        xj = x_by_j[j]
+        x_sum += xj
+        if EXACT:
+            part += _outer(int4_values(packed, j), xj)
+        else:
+            part += _outer(_nibble_plus_magic(packed, rot, j, mask_hi, mask_lo), xj)
+            if j % 2 == 1:
+                x_odd += xj
+    x_magic = 128.0 * x_sum + 1920.0 * x_odd
+    if EXACT:
+        x_magic = tl.zeros(x_sum.shape, dtype=tl.float32)
+    return part, x_sum, x_magic
+
+
+@triton.jit
+def scaled_by_group(
+    acc, acc_r, part, x_sum, x_magic, s_ptr, z_ptr, t, prow, offs_n, mask_n, mask_w, stride_sg,
+    GROUP: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr,
+):  # fmt: skip
+    """nibble_products' terms of K tile t scaled into the accumulators: acc (BLOCK_M, BLOCK_N) takes the zero and
+    magic terms, acc_r ((BLOCK_N, R) at one row, else (BLOCK_M, BLOCK_N, R)) the scaled products. Scales and zeros
+    at s_ptr / z_ptr + group * stride_sg + column."""
+    ONE: tl.constexpr = len(acc_r.shape) == 2
+    if GROUP % BLOCK_K == 0:  # the tile in one group: one scale and zero per column
+        g_off = ((t * BLOCK_K) // GROUP) * stride_sg + offs_n
+        s = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # (BLOCK_N,)
+        z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)
+        if not ZERO_IS_OFFSET:
+            z = -z * s  # w = q * s - z * s, exact in fp32
+        acc_r += part * s[:, None]  # the scale per column (broadcast over the rows' leading dim)
+        x_total = tl.sum(x_sum, 0) if ONE else tl.sum(x_sum, 1)[:, None]
+        magic_total = tl.sum(x_magic, 0) if ONE else tl.sum(x_magic, 1)[:, None]
+        acc += z[None, :] * x_total - s[None, :] * magic_total
+    else:  # smaller groups: a scale and zero per packed row (a group holds whole packed rows)
+        g_off = ((prow * 8) // GROUP)[None, :] * stride_sg + offs_n[:, None]
+        s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (BLOCK_N, R)
+        z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
+        if not ZERO_IS_OFFSET:
+            z = -z * s
+        acc_r += part * s + _outer(z, x_sum) - _outer(s, x_magic)
+    return acc, acc_r
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     # pointers
     x_ptr,
@@ -245,8 +304,6 @@ def _w4a16_gemv_kernel(
         packed = tl.load(
             qw_ptr + offs_n[:, None] * stride_qn + prow[None, :] * stride_qk, mask=mask_w, other=0
         )  # (BLOCK_N, R)
-        u = packed.to(tl.uint32, bitcast=True)
-        rot = ((u << 16) | (u >> 16)).to(tl.int32, bitcast=True)
         cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
         if ONE:
             x_row = x_ptr + (pid_mn // num_n) * stride_xm
@@ -258,39 +315,11 @@ def _w4a16_gemv_kernel(
                 )
         else:
             x_tile = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, cols < K, HAS_PERM)
-        x_by_j = _by_nibble(x_tile.to(tl.float32), R)  # x at input rows 8r + j, for each j
-        part = tl.zeros(acc_r.shape, dtype=tl.float32)  # sum_j (magic_j + q) x, or q x when EXACT
-        x_sum = tl.zeros(x_by_j[0].shape, dtype=tl.float32)
-        x_odd = tl.zeros(x_by_j[0].shape, dtype=tl.float32)  # x of the odd nibbles: magic 2048, not 128
-        for j in tl.static_range(8):
-            xj = x_by_j[j]
-            x_sum += xj
-            if EXACT:  # fp32 x: q itself, exact products
-                part += _outer(int4_values(packed, j), xj)
-            else:
-                part += _outer(_nibble_plus_magic(packed, rot, j, mask_hi, mask_lo), xj)
-                if j % 2 == 1:
-                    x_odd += xj
-        x_magic = 128.0 * x_sum + 1920.0 * x_odd  # per packed row, sum_j magic_j x (none when EXACT)
-        if EXACT:
-            x_magic = tl.zeros(x_sum.shape, dtype=tl.float32)
-        if GROUP % BLOCK_K == 0:  # the tile in one group: one scale and zero per column
-            g_off = ((t * BLOCK_K) // GROUP) * N + offs_n
-            s = tl.load(s_ptr + g_off, mask=mask_n, other=0.0).to(tl.float32)  # (BLOCK_N,)
-            z = tl.load(z_ptr + g_off, mask=mask_n, other=0).to(tl.float32)
-            if not ZERO_IS_OFFSET:
-                z = -z * s  # w = q * s - z * s, exact in fp32
-            acc_r += part * s[:, None]  # the scale per column (broadcast over the rows' leading dim)
-            x_total = tl.sum(x_sum, 0) if ONE else tl.sum(x_sum, 1)[:, None]
-            magic_total = tl.sum(x_magic, 0) if ONE else tl.sum(x_magic, 1)[:, None]
-            acc += z[None, :] * x_total - s[None, :] * magic_total
-        else:  # smaller groups: a scale and zero per packed row (a group holds whole packed rows)
-            g_off = ((prow * 8) // GROUP)[None, :] * N + offs_n[:, None]
-            s = tl.load(s_ptr + g_off, mask=mask_w, other=0.0).to(tl.float32)  # (BLOCK_N, R)
-            z = tl.load(z_ptr + g_off, mask=mask_w, other=0).to(tl.float32)
-            if not ZERO_IS_OFFSET:
-                z = -z * s
-            acc_r += part * s + _outer(z, x_sum) - _outer(s, x_magic)
+        part, x_sum, x_magic = nibble_products(packed, x_tile, mask_hi, mask_lo, acc_r.shape, R, EXACT)
+        acc, acc_r = scaled_by_group(
+            acc, acc_r, part, x_sum, x_magic, s_ptr, z_ptr, t, prow, offs_n, mask_n, mask_w, N,
+            GROUP, BLOCK_K, ZERO_IS_OFFSET,
+        )  # fmt: skip
     acc += tl.sum(acc_r, 1)[None, :] if ONE else tl.sum(acc_r, 2)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     bias = tl.zeros((1, BLOCK_N), dtype=tl.float32)

@@ -271,9 +271,10 @@ def test_fused_moe_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "group"), [(1, 128), (9, 64), (300, 128), (1, 32)])
+@pytest.mark.parametrize(("tokens", "group"), [(1, 128), (8, 128), (9, 64), (300, 128), (1, 32)])
 def test_fused_moe_int4_matches_reference(tokens, group, dtype):
-    """Int4 experts (AWQ / GPTQ, rows layout) dequantized in the kernels' registers, Qwen3-30B-A3B's shape."""
+    """Int4 experts (AWQ / GPTQ, rows layout), Qwen3-30B-A3B's shape: up to 8 tokens (64 pairs) the GEMVs of
+    kernels/fused_moe_gemv.py, then the grouped kernels, dequantizing in registers."""
     from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
     from kernels.int4_dequant import pack_rows
 

@@ -1,0 +1,245 @@
+"""Decode's few (token, choice) pairs against int4 experts on the CUDA cores: one GEMV a pair and column block.
+
+kernels/fused_moe.py's grouped GEMMs give each expert's rows a block of at least 16 and decode every weight of a
+(K, N) tile to x's dtype for tl.dot; at decode most of a block's rows are padding, and decoding the tiles, not
+reading them, set the int4 layer's time (an int4 Qwen3-30B-A3B layer at one token about as slow as bf16's, from a
+quarter of the bytes). Here a program takes one pair and a block of its expert's output columns, and the int4
+words meet x's row as in the dense one-row kernel (kernels/w4a16_gemm.py: `nibble_products`, one LOP3 and one FMA
+a weight, the scale and zero once a group, `scaled_by_group`):
+- `_gate_up_gemv_kernel`: the pair's token's x against GATE_UP_N of its expert's gate columns and the same up
+  columns; silu(gate) * up, each rounded as the dense MLP rounds them (kernels/silu_and_mul.py), a row per pair;
+- `_down_gemv_kernel`: the pair's activation row against DOWN_N of its expert's down columns, rounded, times the
+  pair's router weight, a row per pair; another rank's expert (expert parallelism) writes zeros.
+Pairs need no alignment (program p is pair p = t * K + k), so a CUDA graph captures the launches as they are. The
+products are exact and summed in fp32, where the grouped kernels multiply by weights rounded to x's dtype: the two
+agree within that rounding. Each stack is the rows layout of kernels/int4_dequant.py, per expert (E, K / 8, N).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.silu_and_mul import silu_mul
+from kernels.w4a16_gemm import nibble_products, scaled_by_group
+
+if TYPE_CHECKING:
+    from kernels.fused_moe import Int4Experts
+
+# the nibble masks (kernels/w4a16_gemm.py: _nibble_plus_magic), passed as arguments
+MASK_HI, MASK_LO = 0xF0000, 0xF000
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Output features a program in each kernel, input rows a K tile (a power of two from 32), warps and stages."""
+
+    gate_up_n: int = 16
+    down_n: int = 32
+    block_k: int = 128
+    warps: int = 4
+    stages: int = 4
+
+
+# up to this many (token, choice) pairs int4 experts take these kernels, with these tiles
+GEMV_MAX_PAIRS = 64
+GEMV_TILES = GemvTiles()
+
+
+@triton.jit
+def _row_products(
+    x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """x's row (K,) against one expert's int4 columns offs_n: (BLOCK_N,) fp32."""
+    R: tl.constexpr = BLOCK_K // 8  # packed rows a K tile
+    rows = tl.arange(0, R)
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)  # the zero and magic terms
+    acc_r = tl.zeros((BLOCK_N, R), dtype=tl.float32)  # scaled products
+    for t in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        prow = t * R + rows
+        cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            mask_w = mask_n[:, None]
+            x_tile = tl.load(x_row + cols)
+        else:
+            mask_w = mask_n[:, None] & (prow < K // 8)[None, :]
+            x_tile = tl.load(x_row + cols, mask=cols < K, other=0.0)
+        packed = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + prow[None, :] * stride_wk, mask=mask_w, other=0
+        )  # (BLOCK_N, R)
+        part, x_sum, x_magic = nibble_products(packed, x_tile, mask_hi, mask_lo, acc_r.shape, R, EXACT)
+        acc, acc_r = scaled_by_group(
+            acc, acc_r, part, x_sum, x_magic, s_ptr, z_ptr, t, prow, offs_n, mask_n, mask_w, stride_sg,
+            GROUP, BLOCK_K, ZERO_IS_OFFSET,
+        )  # fmt: skip
+    return tl.reshape(acc, (BLOCK_N,)) + tl.sum(acc_r, 1)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    # pointers
+    x_ptr,  # (T, H)
+    w_ptr,  # qweight (E, H / 8, 2 * I)
+    s_ptr,  # scales (E, H / G, 2 * I)
+    z_ptr,  # zeros (E, H / G, 2 * I)
+    ids_ptr,  # (T * K,): each pair's expert
+    act_ptr,  # (T * K, I)
+    # sizes
+    num_experts,
+    H,
+    inter,
+    # strides
+    stride_x,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_se,
+    stride_sg,
+    stride_act,
+    # the nibble masks
+    mask_hi,
+    mask_lo,
+    # meta
+    TOP_K: tl.constexpr,
+    ZERO_IS_OFFSET: tl.constexpr,
+    GROUP: tl.constexpr,
+    OUT_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert >= num_experts:  # another rank's expert: the down kernel writes its row's zeros
+        return
+    outs = tl.program_id(1) * OUT_N + tl.arange(0, OUT_N)
+    lane = tl.arange(0, 2 * OUT_N)
+    feature = tl.program_id(1) * OUT_N + lane % OUT_N
+    offs_n = feature + (lane // OUT_N) * inter  # the outputs' gate columns, then their up columns
+    acc = _row_products(
+        x_ptr + (pair // TOP_K) * stride_x, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+        z_ptr + expert * stride_se, offs_n, feature < inter, H, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
+        2 * OUT_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+    )  # fmt: skip
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (2, OUT_N)), (1, 0)))
+    dt = act_ptr.dtype.element_ty
+    tl.store(act_ptr + pair * stride_act + outs, silu_mul(gate.to(dt), up.to(dt)).to(dt), mask=outs < inter)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    # pointers
+    act_ptr,  # (T * K, I)
+    w_ptr,  # qweight (E, I / 8, H)
+    s_ptr,  # scales (E, I / G, H)
+    z_ptr,  # zeros (E, I / G, H)
+    weight_ptr,  # (T * K,) fp32: the pairs' router weights
+    ids_ptr,  # (T * K,): each pair's expert
+    out_ptr,  # (T * K, H)
+    # sizes
+    num_experts,
+    H,
+    inter,
+    # strides
+    stride_act,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_se,
+    stride_sg,
+    stride_out,
+    # the nibble masks
+    mask_hi,
+    mask_lo,
+    # meta
+    ZERO_IS_OFFSET: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    dst = out_ptr + pair * stride_out + offs_n
+    dt = out_ptr.dtype.element_ty
+    if expert >= num_experts:  # another rank's expert: it adds nothing here
+        tl.store(dst, tl.zeros((BLOCK_N,), dtype=dt), mask=mask_n)
+        return
+    acc = _row_products(
+        act_ptr + pair * stride_act, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+        z_ptr + expert * stride_se, offs_n, mask_n, inter, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
+        BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+    )  # fmt: skip
+    weight = tl.load(weight_ptr + pair)
+    tl.store(dst, (acc.to(dt).to(tl.float32) * weight).to(dt), mask=mask_n)  # rounded, then weighted
+
+
+def _stack_args(w: Int4Experts) -> tuple:
+    """qweight, scales, zeros and their strides (expert, packed row, column; expert, group), as the kernels take
+    them: scales and zeros laid alike."""
+    q, s, z = w.qweight, w.scales, w.zeros
+    assert s.stride() == z.stride(), f"scales' strides {s.stride()} differ from zeros' {z.stride()}"
+    return q, s, z, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1)
+
+
+def _meta(w: Int4Experts, k: int, dtype: torch.dtype, tiles: GemvTiles) -> dict:
+    block_k = min(tiles.block_k, triton.next_power_of_2(k))
+    return {
+        "ZERO_IS_OFFSET": w.zero_is_offset,
+        "GROUP": w.group_size,
+        "BLOCK_K": block_k,
+        "NUM_STAGES": tiles.stages,
+        "EVEN_K": k % block_k == 0,
+        "EXACT": dtype == torch.float32,  # fp32 x: q itself, exact products; 16-bit x: the magic planes
+        "num_warps": tiles.warps,
+        "num_stages": tiles.stages,
+    }
+
+
+def gate_up_gemv(
+    x: torch.Tensor,  # (T, H)
+    w13: Int4Experts,  # (E, 2 * I, H)
+    pair_experts: torch.Tensor,  # (T * K,) int: pair t * K + k's expert (E or past: another rank's)
+    top_k: int,
+    tiles: GemvTiles,
+) -> torch.Tensor:  # (T * K, I): silu(gate) * up, a row per pair (another rank's pairs unwritten)
+    experts, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    assert x.stride(1) == 1 and pair_experts.is_contiguous(), (
+        "x's rows and the pairs' experts must be contiguous"
+    )
+    act = torch.empty(pair_experts.numel(), inter, dtype=x.dtype, device=x.device)
+    q, s, z, *strides = _stack_args(w13)
+    _gate_up_gemv_kernel[(pair_experts.numel(), triton.cdiv(inter, tiles.gate_up_n))](
+        x, q, s, z, pair_experts, act, experts, hidden, inter, x.stride(0), *strides, act.stride(0), MASK_HI,
+        MASK_LO, TOP_K=top_k, OUT_N=tiles.gate_up_n, **_meta(w13, hidden, x.dtype, tiles),
+    )  # fmt: skip
+    return act
+
+
+def down_gemv(
+    act: torch.Tensor,  # (T * K, I)
+    w2: Int4Experts,  # (E, H, I)
+    pair_weights: torch.Tensor,  # (T * K,) fp32: the router's weights
+    pair_experts: torch.Tensor,  # (T * K,) int
+    tiles: GemvTiles,
+) -> torch.Tensor:  # (T * K, H): each pair's expert output, rounded, times its weight
+    experts, hidden, inter = w2.shape
+    out = torch.empty(act.shape[0], hidden, dtype=act.dtype, device=act.device)
+    q, s, z, *strides = _stack_args(w2)
+    _down_gemv_kernel[(act.shape[0], triton.cdiv(hidden, tiles.down_n))](
+        act, q, s, z, pair_weights, pair_experts, out, experts, hidden, inter, act.stride(0), *strides,
+        out.stride(0), MASK_HI, MASK_LO, BLOCK_N=tiles.down_n, **_meta(w2, inter, act.dtype, tiles),
+    )  # fmt: skip
+    return out

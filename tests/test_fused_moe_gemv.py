@@ -1,0 +1,114 @@
+"""Decode's int4 expert GEMVs (kernels/fused_moe_gemv.py, under the interpreter) against the torch reference: every
+kind of int4 stack, groups smaller than and as large as a K tile, masked columns and K tails, expert parallelism,
+and which pair counts take them."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
+
+import pytest
+import torch
+
+import kernels.fused_moe as fm
+from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
+from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvTiles
+from tests.test_fused_moe import int4_experts, moe_inputs
+
+
+def offsets_form(w: Int4Experts, scales: torch.dtype, seed: int) -> Int4Experts:
+    """GGUF Q4_1's (fp16) or Q4_K's (fp32) form: float offsets for zero points, scales of that dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = (torch.rand(w.zeros.shape, generator=gen) * -0.1).to(scales)
+    return Int4Experts(w.qweight, w.scales.to(scales), offsets, w.group_size)
+
+
+def stacks(hidden: int, inter: int, experts: int, group: int, kind: str) -> tuple[Int4Experts, Int4Experts]:
+    w13 = int4_experts(experts, 2 * inter, hidden, group, 1)
+    w2 = int4_experts(experts, hidden, inter, group, 2)
+    if kind == "zeros":
+        return w13, w2
+    scales = torch.float16 if kind == "q4_1" else torch.float32
+    return offsets_form(w13, scales, 3), offsets_form(w2, scales, 4)
+
+
+def calls_of(monkeypatch, name: str) -> list[int]:
+    """Counts the calls of fused_moe's `name` (a launcher it imports)."""
+    calls: list[int] = []
+    real = getattr(fm, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fm, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "top_k", "group", "kind", "tiles"),
+    [
+        (1, 128, 64, 2, 32, "zeros", GemvTiles()),  # groups of 32: a scale and zero per packed row
+        (2, 256, 128, 4, 128, "zeros", GemvTiles()),  # one group a K tile: the scale after the products
+        (1, 160, 96, 2, 32, "zeros", GemvTiles(64, 64, 64)),  # masked columns in both, K tails (96 of 128)
+        (3, 128, 64, 2, 64, "q4_1", GemvTiles(16, 32, 32)),  # float offsets, two K tiles a group
+        (1, 128, 64, 4, 32, "q4_k", GemvTiles(8, 16, 128, warps=2, stages=2)),  # fp32 scales
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_the_reference(
+    monkeypatch, tokens, hidden, inter, top_k, group, kind, tiles, dtype
+) -> None:
+    """fp32 x takes q itself (exact products), fp16 the magic planes; both within the reference's rounding of the
+    dequantized weights, and the GEMVs are what ran."""
+    gate_up, down = calls_of(monkeypatch, "gate_up_gemv"), calls_of(monkeypatch, "down_gemv")
+    x, _, _, weights, ids = moe_inputs(tokens, hidden, inter, 8, top_k, dtype, seed=tokens + group)
+    w13, w2 = stacks(hidden, inter, 8, group, kind)
+    expected = fused_moe_reference(x, w13, w2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(
+        fused_moe_triton(x, w13, w2, weights, ids, gemv=tiles), expected, atol=tol, rtol=tol
+    )
+    assert (len(gate_up), len(down)) == (1, 1)
+
+
+def test_gemv_agrees_with_the_grouped_kernels() -> None:
+    """The same pairs through the grouped kernels (gemv=None), which round each dequantized weight first."""
+    x, _, _, weights, ids = moe_inputs(4, 128, 64, 8, 2, torch.float16, seed=11)
+    w13, w2 = stacks(128, 64, 8, 32, "zeros")
+    torch.testing.assert_close(
+        fused_moe_triton(x, w13, w2, weights, ids),
+        fused_moe_triton(x, w13, w2, weights, ids, gemv=None),
+        atol=2e-3,
+        rtol=2e-3,
+    )
+
+
+def test_gemv_choices_of_experts_held_elsewhere_add_nothing() -> None:
+    """Expert parallelism: a choice of expert E or past it contributes zero, as in the grouped kernels."""
+    x, _, _, weights, ids = moe_inputs(3, 64, 32, 4, 2, torch.float32, seed=5)
+    w13, w2 = stacks(64, 32, 4, 32, "zeros")
+    elsewhere = torch.where(ids >= 2, 2, ids)  # this rank holds experts 0 and 1 of 4
+    here = Int4Experts(w13.qweight[:2], w13.scales[:2], w13.zeros[:2], 32)
+    here2 = Int4Experts(w2.qweight[:2], w2.scales[:2], w2.zeros[:2], 32)
+    masked = torch.where(ids < 2, weights, torch.zeros_like(weights))
+    expected = fused_moe_reference(x, w13, w2, masked, ids)
+    torch.testing.assert_close(fused_moe_triton(x, here, here2, weights, elsewhere), expected)
+
+
+def test_pair_counts_and_stacks_that_take_the_gemv(monkeypatch) -> None:
+    """Up to GEMV_MAX_PAIRS pairs each int4 stack takes its GEMV (a dense or int8 stack beside it its grouped
+    kernel); past that, both take the grouped kernels."""
+    gate_up, down = calls_of(monkeypatch, "gate_up_gemv"), calls_of(monkeypatch, "down_gemv")
+    w13, w2 = stacks(64, 32, 4, 32, "zeros")
+    x, dense13, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2, 64, 32, 4, 2, torch.float32, seed=6)
+    torch.testing.assert_close(
+        fused_moe_triton(x, dense13, w2, weights, ids), fused_moe_reference(x, dense13, w2, weights, ids)
+    )
+    assert (len(gate_up), len(down)) == (0, 1)
+    x, _, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2 + 1, 64, 32, 4, 2, torch.float32, seed=7)
+    torch.testing.assert_close(
+        fused_moe_triton(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids)
+    )
+    assert (len(gate_up), len(down)) == (0, 1)
