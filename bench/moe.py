@@ -246,12 +246,11 @@ PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (
                  (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)]  # fmt: skip
 
 
-# the GEMVs' tiles: "gate_up_n/down_n/block_k/warps"
+# the GEMVs' tiles: "gate_up_n/down_n/block_k/warps", "auto": by the grid as the default
 GEMV_TILES = {
-    f"{gu}/{dn}/{k}/{w}": GemvTiles(gu, dn, k, w)
-    for gu, dn in ((8, 16), (16, 16), (16, 32), (32, 32), (32, 64), (8, 32))
-    for k in (128, 256)
-    for w in (2, 4)
+    f"{gu}/{dn}/{k or 'auto'}/{w or 'auto'}": GemvTiles(gu, dn, k, w)
+    for gu, dn in ((16, 32), (32, 64), (8, 16))
+    for k, w in ((128, 2), (256, 4), (128, 4), (256, 2), (None, None))
 }
 
 

@@ -17,7 +17,8 @@ fused MoE:
 - `_down_kernel`: those rows against the expert's down projection, times the pair's router weight, a row per
   pair. A token's k rows are then summed, in choice order.
 Decode's few tokens read each chosen expert's weights once a block; most of a block's rows are padding there,
-which costs tensor-core time the GEMV is not bound by.
+which costs tensor-core time the GEMV is not bound by. Int4 stacks up to GEMV_MAX_PAIRS pairs take
+kernels/fused_moe_gemv.py instead, where decoding the padded tiles, not reading them, set the time.
 
 Quantized experts are dequantized in the same kernels, a tile at a time in registers, in fp32 (exact: a small
 integer times an fp16 scale), rounded to x's dtype:

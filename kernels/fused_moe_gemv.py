@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _backend
 from kernels.silu_and_mul import silu_mul
 from kernels.w4a16_gemm import nibble_products, scaled_by_group
 
@@ -36,13 +37,20 @@ MASK_HI, MASK_LO = 0xF0000, 0xF000
 
 @dataclass(frozen=True)
 class GemvTiles:
-    """Output features a program in each kernel, input rows a K tile (a power of two from 32), warps and stages."""
+    """Output features a program in each kernel, input rows a K tile (a power of two from 32), warps and stages.
+    block_k and warps None: each kernel's by its grid (`_grid_tile`)."""
 
     gate_up_n: int = 16
     down_n: int = 32
-    block_k: int = 128
-    warps: int = 4
+    block_k: int | None = None
+    warps: int | None = None
     stages: int = 4
+
+
+# From this many programs an SM a kernel takes 128-row K tiles with 2 warps, below it 256 rows with 4 (more bytes in
+# flight a program). Measured on an H100 (python -m bench.moe --sweep-gemv): Qwen3-30B-A3B's layer at 8 tokens (64
+# pairs) 74.4 us against 83.3, Mixtral's at one token (2 pairs, down's 256 programs) 95.0 against 135.8.
+MANY_PROGRAMS_PER_SM = 4
 
 
 # up to this many (token, choice) pairs int4 experts take these kernels, with these tiles
@@ -193,16 +201,23 @@ def _stack_args(w: Int4Experts) -> tuple:
     return q, s, z, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1)
 
 
-def _meta(w: Int4Experts, k: int, dtype: torch.dtype, tiles: GemvTiles) -> dict:
-    block_k = min(tiles.block_k, triton.next_power_of_2(k))
+def _grid_tile(programs: int, device: torch.device, tiles: GemvTiles) -> tuple[int, int]:
+    """(block_k, warps): as given, else by the programs an SM."""
+    many = programs >= MANY_PROGRAMS_PER_SM * _backend.num_sms(device)
+    return tiles.block_k or (128 if many else 256), tiles.warps or (2 if many else 4)
+
+
+def _meta(w: Int4Experts, k: int, x: torch.Tensor, programs: int, tiles: GemvTiles) -> dict:
+    block_k, warps = _grid_tile(programs, x.device, tiles)
+    block_k = min(block_k, triton.next_power_of_2(k))
     return {
         "ZERO_IS_OFFSET": w.zero_is_offset,
         "GROUP": w.group_size,
         "BLOCK_K": block_k,
         "NUM_STAGES": tiles.stages,
         "EVEN_K": k % block_k == 0,
-        "EXACT": dtype == torch.float32,  # fp32 x: q itself, exact products; 16-bit x: the magic planes
-        "num_warps": tiles.warps,
+        "EXACT": x.dtype == torch.float32,  # fp32 x: q itself, exact products; 16-bit x: the magic planes
+        "num_warps": warps,
         "num_stages": tiles.stages,
     }
 
@@ -221,9 +236,10 @@ def gate_up_gemv(
     )
     act = torch.empty(pair_experts.numel(), inter, dtype=x.dtype, device=x.device)
     q, s, z, *strides = _stack_args(w13)
-    _gate_up_gemv_kernel[(pair_experts.numel(), triton.cdiv(inter, tiles.gate_up_n))](
+    grid = (pair_experts.numel(), triton.cdiv(inter, tiles.gate_up_n))
+    _gate_up_gemv_kernel[grid](
         x, q, s, z, pair_experts, act, experts, hidden, inter, x.stride(0), *strides, act.stride(0), MASK_HI,
-        MASK_LO, TOP_K=top_k, OUT_N=tiles.gate_up_n, **_meta(w13, hidden, x.dtype, tiles),
+        MASK_LO, TOP_K=top_k, OUT_N=tiles.gate_up_n, **_meta(w13, hidden, x, grid[0] * grid[1], tiles),
     )  # fmt: skip
     return act
 
@@ -238,8 +254,9 @@ def down_gemv(
     experts, hidden, inter = w2.shape
     out = torch.empty(act.shape[0], hidden, dtype=act.dtype, device=act.device)
     q, s, z, *strides = _stack_args(w2)
-    _down_gemv_kernel[(act.shape[0], triton.cdiv(hidden, tiles.down_n))](
+    grid = (act.shape[0], triton.cdiv(hidden, tiles.down_n))
+    _down_gemv_kernel[grid](
         act, q, s, z, pair_weights, pair_experts, out, experts, hidden, inter, act.stride(0), *strides,
-        out.stride(0), MASK_HI, MASK_LO, BLOCK_N=tiles.down_n, **_meta(w2, inter, act.dtype, tiles),
+        out.stride(0), MASK_HI, MASK_LO, BLOCK_N=tiles.down_n, **_meta(w2, inter, act, grid[0] * grid[1], tiles),
     )  # fmt: skip
     return out
