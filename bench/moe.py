@@ -22,13 +22,15 @@ fraction of copy bandwidth, the int4 layer's us and GB/s).
 --engine: the engine on dummy Qwen3-30B-A3B weights (bf16, CUDA graphs), batch-1 decode (128 prompt tokens,
 256 generated, the median of 3 less a 1-token generate's time) against its roofline: the bytes a decode step
 reads (every dense weight, the 8 chosen experts of each layer, the LM head) over the copy bandwidth. Record
-moe_engine_decode_b1_qwen3-30b-a3b (tok/s, ceiling = the roofline's tok/s); `--quantization awq`: dummy int4
-experts and linears (group 128), record moe_engine_decode_b1_qwen3-30b-a3b_awq.
+moe_engine_decode_b1_qwen3-30b-a3b (tok/s, ceiling = the roofline's tok/s; extra: the GPU's busy fraction and top
+kernels over steady batch-1 steps, bench.latency's profile); `--quantization awq`: dummy int4 experts and linears
+(group 128), record moe_engine_decode_b1_qwen3-30b-a3b_awq.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -40,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.kernels import copy_bandwidth, time_us  # noqa: E402
+from bench.latency import steady_decode  # noqa: E402
 from bench.record import record  # noqa: E402
 from kernels.fused_moe import (  # noqa: E402
     SINGLE_PAIRS,
@@ -118,10 +121,15 @@ def engine_decode(copy_gbs: float, out_dir: Path | None, quantization: str | Non
     print(
         f"engine {name}{suffix} batch-1 decode {tok_s:.1f} tok/s; roofline {roofline:.0f} ({tok_s / roofline:.2f})"
     )
+    steady = steady_decode(llm.engine, 1, config.vocab_size)  # the GPU's busy fraction and kernels a step
+    kernels = {
+        k: steady.get(k) for k in ("busy", "step_ms", "kernel_us_per_step", "kernels_per_step", "top_kernels")
+    }
+    print(json.dumps(kernels, indent=1))
     record(
         f"moe_engine_decode_b1_qwen3-30b-a3b{suffix}", tok_s, "tok/s", ceiling=roofline,
         ceiling_name="roofline: a decode step's weight bytes (8 of 128 experts a layer) / copy bandwidth",
-        extra={"step_bytes": step_bytes, "copy_gb_s": copy_gbs}, out_dir=out_dir,
+        extra={"step_bytes": step_bytes, "copy_gb_s": copy_gbs, "steady_decode": kernels}, out_dir=out_dir,
         command=f"{COMMAND} --engine" + (f" --quantization {quantization}" if quantization else ""),
     )  # fmt: skip
 

@@ -31,7 +31,7 @@ from engine.layers.moe import SparseMoeBlock, to_moe_param
 from engine.model_config import ModelConfig
 from kernels import _backend
 from kernels.fused_add_rmsnorm import norm_input
-from kernels.rotary_kv_write import rotary_kv_write
+from kernels.rotary_kv_write import HeadNorms, rotary_kv_write
 from kernels.w4a16_mma import NextNorm, NormedInput, RopeWrite
 
 # checkpoint name fragment -> (our parameter fragment, shard id)
@@ -67,6 +67,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
+    @property
+    def head_norms(self) -> HeadNorms | None:  # q_norm and k_norm, applied in the rotary write
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return HeadNorms(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def forward(
         self,
         hidden: torch.Tensor,  # (num_tokens, hidden)
@@ -90,16 +96,22 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # (num_tokens, num_heads * head_dim): o_proj's input
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:  # each head normed alone (fresh tensors)
-            q = cast(torch.Tensor, self.q_norm(q.reshape(-1, self.head_dim)))
-            k = cast(torch.Tensor, self.k_norm(k.reshape(-1, self.head_dim)))
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         if not written:
-            # q rotated in place; rotated k and v go straight into the cache, so attention skips its write
+            # q rotated in place; rotated k and v go straight into the cache, so attention skips its write; each
+            # q and k head RMS-normed first where the model says so
             rotary_kv_write(
-                q, k, v, positions, cos_sin_cache, kv_cache, meta.slot_mapping, self.attn.kv_scale
+                q,
+                k,
+                v,
+                positions,
+                cos_sin_cache,
+                kv_cache,
+                meta.slot_mapping,
+                self.attn.kv_scale,
+                self.head_norms,
             )
         return self.attn(q, None, None, kv_cache, meta)  # (num_tokens, num_heads * head_dim)
 

@@ -32,7 +32,7 @@ from kernels.fused_add_rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
+from kernels.rotary_kv_write import HeadNorms, rotary_kv_write_reference, rotary_kv_write_triton
 from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 from tests.hf_reference import tiny_random_model_dir
 
@@ -200,15 +200,15 @@ def rope_inputs(num_tokens: int, head_dim: int, dtype: torch.dtype):
     return positions, cache, slots
 
 
-def run_both(q, k, v, positions, cache, slots, **kwargs):
+def run_both(q, k, v, positions, cache, slots, head_norms=None, **kwargs):
     """(q, kv_cache) from the kernel and from the reference; the caches start NaN-poisoned."""
     kv_shape = (2, NUM_BLOCKS, BLOCK_SIZE, k.shape[1], k.shape[2])
     kv_ref, kv_got = (
         torch.full(kv_shape, float("nan"), dtype=q.dtype),
         torch.full(kv_shape, float("nan"), dtype=q.dtype),
     )
-    q_ref = rotary_kv_write_reference(q.clone(), k, v, positions, cache, kv_ref, slots)
-    q_got = rotary_kv_write_triton(q, k, v, positions, cache, kv_got, slots, **kwargs)
+    q_ref = rotary_kv_write_reference(q.clone(), k, v, positions, cache, kv_ref, slots, head_norms=head_norms)
+    q_got = rotary_kv_write_triton(q, k, v, positions, cache, kv_got, slots, head_norms=head_norms, **kwargs)
     return (q_got, kv_got), (q_ref, kv_ref)
 
 
@@ -234,6 +234,29 @@ def test_rotary_kv_write_token_counts_and_dtypes(num_tokens, dtype):
     (q_got, kv_got), (q_ref, kv_ref) = run_both(q, k, v, positions, cache, slots)
     torch.testing.assert_close(q_got, q_ref, **TOL[dtype])
     torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "num_tokens,dtype,kv_heads_per_program",
+    [(7, torch.float32, 1), (9, torch.float32, None), (33, torch.float16, 2)],
+)
+def test_rotary_kv_write_with_head_norms(num_tokens, dtype, kv_heads_per_program):
+    """Qwen3's q_norm and k_norm in the same launch: each q and k head RMS-normed (RMSNorm's reference over
+    (tokens * heads, head_dim) rows, which tests below hold to transformers), then rotated; v as it is."""
+    q, k, v = qkv_views(num_tokens, 8, 2, 64, dtype)
+    q_before, k_before, v_before = q.clone(), k.clone(), v.clone()
+    positions, cache, slots = rope_inputs(num_tokens, 64, dtype)
+    norms = HeadNorms((torch.rand(64) + 0.5).to(dtype), (torch.rand(64) + 0.5).to(dtype), 1e-6)
+    (q_got, kv_got), (q_ref, kv_ref) = run_both(
+        q, k, v, positions, cache, slots, head_norms=norms, kv_heads_per_program=kv_heads_per_program
+    )
+    assert q_got is q and torch.equal(k, k_before) and torch.equal(v, v_before), (
+        "q in place, k and v untouched"
+    )
+    torch.testing.assert_close(q_got, q_ref, **TOL[dtype])
+    torch.testing.assert_close(kv_got, kv_ref, equal_nan=True, **TOL[dtype])
+    unnormed = rotary_kv_write_reference(q_before, k, v, positions, cache, kv_ref.clone(), slots)
+    assert not torch.allclose(unnormed, q_ref, atol=0.1), "the norms change q"
 
 
 def test_rotary_kv_write_to_output_leaves_q():

@@ -23,7 +23,7 @@ from kernels.fused_add_rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from kernels.rotary_kv_write import rotary_kv_write_reference, rotary_kv_write_triton
+from kernels.rotary_kv_write import HeadNorms, rotary_kv_write_reference, rotary_kv_write_triton
 from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 
 DEV = "cuda"
@@ -161,6 +161,25 @@ def test_rotary_kv_write_program_layouts(scaling, kv_heads_per_program):
     q_before = case[0].clone()
     rotary_kv_write_triton(*case, kv_heads_per_program=kv_heads_per_program)
     check_rope(*case, q_before, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 33, 300])
+def test_rotary_kv_write_with_head_norms(num_tokens):
+    """Qwen3's q_norm and k_norm in the rotary write, against the unfused kernels (rms_norm over each head, then the
+    write): equal but where a sum of squares summed in two halves rounds apart, within a bf16 rounding."""
+    q, k, v, positions, cache, kv_cache, slots = rope_case(num_tokens, (32, 8, 128), 16, torch.bfloat16, None)
+    norms = HeadNorms(*(torch.rand(128, device=DEV, dtype=torch.bfloat16) + 0.5 for _ in range(2)), 1e-6)
+    q_normed = rms_norm_triton(q.reshape(-1, 128), norms.q_weight, norms.eps).view(q.shape)
+    k_normed = rms_norm_triton(k.reshape(-1, 128), norms.k_weight, norms.eps).view(k.shape)
+    kv_unfused = kv_cache.clone()
+    rotary_kv_write_triton(q_normed, k_normed, v, positions, cache, kv_unfused, slots)
+    rotary_kv_write_triton(q, k, v, positions, cache, kv_cache, slots, head_norms=norms)
+    kept = kv_cache.flatten(1, 2)[:, slots[slots >= 0]]
+    kept_unfused = kv_unfused.flatten(1, 2)[:, slots[slots >= 0]]
+    for got, want in ((q, q_normed), (kept, kept_unfused)):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+        assert (got == want).float().mean() > 0.99
+    assert kv_cache.isnan().sum() == kv_unfused.isnan().sum(), "the same slots written"
 
 
 def test_rotary_kv_write_to_output():
