@@ -1,4 +1,4 @@
-"""Decode's few (token, choice) pairs against int4 experts on the CUDA cores: one GEMV a pair and column block.
+"""Decode's few (token, choice) pairs against int4 or int8 experts on the CUDA cores: one GEMV a pair and column block.
 
 kernels/fused_moe.py's grouped GEMMs give each expert's rows a block of at least 16 and decode every weight of a
 (K, N) tile to x's dtype for tl.dot; at decode most of a block's rows are padding, and decoding the tiles, not
@@ -12,7 +12,9 @@ a weight, the scale and zero once a group, `scaled_by_group`):
   pair's router weight, a row per pair; another rank's expert (expert parallelism) writes zeros.
 Pairs need no alignment (program p is pair p = t * K + k), so a CUDA graph captures the launches as they are. The
 products are exact and summed in fp32, where the grouped kernels multiply by weights rounded to x's dtype: the two
-agree within that rounding. Each stack is the rows layout of kernels/int4_dequant.py, per expert (E, K / 8, N).
+agree within that rounding. An int4 stack is the rows layout of kernels/int4_dequant.py, per expert (E, K / 8, N); an
+int8 one (GGUF Q8_0, Q6_K) the checkpoint's rows (E, N, K), each row's products summed a group at a time and then
+scaled.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kernels.silu_and_mul import silu_mul
 from kernels.w4a16_gemm import nibble_products, scaled_by_group
 
 if TYPE_CHECKING:
-    from kernels.fused_moe import Int4Experts
+    from kernels.fused_moe import Int4Experts, Int8Experts
 
 # the nibble masks (kernels/w4a16_gemm.py: _nibble_plus_magic), passed as arguments
 MASK_HI, MASK_LO = 0xF0000, 0xF000
@@ -53,7 +55,7 @@ class GemvTiles:
 MANY_PROGRAMS_PER_SM = 4
 
 
-# up to this many (token, choice) pairs int4 experts take these kernels, with these tiles
+# up to this many (token, choice) pairs int4 and int8 experts take these kernels, with these tiles
 GEMV_MAX_PAIRS = 64
 GEMV_TILES = GemvTiles()
 
@@ -90,6 +92,52 @@ def _row_products(
 
 
 @triton.jit
+def _int8_row_products(
+    x_row, w_ptr, s_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """x's row (K,) against one expert's int8 rows offs_n (a scale a GROUP inputs): (BLOCK_N,) fp32."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP  # a K tile's groups
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    for t in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
+        ks = t * BLOCK_K + tl.arange(0, BLOCK_K)
+        groups = t * GROUPS + tl.arange(0, GROUPS)
+        if EVEN_K:
+            mask_w = mask_n[:, None]
+            x = tl.load(x_row + ks).to(tl.float32)
+        else:
+            mask_w = mask_n[:, None] & (ks < K)[None, :]
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        q = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :] * stride_wk, mask=mask_w, other=0)
+        sums = tl.sum(
+            tl.reshape(q.to(tl.float32) * x[None, :], (BLOCK_N, GROUPS, GROUP)), 2
+        )  # exact products
+        s_mask = mask_n[:, None] & (groups < K // GROUP)[None, :]
+        s = tl.load(s_ptr + offs_n[:, None] * stride_sn + groups[None, :] * stride_sg, mask=s_mask, other=0.0)
+        acc += sums * s.to(tl.float32)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _products(
+    x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn, mask_hi, mask_lo,
+    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr, INT8: tl.constexpr,
+):  # fmt: skip
+    """x's row against one expert's columns offs_n, int8 or int4 (whose scales' columns are contiguous)."""
+    if INT8:
+        return _int8_row_products(
+            x_row, w_ptr, s_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn, BLOCK_N, GROUP,
+            BLOCK_K, NUM_STAGES, EVEN_K,
+        )  # fmt: skip
+    return _row_products(
+        x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo, BLOCK_N,
+        GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+    )  # fmt: skip
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
     # pointers
     x_ptr,  # (T, H)
@@ -109,6 +157,7 @@ def _gate_up_gemv_kernel(
     stride_wn,
     stride_se,
     stride_sg,
+    stride_sn,
     stride_act,
     # the nibble masks
     mask_hi,
@@ -122,6 +171,7 @@ def _gate_up_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr,
     EXACT: tl.constexpr,
+    INT8: tl.constexpr,  # int8 rows (E, N, K), else int4 (E, K / 8, N)
 ):
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -131,10 +181,10 @@ def _gate_up_gemv_kernel(
     lane = tl.arange(0, 2 * OUT_N)
     feature = tl.program_id(1) * OUT_N + lane % OUT_N
     offs_n = feature + (lane // OUT_N) * inter  # the outputs' gate columns, then their up columns
-    acc = _row_products(
+    acc = _products(
         x_ptr + (pair // TOP_K) * stride_x, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-        z_ptr + expert * stride_se, offs_n, feature < inter, H, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
-        2 * OUT_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+        z_ptr + expert * stride_se, offs_n, feature < inter, H, stride_wk, stride_wn, stride_sg, stride_sn,
+        mask_hi, mask_lo, 2 * OUT_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT, INT8,
     )  # fmt: skip
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, OUT_N)), (1, 0)))
     dt = act_ptr.dtype.element_ty
@@ -162,6 +212,7 @@ def _down_gemv_kernel(
     stride_wn,
     stride_se,
     stride_sg,
+    stride_sn,
     stride_out,
     # the nibble masks
     mask_hi,
@@ -174,6 +225,7 @@ def _down_gemv_kernel(
     NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr,
     EXACT: tl.constexpr,
+    INT8: tl.constexpr,  # int8 rows (E, N, K), else int4 (E, K / 8, N)
 ):
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -184,21 +236,36 @@ def _down_gemv_kernel(
     if expert >= num_experts:  # another rank's expert: it adds nothing here
         tl.store(dst, tl.zeros((BLOCK_N,), dtype=dt), mask=mask_n)
         return
-    acc = _row_products(
+    acc = _products(
         act_ptr + pair * stride_act, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-        z_ptr + expert * stride_se, offs_n, mask_n, inter, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
-        BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+        z_ptr + expert * stride_se, offs_n, mask_n, inter, stride_wk, stride_wn, stride_sg, stride_sn, mask_hi,
+        mask_lo, BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT, INT8,
     )  # fmt: skip
     weight = tl.load(weight_ptr + pair)
     tl.store(dst, (acc.to(dt).to(tl.float32) * weight).to(dt), mask=mask_n)  # rounded, then weighted
 
 
-def _stack_args(w: Int4Experts) -> tuple:
-    """qweight, scales, zeros and their strides (expert, packed row, column; expert, group), as the kernels take
-    them: scales and zeros laid alike."""
-    q, s, z = w.qweight, w.scales, w.zeros
-    assert s.stride() == z.stride(), f"scales' strides {s.stride()} differ from zeros' {z.stride()}"
-    return q, s, z, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1)
+def takes(w: object) -> bool:
+    """Whether a stack has a GEMV here: int4 experts, or int8 ones in groups of a power of two up to 128 (whole
+    groups a K tile)."""
+    from kernels.fused_moe import Int4Experts, Int8Experts
+
+    if isinstance(w, Int8Experts):
+        return w.group_size in (16, 32, 64, 128)
+    return isinstance(w, Int4Experts)
+
+
+def _stack_args(w: Int4Experts | Int8Experts) -> tuple:
+    """qweight, scales, zeros (int8: the scales again, unread) and their strides as the kernels take them: expert,
+    packed row or input, column; expert, group, column."""
+    from kernels.fused_moe import Int8Experts
+
+    q, s = w.qweight, w.scales
+    if isinstance(w, Int8Experts):  # (E, N, K) rows, (E, N, K / G) scales
+        return q, s, s, q.stride(0), q.stride(2), q.stride(1), s.stride(0), s.stride(2), s.stride(1)
+    z = w.zeros
+    assert s.stride() == z.stride() and s.stride(2) == 1, f"scales' strides {s.stride()}, zeros' {z.stride()}"
+    return q, s, z, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1), 1
 
 
 def _grid_tile(programs: int, device: torch.device, tiles: GemvTiles) -> tuple[int, int]:
@@ -207,11 +274,14 @@ def _grid_tile(programs: int, device: torch.device, tiles: GemvTiles) -> tuple[i
     return tiles.block_k or (128 if many else 256), tiles.warps or (2 if many else 4)
 
 
-def _meta(w: Int4Experts, k: int, x: torch.Tensor, programs: int, tiles: GemvTiles) -> dict:
+def _meta(w: Int4Experts | Int8Experts, k: int, x: torch.Tensor, programs: int, tiles: GemvTiles) -> dict:
     block_k, warps = _grid_tile(programs, x.device, tiles)
     block_k = min(block_k, triton.next_power_of_2(k))
+    int8 = w.qweight.dtype == torch.int8
+    assert not int8 or block_k % w.group_size == 0, f"int8 groups of {w.group_size} in {block_k}-row K tiles"
     return {
-        "ZERO_IS_OFFSET": w.zero_is_offset,
+        "INT8": int8,
+        "ZERO_IS_OFFSET": not int8 and w.zero_is_offset,  # type: ignore[union-attr]
         "GROUP": w.group_size,
         "BLOCK_K": block_k,
         "NUM_STAGES": tiles.stages,
@@ -224,7 +294,7 @@ def _meta(w: Int4Experts, k: int, x: torch.Tensor, programs: int, tiles: GemvTil
 
 def gate_up_gemv(
     x: torch.Tensor,  # (T, H)
-    w13: Int4Experts,  # (E, 2 * I, H)
+    w13: Int4Experts | Int8Experts,  # (E, 2 * I, H)
     pair_experts: torch.Tensor,  # (T * K,) int: pair t * K + k's expert (E or past: another rank's)
     top_k: int,
     tiles: GemvTiles,
@@ -246,7 +316,7 @@ def gate_up_gemv(
 
 def down_gemv(
     act: torch.Tensor,  # (T * K, I)
-    w2: Int4Experts,  # (E, H, I)
+    w2: Int4Experts | Int8Experts,  # (E, H, I)
     pair_weights: torch.Tensor,  # (T * K,) fp32: the router's weights
     pair_experts: torch.Tensor,  # (T * K,) int
     tiles: GemvTiles,

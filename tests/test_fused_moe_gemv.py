@@ -1,6 +1,6 @@
-"""Decode's int4 expert GEMVs (kernels/fused_moe_gemv.py, under the interpreter) against the torch reference: every
-kind of int4 stack, groups smaller than and as large as a K tile, masked columns and K tails, expert parallelism,
-and which pair counts take them."""
+"""Decode's expert GEMVs (kernels/fused_moe_gemv.py, under the interpreter) against the torch reference: every kind
+of int4 stack and the int8 ones (GGUF Q8_0, Q6_K), groups smaller than and as large as a K tile, masked columns
+and K tails, expert parallelism, and which pair counts and stacks take them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import kernels.fused_moe as fm
-from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
+from kernels.fused_moe import Int4Experts, Int8Experts, fused_moe_reference, fused_moe_triton
 from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvTiles
-from tests.test_fused_moe import int4_experts, moe_inputs
+from tests.test_fused_moe import int4_experts, int8_experts, moe_inputs
 
 
 def offsets_form(w: Int4Experts, scales: torch.dtype, seed: int) -> Int4Experts:
@@ -24,12 +24,26 @@ def offsets_form(w: Int4Experts, scales: torch.dtype, seed: int) -> Int4Experts:
     return Int4Experts(w.qweight, w.scales.to(scales), offsets, w.group_size)
 
 
-def stacks(hidden: int, inter: int, experts: int, group: int, kind: str) -> tuple[Int4Experts, Int4Experts]:
+def q6_k_form(experts: int, n: int, k: int, seed: int) -> Int8Experts:
+    """GGUF Q6_K's form: int8 rows of -32..31, an fp32 scale per 16 input features."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-32, 32, (experts, n, k), generator=gen, dtype=torch.int8)
+    return Int8Experts(q, torch.rand(experts, n, k // 16, generator=gen) * 0.004 + 0.001, 16)
+
+
+def stacks(hidden: int, inter: int, experts: int, group: int, kind: str) -> tuple:
+    """(w13, w2) of a kind: int4 with zero points, Q4_1's or Q4_K's offsets, Q8_0, Q6_K, or Q4_K_M's Q4_K and Q6_K."""
+    if kind == "q8_0":
+        return int8_experts(experts, 2 * inter, hidden, 1), int8_experts(experts, hidden, inter, 2)
+    if kind == "q6_k":
+        return q6_k_form(experts, 2 * inter, hidden, 1), q6_k_form(experts, hidden, inter, 2)
     w13 = int4_experts(experts, 2 * inter, hidden, group, 1)
     w2 = int4_experts(experts, hidden, inter, group, 2)
     if kind == "zeros":
         return w13, w2
     scales = torch.float16 if kind == "q4_1" else torch.float32
+    if kind == "q4_k_m":
+        return offsets_form(w13, scales, 3), q6_k_form(experts, hidden, inter, 4)
     return offsets_form(w13, scales, 3), offsets_form(w2, scales, 4)
 
 
@@ -54,6 +68,9 @@ def calls_of(monkeypatch, name: str) -> list[int]:
         (1, 160, 96, 2, 32, "zeros", GemvTiles(64, 64, 64)),  # masked columns in both, K tails (96 of 128)
         (3, 128, 64, 2, 64, "q4_1", GemvTiles(16, 32, 32)),  # float offsets, two K tiles a group
         (1, 128, 64, 4, 32, "q4_k", GemvTiles(8, 16, 128, warps=2, stages=2)),  # fp32 scales
+        (2, 128, 64, 2, 32, "q8_0", GemvTiles()),  # int8 rows, fp16 scales a 32
+        (1, 160, 96, 4, 16, "q6_k", GemvTiles(64, 64, 64)),  # int8, fp32 scales a 16, masked columns, K tails
+        (3, 128, 64, 2, 32, "q4_k_m", GemvTiles()),  # gate / up Q4_K, down Q6_K
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -98,8 +115,8 @@ def test_gemv_choices_of_experts_held_elsewhere_add_nothing() -> None:
 
 
 def test_pair_counts_and_stacks_that_take_the_gemv(monkeypatch) -> None:
-    """Up to GEMV_MAX_PAIRS pairs each int4 stack takes its GEMV (a dense or int8 stack beside it its grouped
-    kernel); past that, both take the grouped kernels."""
+    """Up to GEMV_MAX_PAIRS pairs each quantized stack takes its GEMV (a dense stack beside it its grouped kernel);
+    past that, both take the grouped kernels."""
     gate_up, down = calls_of(monkeypatch, "gate_up_gemv"), calls_of(monkeypatch, "down_gemv")
     w13, w2 = stacks(64, 32, 4, 32, "zeros")
     x, dense13, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2, 64, 32, 4, 2, torch.float32, seed=6)
