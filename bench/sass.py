@@ -4,6 +4,7 @@ time on it. Not a benchmark: nothing runs, nothing is timed.
 
     python3 -m bench.sass --gemm qkv --rows 1                 # config()'s pick for Llama-3-8B's qkv at one row
     python3 -m bench.sass --gemm down --rows 8 --kw unroll=1 --out-dir /tmp/sass   # a named config; keeps the SASS
+    python3 -m bench.sass --moe-gemv          # kernels/fused_moe_gemv.py's kernels for every kind: their registers
 
 `w4a16_mma` is called as the engine calls it (on CPU tensors, its launch caught instead of run), and what it would
 launch is compiled by Triton for sm_90 with the arguments' 16-byte alignment, as a launch on a GPU specializes it.
@@ -23,12 +24,15 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _DTYPES = {
+    "int8": "i8",
     "bfloat16": "bf16",
     "float16": "fp16",
     "float32": "fp32",
@@ -51,12 +55,30 @@ def _value(text: str) -> Any:
 def compile_gemm(gemm: str, rows: int, **kw: Any) -> Any:
     """Triton's compiled kernel for w4a16_mma on one Llama-3-8B GEMM (gate_up ending in SwiGLU) at `rows` rows."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     import kernels.w4a16_mma as mma
     from bench.quant_int4 import LAYER, int4_layer
+
+    saved = (mma.applies, mma.num_sms)
+    mma.applies, mma.num_sms = (lambda x, w: True), (lambda device: 132)  # type: ignore[assignment]
+    try:
+        w = int4_layer("cpu", 0, fragments=True)[gemm]
+        x = torch.zeros(rows, LAYER[gemm][0], dtype=torch.bfloat16)
+        return compile_caught(
+            mma, "_w4a16_mma_kernel", lambda: mma.w4a16_mma(x, w, pdl=True, swiglu=gemm == "gate_up", **kw)
+        )
+    finally:
+        mma.applies, mma.num_sms = saved
+
+
+def compile_caught(module: Any, name: str, call: Any) -> Any:
+    """The kernel `module.name` compiled by Triton for sm_90 as `call` would launch it (on CPU tensors: the launch is
+    caught, not run), with the arguments' 16-byte alignment, as a launch on a GPU specializes it."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     caught: dict[str, Any] = {}
 
@@ -67,41 +89,82 @@ def compile_gemm(gemm: str, rows: int, **kw: Any) -> Any:
 
             return launch
 
-    kernel = mma._w4a16_mma_kernel
-    saved = (mma._w4a16_mma_kernel, mma.applies, mma.num_sms)
-    mma._w4a16_mma_kernel, mma.applies, mma.num_sms = Catch(), (lambda x, w: True), (lambda device: 132)  # type: ignore[assignment]
+    kernel = getattr(module, name)
+    setattr(module, name, Catch())
     try:
-        w = int4_layer("cpu", 0, fragments=True)[gemm]
-        x = torch.zeros(rows, LAYER[gemm][0], dtype=torch.bfloat16)
-        mma.w4a16_mma(x, w, pdl=True, swiglu=gemm == "gate_up", **kw)
+        call()
     finally:
-        mma._w4a16_mma_kernel, mma.applies, mma.num_sms = saved
+        setattr(module, name, kernel)
     args, kwargs = caught["args"], dict(caught["kwargs"])
     names = kernel.arg_names
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, (name, a) in enumerate(zip(names, args)):
+    for i, (arg_name, a) in enumerate(zip(names, args)):
         if isinstance(a, torch.Tensor):
-            signature[name] = "*" + _DTYPES[str(a.dtype).removeprefix("torch.")]
+            signature[arg_name] = "*" + _DTYPES[str(a.dtype).removeprefix("torch.")]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(a, bool):
-            signature[name] = "i1"
+            signature[arg_name] = "i1"
         elif isinstance(a, int):
-            signature[name] = "i32"
+            signature[arg_name] = "i32"
             if a % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32"
+            signature[arg_name] = "fp32"
     options = {"num_warps": kwargs.pop("num_warps")}
-    if "maxnreg" in kwargs:
-        options["maxnreg"] = kwargs.pop("maxnreg")
+    for option in ("maxnreg", "num_stages"):
+        if option in kwargs:
+            options[option] = kwargs.pop(option)
     kwargs.pop("launch_pdl", None)
     constexprs = {}
-    for name in names[len(args) :]:
-        signature[name] = "constexpr"
-        constexprs[(names.index(name),)] = kwargs[name]
-    src = GluonASTSource(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    for arg_name in names[len(args) :]:
+        signature[arg_name] = "constexpr"
+        constexprs[(names.index(arg_name),)] = kwargs[arg_name]
+    gluon = type(kernel).__name__ == "GluonJITFunction"
+    source = GluonASTSource if gluon else ASTSource
+    src = source(kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_moe_gemvs() -> dict[str, str]:
+    """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
+    and activation dtype: {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
+    import torch
+
+    import kernels.fused_moe_gemv as gemv
+    from kernels.fused_moe import Int4Experts, Int8Experts
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+
+    def int4(n: int, k: int, offsets: bool) -> Int4Experts:
+        group = 32 if offsets else 128
+        scales = torch.zeros(experts, k // group, n, dtype=torch.float32 if offsets else torch.float16)
+        zeros = torch.zeros_like(scales) if offsets else torch.zeros(scales.shape, dtype=torch.uint8)
+        return Int4Experts(torch.zeros(experts, k // 8, n, dtype=torch.int32), scales, zeros, group)
+
+    def int8(n: int, k: int) -> Int8Experts:
+        return Int8Experts(torch.zeros(experts, n, k, dtype=torch.int8), torch.zeros(experts, n, k // 16), 16)
+
+    kinds: dict[str, tuple[Int4Experts | Int8Experts, Int4Experts | Int8Experts]] = {
+        "int4": (int4(2 * inter, hidden, False), int4(hidden, inter, False)),
+        "q4_k": (int4(2 * inter, hidden, True), int4(hidden, inter, True)),
+        "q6_k": (int8(2 * inter, hidden), int8(hidden, inter)),
+    }
+    ids, weights = torch.zeros(top_k, dtype=torch.int32), torch.zeros(top_k)
+    out: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, (w13, w2) in kinds.items():
+            for dtype in (torch.bfloat16, torch.float32):
+                x, act = torch.zeros(1, hidden, dtype=dtype), torch.zeros(top_k, inter, dtype=dtype)
+                calls = {
+                    "_gate_up_gemv_kernel": partial(gemv.gate_up_gemv, x, w13, ids, top_k, gemv.GEMV_TILES),
+                    "_down_gemv_kernel": partial(gemv.down_gemv, act, w2, weights, ids, gemv.GEMV_TILES),
+                }
+                for name, call in calls.items():
+                    compiled = compile_caught(gemv, name, call)
+                    dt = str(dtype).removeprefix("torch.")
+                    out[f"{kind} {dt} {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
+    return out
 
 
 def _tool(name: str) -> str:
@@ -205,14 +268,19 @@ def wgmma_operand_hazards(sass: str) -> list[str]:
 
 
 def main() -> None:
-    import tempfile
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gemm", choices=("qkv", "o", "gate_up", "down"), default="qkv")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--kw", nargs="*", default=[], help="w4a16_mma keywords, key=value (warps=8 unroll=1 ...)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the SASS and PTX are kept")
+    p.add_argument(
+        "--moe-gemv", action="store_true", help="compile kernels/fused_moe_gemv.py's kernels instead"
+    )
     args = p.parse_args()
+    if args.moe_gemv:
+        for variant, usage in compile_moe_gemvs().items():
+            print(f"{variant}: {usage}")
+        return
     kw = {k: _value(v) for k, v in (item.split("=", 1) for item in args.kw)}
     compiled = compile_gemm(args.gemm, args.rows, **kw)
     with tempfile.TemporaryDirectory() as tmp:

@@ -126,15 +126,19 @@ def _products(
     EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr, INT8: tl.constexpr,
 ):  # fmt: skip
     """x's row against one expert's columns offs_n, int8 or int4 (whose scales' columns are contiguous)."""
-    if INT8:
-        return _int8_row_products(
+    if (
+        INT8
+    ):  # both branches, not an early return: the compiler would build the int4 path for int8 pointers too
+        acc = _int8_row_products(
             x_row, w_ptr, s_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn, BLOCK_N, GROUP,
             BLOCK_K, NUM_STAGES, EVEN_K,
         )  # fmt: skip
-    return _row_products(
-        x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo, BLOCK_N,
-        GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
-    )  # fmt: skip
+    else:
+        acc = _row_products(
+            x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
+            BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+        )  # fmt: skip
+    return acc
 
 
 @triton.jit
@@ -276,8 +280,10 @@ def _grid_tile(programs: int, device: torch.device, tiles: GemvTiles) -> tuple[i
 
 def _meta(w: Int4Experts | Int8Experts, k: int, x: torch.Tensor, programs: int, tiles: GemvTiles) -> dict:
     block_k, warps = _grid_tile(programs, x.device, tiles)
-    block_k = min(block_k, triton.next_power_of_2(k))
     int8 = w.qweight.dtype == torch.int8
+    if int8:  # a byte a weight: half the int4 K tile reads the same bytes, at about the registers
+        block_k = max(block_k // 2, w.group_size)
+    block_k = min(block_k, triton.next_power_of_2(k))
     assert not int8 or block_k % w.group_size == 0, f"int8 groups of {w.group_size} in {block_k}-row K tiles"
     return {
         "INT8": int8,
