@@ -145,9 +145,9 @@ def _products(
 def _gate_up_gemv_kernel(
     # pointers
     x_ptr,  # (T, H)
-    w_ptr,  # qweight (E, H / 8, 2 * I)
-    s_ptr,  # scales (E, H / G, 2 * I)
-    z_ptr,  # zeros (E, H / G, 2 * I)
+    w_ptr,  # qweight (E, H / 8, 2 * I) int4, or (E, 2 * I, H) int8
+    s_ptr,  # scales (E, H / G, 2 * I), int8: (E, 2 * I, H / G)
+    z_ptr,  # zeros (E, H / G, 2 * I), int8: unread
     ids_ptr,  # (T * K,): each pair's expert
     act_ptr,  # (T * K, I)
     # sizes
@@ -199,9 +199,9 @@ def _gate_up_gemv_kernel(
 def _down_gemv_kernel(
     # pointers
     act_ptr,  # (T * K, I)
-    w_ptr,  # qweight (E, I / 8, H)
-    s_ptr,  # scales (E, I / G, H)
-    z_ptr,  # zeros (E, I / G, H)
+    w_ptr,  # qweight (E, I / 8, H) int4, or (E, H, I) int8
+    s_ptr,  # scales (E, I / G, H), int8: (E, H, I / G)
+    z_ptr,  # zeros (E, I / G, H), int8: unread
     weight_ptr,  # (T * K,) fp32: the pairs' router weights
     ids_ptr,  # (T * K,): each pair's expert
     out_ptr,  # (T * K, H)
