@@ -161,7 +161,7 @@ def test_quantized_expert_stacks_check_their_shapes() -> None:
 def test_route_kernel_matches_the_reference(tokens, experts, top_k, renormalize, round_to) -> None:
     """The router's softmax, top k, renormalising and rounding in one kernel (Qwen3-30B-A3B's 128 experts top 8,
     Qwen2-MoE's 60 top 4, Mixtral's 8 top 2), and expert parallelism's local ids."""
-    from kernels import fused_moe as fm
+    from kernels import moe_route as fm
 
     logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)) * 3
     for first, held in ((0, experts), (experts // 2, experts // 2)):
@@ -173,7 +173,7 @@ def test_route_kernel_matches_the_reference(tokens, experts, top_k, renormalize,
 
 
 def test_route_kernel_breaks_ties_by_the_lowest_expert() -> None:
-    from kernels import fused_moe as fm
+    from kernels import moe_route as fm
 
     logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, 0.1]])
     weights, ids = fm.route_triton(logits, 2, True)

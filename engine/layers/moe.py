@@ -40,7 +40,8 @@ from engine.layers.quant.config import QuantConfig
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
 from kernels import _backend
-from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe, route
+from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe
+from kernels.moe_route import route
 
 Quantized = Int4Experts | Int8Experts
 logger = logging.getLogger(__name__)

@@ -329,7 +329,7 @@ def test_fused_moe_gguf_experts_match_reference(tokens, dtype, kquant):
 def test_route_kernel_matches_reference(tokens, experts, top_k, renormalize, round_to):
     """The router's softmax, top k, renormalising and rounding in one kernel; from bf16 logits, which tie often, a
     top k whose order among equal probabilities is the kernel's own (the lowest expert first)."""
-    from kernels.fused_moe import route_reference, route_triton
+    from kernels.moe_route import route_reference, route_triton
 
     logits = torch.randn(tokens, experts, device=DEV) * 3  # fp32: no ties
     want_w, want_ids = route_reference(logits, top_k, renormalize, round_to)
