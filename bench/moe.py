@@ -10,7 +10,7 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
 - bytes: the chosen experts' weights (each read once) plus x and the output; GB/s of them, and the ratio to
   the device-to-device copy bandwidth measured in the same run.
 - int4: the same layer with int4 experts (group 128), its us, its bytes' GB/s and their fraction of copy bandwidth:
-  up to GEMV_MAX_PAIRS pairs the GEMVs (kernels/fused_moe_gemv.py), and beside them the grouped kernels
+  at decode's few pairs the GEMVs (kernels/fused_moe_gemv.py), and beside them the grouped kernels
   (int4_grouped_us); with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
 - align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
 --sweep: also time each token count's layer (bf16 and int4) at other tiles (columns a program in each kernel, warps);

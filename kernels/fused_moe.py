@@ -17,8 +17,8 @@ fused MoE:
 - `_down_kernel`: those rows against the expert's down projection, times the pair's router weight, a row per
   pair. A token's k rows are then summed, in choice order.
 Decode's few tokens read each chosen expert's weights once a block; most of a block's rows are padding there,
-which costs tensor-core time the GEMV is not bound by. Quantized stacks up to GEMV_MAX_PAIRS pairs take
-kernels/fused_moe_gemv.py instead, where decoding the padded tiles, not reading them, set the time.
+which costs tensor-core time the GEMV is not bound by. Quantized stacks at decode's few pairs (fused_moe_gemv.chosen)
+take kernels/fused_moe_gemv.py instead, where decoding the padded tiles, not reading them, set the time.
 
 Quantized experts are dequantized in the same kernels, a tile at a time in registers, in fp32 (exact: a small
 integer times an fp16 scale), rounded to x's dtype:
@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
-from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GEMV_TILES, GemvTiles, down_gemv, gate_up_gemv
+from kernels.fused_moe_gemv import GEMV_TILES, GemvTiles, down_gemv, gate_up_gemv
+from kernels.fused_moe_gemv import chosen as gemv_chosen
 from kernels.fused_moe_gemv import takes as gemv_takes
 from kernels.int4_dequant import unpack_rows
 from kernels.silu_and_mul import silu_mul
@@ -421,7 +422,7 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,  # (T, K) fp32
     topk_ids: torch.Tensor,  # (T, K) int
     config: Tiles | None = None,  # None: tiles() picks
-    gemv: GemvTiles | None = GEMV_TILES,  # quantized stacks' kernels up to GEMV_MAX_PAIRS pairs; None: never
+    gemv: GemvTiles | None = GEMV_TILES,  # quantized stacks' kernels for decode's few pairs; None: never
 ) -> torch.Tensor:  # (T, H) in x's dtype
     _check(x, w13, w2, topk_weights, topk_ids)
     (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
@@ -429,7 +430,7 @@ def fused_moe_triton(
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x)
-    few = gemv is not None and num_pairs <= GEMV_MAX_PAIRS
+    few = gemv is not None and gemv_chosen(num_pairs, experts)
     gemv_gate_up, gemv_down = few and gemv_takes(w13), few and gemv_takes(w2)
     quantized = not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor))
     cfg = config or tiles(num_pairs, experts, quantized)

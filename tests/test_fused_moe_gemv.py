@@ -17,7 +17,7 @@ import torch
 
 import kernels.fused_moe as fm
 from kernels.fused_moe import Int4Experts, Int8Experts, fused_moe_reference, fused_moe_triton
-from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvTiles
+from kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GEMV_PAIRS_PER_EXPERT, GemvTiles
 from tests.test_fused_moe import int4_experts, int8_experts, moe_inputs
 
 
@@ -119,20 +119,27 @@ def test_gemv_choices_of_experts_held_elsewhere_add_nothing() -> None:
 
 
 def test_pair_counts_and_stacks_that_take_the_gemv(monkeypatch) -> None:
-    """Up to GEMV_MAX_PAIRS pairs each quantized stack takes its GEMV (a dense stack beside it its grouped kernel);
-    past that, both take the grouped kernels."""
+    """Up to GEMV_MAX_PAIRS pairs, and GEMV_PAIRS_PER_EXPERT an expert, each quantized stack takes its GEMV (a dense
+    stack beside it its grouped kernel); past either, both take the grouped kernels."""
     gate_up, down = calls_of(monkeypatch, "gate_up_gemv"), calls_of(monkeypatch, "down_gemv")
-    w13, w2 = stacks(64, 32, 4, 32, "zeros")
-    x, dense13, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2, 64, 32, 4, 2, torch.float32, seed=6)
+    experts = GEMV_MAX_PAIRS // GEMV_PAIRS_PER_EXPERT  # both bounds at GEMV_MAX_PAIRS pairs
+    w13, w2 = stacks(64, 32, experts, 32, "zeros")
+    x, dense13, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2, 64, 32, experts, 2, torch.float32, seed=6)
     torch.testing.assert_close(
         fused_moe_triton(x, dense13, w2, weights, ids), fused_moe_reference(x, dense13, w2, weights, ids)
     )
     assert (len(gate_up), len(down)) == (0, 1)
-    x, _, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2 + 1, 64, 32, 4, 2, torch.float32, seed=7)
+    x, _, _, weights, ids = moe_inputs(GEMV_MAX_PAIRS // 2 + 1, 64, 32, experts, 2, torch.float32, seed=7)
     torch.testing.assert_close(
         fused_moe_triton(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids)
     )
     assert (len(gate_up), len(down)) == (0, 1)
+    few = stacks(64, 32, 4, 32, "zeros")  # Mixtral's proportions: 8 tokens of top 2 over 4 experts
+    x, _, _, weights, ids = moe_inputs(GEMV_PAIRS_PER_EXPERT * 2 + 1, 64, 32, 4, 2, torch.float32, seed=8)
+    torch.testing.assert_close(
+        fused_moe_triton(x, *few, weights, ids), fused_moe_reference(x, *few, weights, ids)
+    )
+    assert (len(gate_up), len(down)) == (0, 1), "18 pairs over 4 experts: the grouped kernels"
 
 
 def test_every_kind_compiles_for_hopper() -> None:
