@@ -14,7 +14,8 @@ A worker core (decode_worker/core.py, prefill_worker/core.py) implements:
     handle(msg: ToEngine) -> None   one inbound message
     bind(send_now, take_inbound)    optional: sends mid-step, and takes chosen inbound messages mid-step
     has_work() -> bool
-    load() -> dict                  running / waiting requests and free blocks, reported every 0.1 s
+    load() -> dict                  running / waiting requests and free blocks, reported every 0.1 s and
+                                    as soon as an idle engine takes work
     step() -> list[FromEngine]      outbound messages
 """
 
@@ -156,6 +157,7 @@ def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> 
             last_busy = time.monotonic()
             while conn.poll(0):
                 msgs.append(pickle.loads(conn.recv_bytes()))
+            was_idle = not core.has_work()
             for msg in msgs:
                 if isinstance(msg, Shutdown):
                     return
@@ -166,6 +168,11 @@ def _child_main(core_path: str, config: Any, conn: Any, log_setup: LogSetup) -> 
                 except Exception as exc:
                     logger.exception("engine failed on %s", type(msg).__name__)
                     send([Error(msg.request_id, "INTERNAL", f"{type(exc).__name__}: {exc}")])
+            if was_idle and core.has_work():
+                # an idle engine's new work is reported before the step that runs it, which may end it too:
+                # the router and GetLoad see a request that one long step takes from start to end
+                send([load()])
+                last_load = time.monotonic()
             if core.has_work():
                 if os.getppid() != parent:
                     return
