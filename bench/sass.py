@@ -4,7 +4,7 @@ time on it. Not a benchmark: nothing runs, nothing is timed.
 
     python3 -m bench.sass --gemm qkv --rows 1                 # config()'s pick for Llama-3-8B's qkv at one row
     python3 -m bench.sass --gemm down --rows 8 --kw unroll=1 --out-dir /tmp/sass   # a named config; keeps the SASS
-    python3 -m bench.sass --moe-gemv          # kernels/fused_moe_gemv.py's kernels for every kind: their registers
+    python3 -m bench.sass --moe               # the MoE decode GEMVs for every kind, the act-order grouped kernels too
 
 `w4a16_mma` is called as the engine calls it (on CPU tensors, its launch caught instead of run), and what it would
 launch is compiled by Triton for sm_90 with the arguments' 16-byte alignment, as a launch on a GPU specializes it.
@@ -71,9 +71,10 @@ def compile_gemm(gemm: str, rows: int, **kw: Any) -> Any:
         mma.applies, mma.num_sms = saved
 
 
-def compile_caught(module: Any, name: str, call: Any) -> Any:
+def compile_caught(module: Any, name: str, call: Any, others: tuple[str, ...] = ()) -> Any:
     """The kernel `module.name` compiled by Triton for sm_90 as `call` would launch it (on CPU tensors: the launch is
-    caught, not run), with the arguments' 16-byte alignment, as a launch on a GPU specializes it."""
+    caught, not run), with the arguments' 16-byte alignment, as a launch on a GPU specializes it. `others`: the
+    module's kernels that `call` launches too, their launches caught and dropped."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -89,12 +90,21 @@ def compile_caught(module: Any, name: str, call: Any) -> Any:
 
             return launch
 
+    class Drop:
+        def __getitem__(self, grid: Any) -> Any:
+            return lambda *args, **kwargs: None
+
     kernel = getattr(module, name)
+    saved = {other: getattr(module, other) for other in others}
     setattr(module, name, Catch())
+    for other in others:
+        setattr(module, other, Drop())
     try:
         call()
     finally:
         setattr(module, name, kernel)
+        for other, real in saved.items():
+            setattr(module, other, real)
     args, kwargs = caught["args"], dict(caught["kwargs"])
     names = kernel.arg_names
     signature: dict[str, str] = {}
@@ -126,21 +136,24 @@ def compile_caught(module: Any, name: str, call: Any) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_moe_gemvs() -> dict[str, str]:
+def compile_moe_kernels() -> dict[str, str]:
     """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
-    and activation dtype: {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
+    and activation dtype, and kernels/fused_moe.py's grouped kernels (64 tokens, bf16) for GPTQ act order: {"kind
+    dtype kernel": register usage}. A kernel that does not compile raises."""
     import torch
 
+    import kernels.fused_moe as grouped
     import kernels.fused_moe_gemv as gemv
     from kernels.fused_moe import Int4Experts, Int8Experts
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
 
-    def int4(n: int, k: int, offsets: bool) -> Int4Experts:
+    def int4(n: int, k: int, offsets: bool, act_order: bool = False) -> Int4Experts:
         group = 32 if offsets else 128
         scales = torch.zeros(experts, k // group, n, dtype=torch.float32 if offsets else torch.float16)
         zeros = torch.zeros_like(scales) if offsets else torch.zeros(scales.shape, dtype=torch.uint8)
-        return Int4Experts(torch.zeros(experts, k // 8, n, dtype=torch.int32), scales, zeros, group)
+        perm = torch.zeros(experts, k, dtype=torch.int32) if act_order else None
+        return Int4Experts(torch.zeros(experts, k // 8, n, dtype=torch.int32), scales, zeros, group, perm)
 
     def int8(n: int, k: int) -> Int8Experts:
         return Int8Experts(torch.zeros(experts, n, k, dtype=torch.int8), torch.zeros(experts, n, k // 16), 16)
@@ -149,6 +162,7 @@ def compile_moe_gemvs() -> dict[str, str]:
         "int4": (int4(2 * inter, hidden, False), int4(hidden, inter, False)),
         "q4_k": (int4(2 * inter, hidden, True), int4(hidden, inter, True)),
         "q6_k": (int8(2 * inter, hidden), int8(hidden, inter)),
+        "gptq_act": (int4(2 * inter, hidden, False, True), int4(hidden, inter, False, True)),
     }
     ids, weights = torch.zeros(top_k, dtype=torch.int32), torch.zeros(top_k)
     out: dict[str, str] = {}
@@ -164,6 +178,14 @@ def compile_moe_gemvs() -> dict[str, str]:
                     compiled = compile_caught(gemv, name, call)
                     dt = str(dtype).removeprefix("torch.")
                     out[f"{kind} {dt} {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
+        w13, w2 = kinds["gptq_act"]
+        tokens = 64
+        ids = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k) % experts
+        x, weights = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(tokens, top_k)
+        call = partial(grouped.fused_moe_triton, x, w13, w2, weights, ids, gemv=None)
+        for name, other in (("_gate_up_kernel", "_down_kernel"), ("_down_kernel", "_gate_up_kernel")):
+            compiled = compile_caught(grouped, name, call, (other, "_sum_choices_kernel"))
+            out[f"gptq_act bfloat16 {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
     return out
 
 
@@ -274,11 +296,11 @@ def main() -> None:
     p.add_argument("--kw", nargs="*", default=[], help="w4a16_mma keywords, key=value (warps=8 unroll=1 ...)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the SASS and PTX are kept")
     p.add_argument(
-        "--moe-gemv", action="store_true", help="compile kernels/fused_moe_gemv.py's kernels instead"
+        "--moe", action="store_true", help="compile the MoE decode GEMVs and act-order grouped kernels instead"
     )
     args = p.parse_args()
-    if args.moe_gemv:
-        for variant, usage in compile_moe_gemvs().items():
+    if args.moe:
+        for variant, usage in compile_moe_kernels().items():
             print(f"{variant}: {usage}")
         return
     kw = {k: _value(v) for k, v in (item.split("=", 1) for item in args.kw)}

@@ -25,6 +25,8 @@ integer times an fp16 scale), rounded to x's dtype:
 - Int4Experts (AWQ / GPTQ checkpoints, GGUF Q4_0 / Q4_1 / Q4_K), each expert in kernels/int4_dequant.py's rows
   layout: (q - z) * s with integer zero points, q * s + m with GGUF Q4_1's and Q4_K's float offsets;
 - Int8Experts (GGUF Q8_0, Q6_K): q * s, a scale per 32 (16) input features, each expert's rows as the checkpoint's.
+Under GPTQ act order an Int4Experts' rows are in group order and its perm gives each row's input feature: the kernels
+(and the GEMVs) load x's, or the activation's, columns through the expert's perm.
 
 A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
 
@@ -47,6 +49,7 @@ from kernels.fused_moe_gemv import chosen as gemv_chosen
 from kernels.fused_moe_gemv import takes as gemv_takes
 from kernels.int4_dequant import unpack_rows
 from kernels.silu_and_mul import silu_mul
+from kernels.w4a16_gemm import x_columns
 
 # at most this many (token, choice) pairs take a block each, in pair order, with no alignment: align_pairs' torch
 # ops cost ~50 us (H100, in a CUDA graph) against the ~50 us of the kernels at one token of Qwen3-30B-A3B (8 pairs),
@@ -121,12 +124,15 @@ class Int4Experts:
     """Every expert's int4 weight of one projection, each laid as kernels/int4_dequant.py's rows layout (an
     Int4Weight of (K, N) = (input, output) features): qweight (E, K/8, N) int32, scales (E, K/G, N) fp16 (fp32: GGUF
     Q4_K's products d * sc, exact), zeros (E, K/G, N) uint8, expert e's weight w[k, n] = (q[k, n] - z[k // G, n]) *
-    s[k // G, n]; or float zeros, GGUF Q4_1's and Q4_K's offsets: w[k, n] = q[k, n] * s[k // G, n] + z[k // G, n]."""
+    s[k // G, n]; or float zeros, GGUF Q4_1's and Q4_K's offsets: w[k, n] = q[k, n] * s[k // G, n] + z[k // G, n].
+    perm (E, K) int32, GPTQ act order: expert e's layout row k is its input feature perm[e, k] (rows sorted by group
+    at load; the kernels read x, or the activation, through it)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     group_size: int
+    perm: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         e, k8, n = self.qweight.shape
@@ -145,6 +151,12 @@ class Int4Experts:
                 f"int4 experts' scales are fp16 or fp32 and their zeros uint8 zero points or float offsets, not "
                 f"{self.scales.dtype}, {self.zeros.dtype}"
             )
+        if self.perm is not None and (
+            self.perm.dtype != torch.int32 or tuple(self.perm.shape) != (e, k8 * 8)
+        ):
+            raise ValueError(
+                f"perm must be {(e, k8 * 8)} int32, got {tuple(self.perm.shape)} {self.perm.dtype}"
+            )
 
     @property
     def shape(self) -> tuple[int, int, int]:  # (E, N, K), as a dense (E, N, K) stack
@@ -162,7 +174,11 @@ class Int4Experts:
         s = self.scales.float().permute(1, 0, 2)[:, None]  # (K/G, 1, E, N)
         z = self.zeros.float().permute(1, 0, 2)[:, None]
         dense = q * s + z if self.zero_is_offset else q * s - z * s  # exact products in fp32
-        return dense.reshape(k, e, n).permute(1, 2, 0).to(dtype).contiguous()
+        dense = dense.reshape(k, e, n).permute(1, 2, 0).to(dtype).contiguous()
+        if self.perm is None:
+            return dense
+        # layout row j is input feature perm[e, j]: back in the checkpoint's input order
+        return torch.empty_like(dense).scatter_(2, self.perm.long()[:, None, :].expand(e, n, k), dense)
 
 
 @dataclass(frozen=True)
@@ -267,6 +283,7 @@ def _gate_up_kernel(
     w_ptr,  # (E, 2 * I, H) dense, or int4 qweight (E, H / 8, 2 * I)
     s_ptr,  # int4: scales (E, H / G, 2 * I)
     z_ptr,  # int4: zeros (E, H / G, 2 * I)
+    perm_ptr,  # act order: (E, H) int32, x's column of each layout row
     pair_ptr,  # (num_blocks * BLOCK_M,) int32
     expert_ptr,  # (num_blocks,) int32
     used_ptr,  # (1,) int32
@@ -284,11 +301,13 @@ def _gate_up_kernel(
     stride_se,
     stride_sg,
     stride_sn,
+    stride_pe,
     stride_act,
     # meta
     TOP_K: tl.constexpr,
     SINGLE: tl.constexpr,
     KIND: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -306,12 +325,18 @@ def _gate_up_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    x_tile = x_ptr + tokens[:, None] * stride_x + ks[None, :]  # (BLOCK_M, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_x  # (BLOCK_M, 1)
+    perm_row = perm_ptr + expert * stride_pe
     dt = act_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        a = tl.load(x_tile + k0, mask=rows[:, None] & (ks + k0 < H)[None, :], other=0.0)
+        k_in = ks + k0 < H
+        a = tl.load(
+            x_rows + x_columns(perm_row, ks + k0, k_in, HAS_PERM)[None, :],
+            mask=rows[:, None] & k_in[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
         g = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, H, stride_we, stride_wn, stride_wk,
                          stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         u = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols + inter, n_in, H, stride_we, stride_wn,
@@ -330,6 +355,7 @@ def _down_kernel(
     w_ptr,  # (E, H, I) dense, or int4 qweight (E, I / 8, H)
     s_ptr,
     z_ptr,
+    perm_ptr,  # act order: (E, I) int32, the activation's column of each layout row
     weight_ptr,  # (T * K,) fp32: the pairs' router weights
     pair_ptr,
     expert_ptr,
@@ -348,10 +374,12 @@ def _down_kernel(
     stride_se,
     stride_sg,
     stride_sn,
+    stride_pe,
     stride_out,
     # meta
     SINGLE: tl.constexpr,
     KIND: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -375,11 +403,17 @@ def _down_kernel(
         )
         return
     ks = tl.arange(0, BLOCK_K)
-    a_tile = act_ptr + pairs64[:, None] * stride_act + ks[None, :]
+    a_rows = act_ptr + pairs64[:, None] * stride_act  # (BLOCK_M, 1)
+    perm_row = perm_ptr + expert * stride_pe
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        a = tl.load(a_tile + k0, mask=rows[:, None] & (ks + k0 < inter)[None, :], other=0.0)
+        k_in = ks + k0 < inter
+        a = tl.load(
+            a_rows + x_columns(perm_row, ks + k0, k_in, HAS_PERM)[None, :],
+            mask=rows[:, None] & k_in[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
         w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, inter, stride_we, stride_wn, stride_wk,
                          stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
         acc = tl.dot(a, w, acc, input_precision="ieee")
@@ -389,27 +423,32 @@ def _down_kernel(
 
 
 def _weight_args(w: Experts, cfg: Tiles) -> tuple[tuple, dict]:
-    """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
-    stride_sg, stride_sn), and its constexprs. A K tile never spans two groups."""
+    """A stack's pointers and strides for _weight_tile and the act-order gather: (w, s, z, perm, stride_we,
+    stride_wn, stride_wk, stride_se, stride_sg, stride_sn, stride_pe), and its constexprs. A K tile never spans two
+    groups."""
     if isinstance(w, Int4Experts):
-        q, s = w.qweight, w.scales
-        args = (q, s, w.zeros, q.stride(0), 1, q.stride(1), s.stride(0), s.stride(1), 1)
+        q, s, perm = w.qweight, w.scales, w.perm
+        args = (q, s, w.zeros, q if perm is None else perm, q.stride(0), 1, q.stride(1), s.stride(0),
+                s.stride(1), 1, 0 if perm is None else perm.stride(0))  # fmt: skip
         kind = INT4_OFFSETS if w.zero_is_offset else INT4
         return args, {
             "KIND": kind.value,
+            "HAS_PERM": perm is not None,
             "GROUP": w.group_size,
             "BLOCK_K": 64 if w.group_size % 64 == 0 else 32,
         }
     if isinstance(w, Int8Experts):
         q, s = w.qweight, w.scales
-        args = (q, s, s, q.stride(0), q.stride(1), 1, s.stride(0), 1, s.stride(1))
+        args = (q, s, s, q, q.stride(0), q.stride(1), 1, s.stride(0), 1, s.stride(1), 0)
         return args, {
             "KIND": INT8.value,
+            "HAS_PERM": False,
             "GROUP": w.group_size,
             "BLOCK_K": 32 if w.group_size % 32 == 0 else 16,
         }
-    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0), {
+    return (w, w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0, 0), {
         "KIND": DENSE.value,
+        "HAS_PERM": False,
         "GROUP": 1,
         "BLOCK_K": cfg.block_k or 64,
     }
@@ -443,9 +482,9 @@ def fused_moe_triton(
     else:
         assert plan is not None
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        (w, s, z, *strides), meta = _weight_args(w13, cfg)
+        (w, s, z, perm, *strides), meta = _weight_args(w13, cfg)
         _gate_up_kernel[(plan.num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
-            x, w, s, z, plan.pair_ids, plan.block_experts, plan.used, act, num_pairs, experts, hidden, inter,
+            x, w, s, z, perm, plan.pair_ids, plan.block_experts, plan.used, act, num_pairs, experts, hidden, inter,
             x.stride(0), *strides, act.stride(0), TOP_K=top_k, SINGLE=plan.single, BLOCK_M=plan.rows,
             BLOCK_N=cfg.gate_up_n, **launch, **meta,
         )  # fmt: skip
@@ -454,9 +493,9 @@ def fused_moe_triton(
     else:
         assert plan is not None
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-        (w, s, z, *strides), meta = _weight_args(w2, cfg)
+        (w, s, z, perm, *strides), meta = _weight_args(w2, cfg)
         _down_kernel[(plan.num_blocks, triton.cdiv(hidden, cfg.down_n))](
-            act, w, s, z, weights, plan.pair_ids, plan.block_experts, plan.used, out, num_pairs, experts, hidden,
+            act, w, s, z, perm, weights, plan.pair_ids, plan.block_experts, plan.used, out, num_pairs, experts, hidden,
             inter, act.stride(0), *strides, out.stride(0), SINGLE=plan.single, BLOCK_M=plan.rows,
             BLOCK_N=cfg.down_n, **launch, **meta,
         )  # fmt: skip

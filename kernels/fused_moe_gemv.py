@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels import _backend
 from kernels.silu_and_mul import silu_mul
-from kernels.w4a16_gemm import nibble_products, scaled_by_group
+from kernels.w4a16_gemm import nibble_products, scaled_by_group, x_columns
 
 if TYPE_CHECKING:
     from kernels.fused_moe import Int4Experts, Int8Experts
@@ -71,11 +71,12 @@ def chosen(num_pairs: int, num_experts: int) -> bool:
 
 @triton.jit
 def _row_products(
-    x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
+    x_row, w_ptr, s_ptr, z_ptr, perm_row, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
     BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr,
+    EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr, HAS_PERM: tl.constexpr,
 ):  # fmt: skip
-    """x's row (K,) against one expert's int4 columns offs_n: (BLOCK_N,) fp32."""
+    """x's row (K,) against one expert's int4 columns offs_n (act order: x read through perm_row): (BLOCK_N,)
+    fp32."""
     R: tl.constexpr = BLOCK_K // 8  # packed rows a K tile
     rows = tl.arange(0, R)
     acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)  # the zero and magic terms
@@ -85,10 +86,10 @@ def _row_products(
         cols = t * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
             mask_w = mask_n[:, None]
-            x_tile = tl.load(x_row + cols)
+            x_tile = tl.load(x_row + x_columns(perm_row, cols, cols < K, HAS_PERM))
         else:
             mask_w = mask_n[:, None] & (prow < K // 8)[None, :]
-            x_tile = tl.load(x_row + cols, mask=cols < K, other=0.0)
+            x_tile = tl.load(x_row + x_columns(perm_row, cols, cols < K, HAS_PERM), mask=cols < K, other=0.0)
         packed = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + prow[None, :] * stride_wk, mask=mask_w, other=0
         )  # (BLOCK_N, R)
@@ -130,9 +131,10 @@ def _int8_row_products(
 
 @triton.jit
 def _products(
-    x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn, mask_hi, mask_lo,
-    BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    x_row, w_ptr, s_ptr, z_ptr, perm_row, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, stride_sn, mask_hi,
+    mask_lo, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, ZERO_IS_OFFSET: tl.constexpr, EXACT: tl.constexpr, INT8: tl.constexpr,
+    HAS_PERM: tl.constexpr,
 ):  # fmt: skip
     """x's row against one expert's columns offs_n, int8 or int4 (whose scales' columns are contiguous)."""
     if (
@@ -144,8 +146,8 @@ def _products(
         )  # fmt: skip
     else:
         acc = _row_products(
-            x_row, w_ptr, s_ptr, z_ptr, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi, mask_lo,
-            BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT,
+            x_row, w_ptr, s_ptr, z_ptr, perm_row, offs_n, mask_n, K, stride_wk, stride_wn, stride_sg, mask_hi,
+            mask_lo, BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT, HAS_PERM,
         )  # fmt: skip
     return acc
 
@@ -157,6 +159,7 @@ def _gate_up_gemv_kernel(
     w_ptr,  # qweight (E, H / 8, 2 * I) int4, or (E, 2 * I, H) int8
     s_ptr,  # scales (E, H / G, 2 * I), int8: (E, 2 * I, H / G)
     z_ptr,  # zeros (E, H / G, 2 * I), int8: unread
+    perm_ptr,  # int4 act order: (E, H) int32, x's column of each layout row
     ids_ptr,  # (T * K,): each pair's expert
     act_ptr,  # (T * K, I)
     # sizes
@@ -171,6 +174,7 @@ def _gate_up_gemv_kernel(
     stride_se,
     stride_sg,
     stride_sn,
+    stride_pe,
     stride_act,
     # the nibble masks
     mask_hi,
@@ -185,6 +189,7 @@ def _gate_up_gemv_kernel(
     EVEN_K: tl.constexpr,
     EXACT: tl.constexpr,
     INT8: tl.constexpr,  # int8 rows (E, N, K), else int4 (E, K / 8, N)
+    HAS_PERM: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -196,8 +201,9 @@ def _gate_up_gemv_kernel(
     offs_n = feature + (lane // OUT_N) * inter  # the outputs' gate columns, then their up columns
     acc = _products(
         x_ptr + (pair // TOP_K) * stride_x, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-        z_ptr + expert * stride_se, offs_n, feature < inter, H, stride_wk, stride_wn, stride_sg, stride_sn,
-        mask_hi, mask_lo, 2 * OUT_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT, INT8,
+        z_ptr + expert * stride_se, perm_ptr + expert * stride_pe, offs_n, feature < inter, H, stride_wk,
+        stride_wn, stride_sg, stride_sn, mask_hi, mask_lo, 2 * OUT_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K,
+        ZERO_IS_OFFSET, EXACT, INT8, HAS_PERM,
     )  # fmt: skip
     gate, up = tl.split(tl.permute(tl.reshape(acc, (2, OUT_N)), (1, 0)))
     dt = act_ptr.dtype.element_ty
@@ -211,6 +217,7 @@ def _down_gemv_kernel(
     w_ptr,  # qweight (E, I / 8, H) int4, or (E, H, I) int8
     s_ptr,  # scales (E, I / G, H), int8: (E, H, I / G)
     z_ptr,  # zeros (E, I / G, H), int8: unread
+    perm_ptr,  # int4 act order: (E, I) int32, the activation's column of each layout row
     weight_ptr,  # (T * K,) fp32: the pairs' router weights
     ids_ptr,  # (T * K,): each pair's expert
     out_ptr,  # (T * K, H)
@@ -226,6 +233,7 @@ def _down_gemv_kernel(
     stride_se,
     stride_sg,
     stride_sn,
+    stride_pe,
     stride_out,
     # the nibble masks
     mask_hi,
@@ -239,6 +247,7 @@ def _down_gemv_kernel(
     EVEN_K: tl.constexpr,
     EXACT: tl.constexpr,
     INT8: tl.constexpr,  # int8 rows (E, N, K), else int4 (E, K / 8, N)
+    HAS_PERM: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -251,8 +260,9 @@ def _down_gemv_kernel(
         return
     acc = _products(
         act_ptr + pair * stride_act, w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-        z_ptr + expert * stride_se, offs_n, mask_n, inter, stride_wk, stride_wn, stride_sg, stride_sn, mask_hi,
-        mask_lo, BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET, EXACT, INT8,
+        z_ptr + expert * stride_se, perm_ptr + expert * stride_pe, offs_n, mask_n, inter, stride_wk, stride_wn,
+        stride_sg, stride_sn, mask_hi, mask_lo, BLOCK_N, GROUP, BLOCK_K, NUM_STAGES, EVEN_K, ZERO_IS_OFFSET,
+        EXACT, INT8, HAS_PERM,
     )  # fmt: skip
     weight = tl.load(weight_ptr + pair)
     tl.store(dst, (acc.to(dt).to(tl.float32) * weight).to(dt), mask=mask_n)  # rounded, then weighted
@@ -269,16 +279,17 @@ def takes(w: object) -> bool:
 
 
 def _stack_args(w: Int4Experts | Int8Experts) -> tuple:
-    """qweight, scales, zeros (int8: the scales again, unread) and their strides as the kernels take them: expert,
-    packed row or input, column; expert, group, column."""
+    """qweight, scales, zeros (int8: the scales again, unread), act order's perm (else qweight, unread) and their
+    strides as the kernels take them: expert, packed row or input, column; expert, group, column; expert."""
     from kernels.fused_moe import Int8Experts
 
     q, s = w.qweight, w.scales
     if isinstance(w, Int8Experts):  # (E, N, K) rows, (E, N, K / G) scales
-        return q, s, s, q.stride(0), q.stride(2), q.stride(1), s.stride(0), s.stride(2), s.stride(1)
-    z = w.zeros
+        return q, s, s, q, q.stride(0), q.stride(2), q.stride(1), s.stride(0), s.stride(2), s.stride(1), 0
+    z, perm = w.zeros, w.perm
     assert s.stride() == z.stride() and s.stride(2) == 1, f"scales' strides {s.stride()}, zeros' {z.stride()}"
-    return q, s, z, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1), 1
+    return (q, s, z, q if perm is None else perm, q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1),
+            1, 0 if perm is None else perm.stride(0))  # fmt: skip
 
 
 def _grid_tile(programs: int, device: torch.device, tiles: GemvTiles) -> tuple[int, int]:
@@ -296,6 +307,7 @@ def _meta(w: Int4Experts | Int8Experts, k: int, x: torch.Tensor, programs: int, 
     assert not int8 or block_k % w.group_size == 0, f"int8 groups of {w.group_size} in {block_k}-row K tiles"
     return {
         "INT8": int8,
+        "HAS_PERM": not int8 and w.perm is not None,  # type: ignore[union-attr]
         "ZERO_IS_OFFSET": not int8 and w.zero_is_offset,  # type: ignore[union-attr]
         "GROUP": w.group_size,
         "BLOCK_K": block_k,
@@ -320,10 +332,10 @@ def gate_up_gemv(
         "x's rows and the pairs' experts must be contiguous"
     )
     act = torch.empty(pair_experts.numel(), inter, dtype=x.dtype, device=x.device)
-    q, s, z, *strides = _stack_args(w13)
+    q, s, z, perm, *strides = _stack_args(w13)
     grid = (pair_experts.numel(), triton.cdiv(inter, tiles.gate_up_n))
     _gate_up_gemv_kernel[grid](
-        x, q, s, z, pair_experts, act, experts, hidden, inter, x.stride(0), *strides, act.stride(0), MASK_HI,
+        x, q, s, z, perm, pair_experts, act, experts, hidden, inter, x.stride(0), *strides, act.stride(0), MASK_HI,
         MASK_LO, TOP_K=top_k, OUT_N=tiles.gate_up_n, **_meta(w13, hidden, x, grid[0] * grid[1], tiles),
     )  # fmt: skip
     return act
@@ -338,10 +350,10 @@ def down_gemv(
 ) -> torch.Tensor:  # (T * K, H): each pair's expert output, rounded, times its weight
     experts, hidden, inter = w2.shape
     out = torch.empty(act.shape[0], hidden, dtype=act.dtype, device=act.device)
-    q, s, z, *strides = _stack_args(w2)
+    q, s, z, perm, *strides = _stack_args(w2)
     grid = (act.shape[0], triton.cdiv(hidden, tiles.down_n))
     _down_gemv_kernel[grid](
-        act, q, s, z, pair_weights, pair_experts, out, experts, hidden, inter, act.stride(0), *strides,
+        act, q, s, z, perm, pair_weights, pair_experts, out, experts, hidden, inter, act.stride(0), *strides,
         out.stride(0), MASK_HI, MASK_LO, BLOCK_N=tiles.down_n, **_meta(w2, inter, act, grid[0] * grid[1], tiles),
     )  # fmt: skip
     return out

@@ -107,7 +107,7 @@ def _nibble_plus_128(packed, j: tl.constexpr):
 
 
 @triton.jit
-def _columns(perm_ptr, cols, mask, HAS_PERM: tl.constexpr):
+def x_columns(perm_ptr, cols, mask, HAS_PERM: tl.constexpr):
     """x's columns for layout rows `cols`: perm[cols] under GPTQ act order."""
     if HAS_PERM:
         cols = tl.load(perm_ptr + cols, mask=mask, other=0)
@@ -117,7 +117,7 @@ def _columns(perm_ptr, cols, mask, HAS_PERM: tl.constexpr):
 @triton.jit
 def _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, mask_r, HAS_PERM: tl.constexpr):
     """(BLOCK_M, R) of x: its rows offs_m at the columns of layout rows `cols`."""
-    cols = _columns(perm_ptr, cols, mask_r, HAS_PERM)
+    cols = x_columns(perm_ptr, cols, mask_r, HAS_PERM)
     return tl.load(
         x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
     )
@@ -308,10 +308,10 @@ def _w4a16_gemv_kernel(
         if ONE:
             x_row = x_ptr + (pid_mn // num_n) * stride_xm
             if EVEN_K:
-                x_tile = tl.load(x_row + _columns(perm_ptr, cols, cols < K, HAS_PERM))
+                x_tile = tl.load(x_row + x_columns(perm_ptr, cols, cols < K, HAS_PERM))
             else:
                 x_tile = tl.load(
-                    x_row + _columns(perm_ptr, cols, cols < K, HAS_PERM), mask=cols < K, other=0.0
+                    x_row + x_columns(perm_ptr, cols, cols < K, HAS_PERM), mask=cols < K, other=0.0
                 )
         else:
             x_tile = _x_tile(x_ptr, offs_m, stride_xm, perm_ptr, cols, mask_m, cols < K, HAS_PERM)

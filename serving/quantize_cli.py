@@ -29,7 +29,7 @@ def add_quantize_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--desc-act",
         action="store_true",
-        help="GPTQ act order: columns by decreasing activation (not for MoE models)",
+        help="GPTQ act order: columns by decreasing activation",
     )
     p.add_argument(
         "--lm-head",

@@ -73,7 +73,8 @@ def test_other_tiles_match_the_reference(tokens: int, tiles: tuple) -> None:
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
-def int4_experts(experts: int, n: int, k: int, group: int, seed: int):
+def int4_experts(experts: int, n: int, k: int, group: int, seed: int, act_order: bool = False):
+    """Random int4 experts; act_order: each expert's layout rows a random permutation of its input features."""
     from kernels.fused_moe import Int4Experts
     from kernels.int4_dequant import pack_rows
 
@@ -81,18 +82,27 @@ def int4_experts(experts: int, n: int, k: int, group: int, seed: int):
     q = torch.randint(0, 16, (experts, k, n), generator=gen, dtype=torch.uint8)
     scales = (torch.rand(experts, k // group, n, generator=gen) * 0.02 + 0.005).half()
     zeros = torch.randint(0, 16, (experts, k // group, n), generator=gen, dtype=torch.uint8)
-    return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group)
+    perm = (
+        torch.stack([torch.randperm(k, generator=gen) for _ in range(experts)]).int() if act_order else None
+    )
+    return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group, perm)
 
 
-@pytest.mark.parametrize(("tokens", "group"), [(1, 32), (6, 64), (70, 32)])
+@pytest.mark.parametrize(
+    ("tokens", "group", "act_order"),
+    [(1, 32, False), (6, 64, False), (70, 32, False), (6, 32, True), (70, 64, True)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_kernels_match_the_reference(tokens: int, group: int, dtype: torch.dtype) -> None:
-    """Int4 experts (the rows layout, one scale and zero a group) dequantized in the kernels' registers."""
+def test_int4_kernels_match_the_reference(
+    tokens: int, group: int, act_order: bool, dtype: torch.dtype
+) -> None:
+    """Int4 experts (the rows layout, one scale and zero a group) dequantized in the kernels' registers; under act
+    order x and the activations read through each expert's permutation."""
     hidden, inter, experts, top_k = 128, 64, 4, 2
     x, _, _, weights, ids = moe_inputs(tokens, hidden, inter, experts, top_k, dtype, seed=tokens)
     w13, w2 = (
-        int4_experts(experts, 2 * inter, hidden, group, 1),
-        int4_experts(experts, hidden, inter, group, 2),
+        int4_experts(experts, 2 * inter, hidden, group, 1, act_order),
+        int4_experts(experts, hidden, inter, group, 2, act_order),
     )
     assert w13.shape == (experts, 2 * inter, hidden) and w2.shape == (experts, hidden, inter)
     expected = fused_moe_reference(x, w13.dequantize(dtype), w2.dequantize(dtype), weights, ids)
@@ -147,6 +157,14 @@ def test_quantized_expert_stacks_check_their_shapes() -> None:
         Int4Experts(w.qweight, w.scales, w.zeros.to(torch.int32), 32)
     with pytest.raises(ValueError, match="scales are fp16 or fp32"):
         Int4Experts(w.qweight, w.scales.double(), w.zeros, 32)
+    with pytest.raises(ValueError, match=r"perm must be \(2, 64\) int32"):
+        Int4Experts(w.qweight, w.scales, w.zeros, 32, torch.zeros(2, 32, dtype=torch.int32))
+    ordered = int4_experts(2, 16, 64, 32, 0, act_order=True)  # the same words, rows permuted
+    assert ordered.perm is not None and torch.equal(ordered.qweight, w.qweight)
+    for e in range(2):  # layout row j is input feature perm[e, j]
+        assert torch.equal(
+            ordered.dequantize(torch.float32)[e][:, ordered.perm[e].long()], w.dequantize(torch.float32)[e]
+        )
     q = torch.zeros(2, 16, 64, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"must be \(2, 16, 2\)"):
         Int8Experts(q, torch.zeros(2, 16, 3, dtype=torch.float16), 32)
@@ -525,19 +543,63 @@ def test_int4_moe_through_the_kernels(tmp_path: Path, monkeypatch) -> None:
     )
 
 
-def test_int4_moe_act_order_is_refused(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def act_order(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """A tiny Mixtral quantized by GPTQ with act order (`pdserve quantize --desc-act`), and transformers' greedy
+    tokens on it dequantized."""
+    from engine.quantize import QuantizeConfig, quantize
+    from tests.quant_checkpoints import dequantized_copy
+
+    root = tmp_path_factory.mktemp("act_order")
+    config = QuantizeConfig(
+        str(tiny_random_model_dir(root, "mixtral")), str(root / "gptq"), method="gptq", group_size=32,
+        desc_act=True, max_tokens=256,
+    )  # fmt: skip
+    checkpoint = quantize(config)
+    return checkpoint, hf_greedy(dequantized_copy(checkpoint, root / "dense"), PROMPTS, MAX_TOKENS)
+
+
+def test_gptq_act_order_experts_through_the_kernels(act_order, monkeypatch) -> None:
+    """Each expert's rows sorted by group at load, x and the activations read through its permutation."""
+    checkpoint, expected = act_order
+    model, _ = load_model(checkpoint)
+    experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
+    perms = [experts.quantized[name].perm for name in ("w13", "w2")]
+    for perm in perms:
+        assert perm is not None and not torch.equal(perm[0], torch.arange(perm.shape[1], dtype=torch.int32))
+    moe_layers_on_the_kernels(monkeypatch)
+    assert generate(checkpoint) == expected
+
+
+def test_gptq_act_order_refusals(act_order, tmp_path: Path) -> None:
+    """Gate and up must share one order; down's features split over ranks would need every rank's groups."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
-    from tests.quant_checkpoints import write_int4_moe
+    from engine.layers.quant.config import QuantConfig
 
-    model_dir = tiny_random_model_dir(tmp_path, "qwen3_moe", moe_intermediate_size=64)
-    checkpoint = write_int4_moe(model_dir, tmp_path / "int4", "gptq")
-    tensors = load_file(checkpoint / "model.safetensors")
-    name = "model.layers.1.mlp.experts.0.up_proj.g_idx"
-    tensors[name] = tensors[name].flip(0).contiguous()
-    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts: GPTQ act order"):
-        load_model(checkpoint)
+    split = FusedMoE(2, 64, 64, tp_rank=0, tp_size=2)
+    split.quantize(QuantConfig("gptq", group_size=32, desc_act=True))
+    for name, param in split.named_parameters():
+        param.data.zero_()
+        if name == "w13_g_idx":
+            param.data.copy_(torch.arange(64) // 32)
+    # rank 0 holds down's first 32 features, group 0 in group order; expert 1's has half its rows in group 1
+    split.get_parameter("w2_g_idx").data[1, 0, :16] = 1
+    with pytest.raises(ValueError, match=r"act order \(desc_act\) is not supported on experts' down projections "
+                       r"split across ranks \(2\)"):  # fmt: skip
+        split.process_weights()
+    checkpoint, _ = act_order
+    changed = Path(shutil.copytree(checkpoint, tmp_path / "changed"))
+    tensors = load_file(changed / "model.safetensors")
+    name = "model.layers.0.block_sparse_moe.experts.1.w3.g_idx"
+    tensors[name] = (
+        torch.arange(tensors[name].numel(), dtype=torch.int32) // 32
+    )  # up's in group order, gate's not
+    save_file(tensors, changed / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\..*expert 1's gate and up have different g_idx"):
+        load_model(changed)
 
 
 @pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "gptq"), ("qwen2_moe", "awq")])

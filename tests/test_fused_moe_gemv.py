@@ -36,14 +36,15 @@ def q6_k_form(experts: int, n: int, k: int, seed: int) -> Int8Experts:
 
 
 def stacks(hidden: int, inter: int, experts: int, group: int, kind: str) -> tuple:
-    """(w13, w2) of a kind: int4 with zero points, Q4_1's or Q4_K's offsets, Q8_0, Q6_K, or Q4_K_M's Q4_K and Q6_K."""
+    """(w13, w2) of a kind: int4 with zero points (act_order: and GPTQ's act order), Q4_1's or Q4_K's offsets, Q8_0,
+    Q6_K, or Q4_K_M's Q4_K and Q6_K."""
     if kind == "q8_0":
         return int8_experts(experts, 2 * inter, hidden, 1), int8_experts(experts, hidden, inter, 2)
     if kind == "q6_k":
         return q6_k_form(experts, 2 * inter, hidden, 1), q6_k_form(experts, hidden, inter, 2)
-    w13 = int4_experts(experts, 2 * inter, hidden, group, 1)
-    w2 = int4_experts(experts, hidden, inter, group, 2)
-    if kind == "zeros":
+    w13 = int4_experts(experts, 2 * inter, hidden, group, 1, kind == "act_order")
+    w2 = int4_experts(experts, hidden, inter, group, 2, kind == "act_order")
+    if kind in ("zeros", "act_order"):
         return w13, w2
     scales = torch.float16 if kind == "q4_1" else torch.float32
     if kind == "q4_k_m":
@@ -75,6 +76,8 @@ def calls_of(monkeypatch, name: str) -> list[int]:
         (2, 128, 64, 2, 32, "q8_0", GemvTiles()),  # int8 rows, fp16 scales a 32
         (1, 160, 96, 4, 16, "q6_k", GemvTiles(64, 64, 64)),  # int8, fp32 scales a 16, masked columns, K tails
         (3, 128, 64, 2, 32, "q4_k_m", GemvTiles()),  # gate / up Q4_K, down Q6_K
+        (2, 128, 64, 2, 32, "act_order", GemvTiles()),  # x and the activations read through each expert's perm
+        (1, 160, 96, 2, 32, "act_order", GemvTiles(64, 64, 64)),  # the same with K tails
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -144,12 +147,14 @@ def test_pair_counts_and_stacks_that_take_the_gemv(monkeypatch) -> None:
 
 def test_every_kind_compiles_for_hopper() -> None:
     """The compiler builds what the interpreter never looks at (a constexpr branch not taken, pointer dtypes): each
-    kind of stack and dtype compiled for sm_90 in a process of its own, no GPU needed, with nothing spilled."""
+    kind of stack and dtype compiled for sm_90 in a process of its own, no GPU needed, with nothing spilled; the
+    grouped kernels' act-order gather too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.sass", "--moe-gemv"], env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "bench.sass", "--moe"], env=env, capture_output=True, text=True, timeout=600,
         cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled = [line for line in done.stdout.splitlines() if "_gemv_kernel:" in line]
-    assert len(compiled) == 12 and all("LOCAL:0 " in line for line in compiled), done.stdout
+    compiled = [line for line in done.stdout.splitlines() if "_kernel:" in line]
+    assert len([line for line in compiled if "_gemv_kernel:" in line]) == 16, done.stdout
+    assert len(compiled) == 18 and all("LOCAL:0 " in line and "STACK:0 " in line for line in compiled), done.stdout

@@ -38,6 +38,11 @@ RUNS = {  # name: (arch, method, format)
     "mixtral_awq": ("mixtral", "awq", "awq"),
     "qwen2_moe_awq": ("qwen2_moe", "awq", "awq"),  # the shared expert and its gate take the input scale too
     "qwen2_moe_gptq": ("qwen2_moe", "gptq", "gptq"),
+    "qwen2_moe_gptq_act": (
+        "qwen2_moe",
+        "gptq",
+        "gptq",
+    ),  # act order (--desc-act): gate and up share one order
     "qwen3_moe_rtn": ("qwen3_moe", "rtn", "gptq"),  # through the CLI
 }
 # checkpoint names: (the MoE block under model.layers.N, gate / up / down)
@@ -69,8 +74,9 @@ def checkpoints(models, tmp_path_factory) -> dict[str, Path]:
             assert main(argv) == 0
         else:
             config = QuantizeConfig(
-                str(models[arch]), str(root / name), method=method, format=fmt, group_size=G, max_tokens=512
-            )
+                str(models[arch]), str(root / name), method=method, format=fmt, group_size=G, max_tokens=512,
+                desc_act=name.endswith("_act"),
+            )  # fmt: skip
             assert quantize(config) == root / name
     return {name: root / name for name in RUNS}
 
@@ -97,18 +103,22 @@ def format_shapes(fmt: str, k: int, n: int) -> dict[str, tuple[tuple[int, ...], 
     return {kind: (s, torch.float16 if kind == "scales" else torch.int32) for kind, s in shapes.items()}
 
 
-def assert_quantized(tensors: dict[str, torch.Tensor], prefix: str, fmt: str, k: int, n: int) -> None:
+def assert_quantized(
+    tensors: dict[str, torch.Tensor], prefix: str, fmt: str, k: int, n: int, act_order: bool = False
+) -> None:
     assert f"{prefix}.weight" not in tensors, prefix
     for kind, (shape, dtype) in format_shapes(fmt, k, n).items():
         t = tensors[f"{prefix}.{kind}"]
         assert (tuple(t.shape), t.dtype) == (shape, dtype), f"{prefix}.{kind}"
-    if fmt == "gptq":  # in group order: int4 experts refuse act order
-        assert torch.equal(tensors[f"{prefix}.g_idx"], torch.arange(k, dtype=torch.int32) // G)
+    if fmt == "gptq":  # in group order, or under act order G input features a group in another order
+        g_idx, natural = tensors[f"{prefix}.g_idx"], torch.arange(k, dtype=torch.int32) // G
+        assert torch.equal(g_idx.sort().values, natural) and torch.equal(g_idx, natural) != act_order, prefix
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_checkpoints_hold_each_experts_tensors_and_dense_routers(name, checkpoints, models):
     arch, _, fmt = RUNS[name]
+    act = name.endswith("_act")
     path = checkpoints[name]
     tensors = load_file(str(path / "model.safetensors"))
     config, source = (json.loads((p / "config.json").read_text()) for p in (path, models[arch]))
@@ -125,18 +135,20 @@ def test_checkpoints_hold_each_experts_tensors_and_dense_routers(name, checkpoin
         assert (tuple(router.shape), router.dtype) == ((E, H), torch.float16)
         for e in range(E):
             gate, up, down = (f"{prefix}.experts.{e}.{part}" for part in parts)
-            assert_quantized(tensors, gate, fmt, H, inter)
-            assert_quantized(tensors, up, fmt, H, inter)
-            assert_quantized(tensors, down, fmt, inter, H)
+            assert_quantized(tensors, gate, fmt, H, inter, act)
+            assert_quantized(tensors, up, fmt, H, inter, act)
+            assert_quantized(tensors, down, fmt, inter, H, act)
+            if act:  # gate and up, quantized as one linear, share one order
+                assert torch.equal(tensors[f"{gate}.g_idx"], tensors[f"{up}.g_idx"])
     assert not any(".experts.w13" in t or ".experts.w2" in t for t in tensors)  # only the checkpoint's names
     if arch == "qwen2_moe":  # the shared expert is a dense MLP: quantized as one; its gate stays dense
         shared = "model.layers.1.mlp.shared_expert"
         for part, (k, n) in {"gate_proj": (H, 96), "up_proj": (H, 96), "down_proj": (96, H)}.items():
-            assert_quantized(tensors, f"{shared}.{part}", fmt, k, n)
+            assert_quantized(tensors, f"{shared}.{part}", fmt, k, n, act)
         gate = tensors["model.layers.1.mlp.shared_expert_gate.weight"]
         assert (tuple(gate.shape), gate.dtype) == ((1, H), torch.float16)
     if arch != "mixtral":  # layer 0's dense MLP, as a dense model's
-        assert_quantized(tensors, "model.layers.0.mlp.down_proj", fmt, config["intermediate_size"], H)
+        assert_quantized(tensors, "model.layers.0.mlp.down_proj", fmt, config["intermediate_size"], H, act)
 
 
 def first_moe_layer(model_dir: Path, max_tokens: int = 512):
@@ -203,21 +215,6 @@ def test_awq_folding_leaves_the_routers_logits_unchanged(models):
 
 
 # ---- refusals ------------------------------------------------------------------------------------
-
-
-def test_act_order_is_refused_for_experts(models, tmp_path, capsys):
-    config = QuantizeConfig(
-        str(models["mixtral"]), str(tmp_path / "a"), method="gptq", group_size=G, desc_act=True
-    )
-    with pytest.raises(
-        ValueError, match=r"GPTQ act order \(--desc-act\) is not available for MixtralForCausalLM"
-    ):
-        quantize(config)
-    argv = ["quantize", "--model", str(models["qwen3_moe"]), "--out", str(tmp_path / "b"), "--method", "gptq",
-            "--desc-act", "--group-size", str(G)]  # fmt: skip
-    assert main(argv) == 2
-    assert "int4 experts need g_idx in group order" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_a_group_size_that_cannot_divide_the_experts_is_refused(models, tmp_path, capsys):

@@ -16,9 +16,13 @@ rank holds E / N experts whole instead; a choice of another rank's expert contri
 kernels skip it), and the all-reduce sums every rank's experts.
 
 AWQ and GPTQ checkpoints hold each expert's projections as their linear layers do (qweight, qzeros, scales; GPTQ's
-g_idx, which must be in group order: act order is refused); `FusedMoE.quantize` registers them stacked over experts
-(gate and up side by side in their output features) as w13_qweight ... and w2_qweight ..., and `process_weights`
-re-lays them into kernels/fused_moe.py's Int4Experts.
+g_idx); `FusedMoE.quantize` registers them stacked over experts (gate and up side by side in their output features)
+as w13_qweight ... and w2_qweight ..., and `process_weights` re-lays them into kernels/fused_moe.py's Int4Experts.
+Under GPTQ act order (g_idx out of group order) each expert's rows are sorted by group and the kernels read x through
+the expert's permutation, as the dense linears do; gate's and up's act orders must agree (GPTQ computes them from
+the one Hessian of their shared input), and down's input features must be whole on each rank (expert parallelism,
+or none), since a rank's slice of an act-order down needs groups from every rank (the dense row-parallel layers
+refuse act order across ranks too).
 
 GGUF files hold each projection stacked over experts (ffn_{gate,up,down}_exps); a stack of Q4_0, Q4_1, Q4_K, Q8_0 or
 Q6_K (gate and up of one type) stays quantized: `FusedMoE.quantize_gguf` takes each expert's rows of blocks, and
@@ -37,10 +41,12 @@ from torch import nn
 
 from engine.layers.linear import ReplicatedLinear, copy_checked, divide, set_weight_loader
 from engine.layers.quant.config import QuantConfig
+from engine.layers.quant.int4 import sorted_by_group
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
 from kernels import _backend
 from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe
+from kernels.int4_dequant import unpack_rows
 from kernels.moe_route import route
 
 Quantized = Int4Experts | Int8Experts
@@ -226,9 +232,11 @@ class FusedMoE(nn.Module):
         for name in [n for n, _ in self.named_parameters(recurse=False) if n.split("_")[0] in laid]:
             delattr(self, name)
         for name, experts in laid.items():  # parameters again, so the model's weight bytes count them
-            kinds = (
+            kinds: tuple[str, ...] = (
                 ("qweight", "scales", "zeros") if isinstance(experts, Int4Experts) else ("qweight", "scales")
             )
+            if isinstance(experts, Int4Experts) and experts.perm is not None:
+                kinds += ("perm",)
             for kind in kinds:
                 self.register_parameter(
                     f"{name}_{kind}", nn.Parameter(getattr(experts, kind), requires_grad=False)
@@ -256,27 +264,46 @@ class FusedMoE(nn.Module):
             self.get_parameter(f"{name}_qzeros").data,
         )
         scales, g = self.get_parameter(f"{name}_scales").data, self.group
+        perm = None
         if self.quant.method == "awq":
             q = torch.stack([pack_rows(unpack_cols(w, AWQ_ORDER), check=False) for w in qweight])
             zeros = torch.stack([unpack_cols(z, AWQ_ORDER) for z in qzeros])
         else:
-            g_idx = self.get_parameter(f"{name}_g_idx").data
-            k = g_idx.shape[-1]
-            if (
-                name == "w2"
-            ):  # down's input features are this rank's: its groups counted from the rank's first
-                g_idx = g_idx - self.tp_rank * (k // g)
-            if not torch.equal(
-                g_idx, (torch.arange(k, device=g_idx.device) // g).to(g_idx.dtype).expand_as(g_idx)
-            ):
-                raise ValueError(
-                    f"GPTQ act order (a g_idx out of group order) is not supported for experts ({name})"
-                )
-            q = qweight
+            q, perm = self._in_group_order(name, self.get_parameter(f"{name}_g_idx").data, qweight)
             zeros = torch.stack([unpack_cols(z, NATURAL_ORDER) for z in qzeros])
             if self.quant.zeros_minus_one:
                 zeros = zeros + 1
-        return Int4Experts(q.contiguous(), scales.contiguous(), zeros.contiguous(), g)
+        return Int4Experts(q.contiguous(), scales.contiguous(), zeros.contiguous(), g, perm)
+
+    def _in_group_order(
+        self, name: str, g_idx: torch.Tensor, qweight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A GPTQ stack's qweight (E, K / 8, N) with each expert's rows sorted by group, and the experts'
+        permutations (E, K) int32 (None: every g_idx (E, parts, K) already in group order)."""
+        g = self.group
+        k = g_idx.shape[-1]
+        if name == "w2":  # down's input features are this rank's: its groups counted from the rank's first
+            g_idx = g_idx - self.tp_rank * (k // g)
+        natural = (torch.arange(k, device=g_idx.device) // g).to(g_idx.dtype)
+        if torch.equal(g_idx, natural.expand_as(g_idx)):
+            return qweight, None
+        if name == "w2" and self.tp_size > 1:
+            raise ValueError(
+                f"GPTQ act order (desc_act) is not supported on experts' down projections split across ranks "
+                f"({self.tp_size}); with expert parallelism each rank holds its experts whole"
+            )
+        differ = (g_idx != g_idx[:, :1]).any(-1).any(-1)
+        if differ.any():
+            raise ValueError(
+                f"GPTQ act order: expert {int(differ.nonzero()[0])}'s gate and up have different g_idx; int4 experts "
+                "read x once for both"
+            )
+        rows, perms = [], []
+        for e in range(g_idx.shape[0]):
+            q, perm = sorted_by_group(unpack_rows(qweight[e]), g_idx[e, 0], g, f"{name} expert {e}")
+            rows.append(qweight[e] if perm is None else pack_rows(q, check=False))
+            perms.append(torch.arange(k, dtype=torch.int32, device=g_idx.device) if perm is None else perm)
+        return torch.stack(rows), torch.stack(perms)
 
     def weights(self, x: torch.Tensor) -> tuple[Experts, Experts]:
         """(w13, w2) as the kernels take them at x: quantized experts on the GPU, their dense dequantization (made

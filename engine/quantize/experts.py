@@ -7,7 +7,8 @@ calibration tokens its router sends it, the shared expert (Qwen2-MoE, a dense ML
     rtn:  each expert's gate, up and down rounded to the grid
     gptq: gate and up from the Hessian of the expert's tokens, then down from the Hessian of its down inputs
           silu(gate x) * up x with gate and up already quantized (an expert routed fewer tokens than the
-          linear's input features: every token of x instead)
+          linear's input features: every token of x instead); with act order gate and up, quantized as one
+          linear, share one column order
     awq:  (AutoAWQ's Mixtral and Qwen-MoE recipe) one input scale for every expert's gate and up, searched on x
           and folded into the norm, the routers' weights multiplied by it so their logits are unchanged; per
           expert an up -> down scale searched on its down inputs; clipping per expert; then round to the grid
@@ -88,10 +89,16 @@ def experts_of(block: SparseMoeBlock, x: torch.Tensor | None) -> list[Expert]:
 
 @torch.no_grad()
 def quantize_moe(
-    method: str, block: SparseMoeBlock, norm: RMSNorm, x: torch.Tensor | None, grid: Grid
+    method: str,
+    block: SparseMoeBlock,
+    norm: RMSNorm,
+    x: torch.Tensor | None,
+    grid: Grid,
+    desc_act: bool = False,
 ) -> dict[str, QuantizedWeight]:
     """Quantize the block's experts in place. x (T, H): the block's calibration input (None for rtn, which reads
-    none); norm: the norm making it, where AWQ folds its scale. Keys are relative to the decoder layer."""
+    none); norm: the norm making it, where AWQ folds its scale; desc_act: GPTQ's act order. Keys are relative to
+    the decoder layer."""
     experts = experts_of(block, x)
     if method == "awq":
         assert x is not None, "AWQ searches its scales on the block's input"
@@ -101,7 +108,7 @@ def quantize_moe(
     for expert in experts:
         if method == "gptq":
             assert x is not None, "GPTQ takes its Hessians from the block's input"
-            out.update(expert.results(*gptq_expert(expert, x, grid)))
+            out.update(expert.results(*gptq_expert(expert, x, grid, desc_act)))
             continue
         w13, w2 = round_to_nearest(expert.w13, grid), round_to_nearest(expert.w2, grid)
         expert.w13.copy_(w13.dequantize())
@@ -110,17 +117,19 @@ def quantize_moe(
     return out
 
 
-def gptq_expert(expert: Expert, x: torch.Tensor, grid: Grid) -> tuple[QuantizedWeight, QuantizedWeight]:
+def gptq_expert(
+    expert: Expert, x: torch.Tensor, grid: Grid, desc_act: bool = False
+) -> tuple[QuantizedWeight, QuantizedWeight]:
     """Gate and up from the Hessian of the expert's tokens, then down from that of its down inputs computed
     with the quantized gate and up. A linear whose expert got fewer tokens than its input features (or none)
     takes the Hessian of every token of the block x (T, H) instead, as llm-compressor's calibrate_all_experts
     does for all experts: fewer tokens leave the Hessian singular but for its damping, and the error feedback
     would move error into directions no token measured."""
     tokens = calibration_tokens(expert.x, x, expert.w13.shape[1])
-    w13 = gptq(expert.w13, hessian(tokens), grid)
+    w13 = gptq(expert.w13, hessian(tokens), grid, desc_act)
     expert.w13.copy_(w13.dequantize())
     tokens = calibration_tokens(expert.x, x, expert.w2.shape[1])
-    w2 = gptq(expert.w2, hessian(expert.down_inputs(tokens)), grid)
+    w2 = gptq(expert.w2, hessian(expert.down_inputs(tokens)), grid, desc_act)
     expert.w2.copy_(w2.dequantize())
     return w13, w2
 

@@ -165,12 +165,7 @@ def quantize_lm_head(
 
 def check_experts(cfg: QuantizeConfig, config: ModelConfig) -> None:
     """What int4 experts can be (engine/layers/moe.py: FusedMoE.quantize): one group size dividing both their
-    input sizes, g_idx in group order."""
-    if cfg.desc_act:
-        raise ValueError(
-            f"GPTQ act order (--desc-act) is not available for {config.architecture}: int4 experts need g_idx in "
-            "group order (the engine's and vLLM's fused MoE kernels refuse act order); quantize without it"
-        )
+    input sizes."""
     h, i = config.hidden_size, config.moe_intermediate_size
     if h % cfg.group_size or i % cfg.group_size:
         fits = [g for g in (128, 64, 32) if h % g == 0 and i % g == 0]
@@ -228,7 +223,9 @@ def quantize_layer(
     done = {_PATHS[name]: w for name, w in out.items()}
     if isinstance(layer.mlp, SparseMoeBlock):
         block_input = runner.inputs(layer, state)["moe"] if cfg.method == "gptq" else inputs.get("moe")
-        done |= quantize_moe(cfg.method, layer.mlp, layer.post_attention_layernorm, block_input, cfg.grid)
+        done |= quantize_moe(
+            cfg.method, layer.mlp, layer.post_attention_layernorm, block_input, cfg.grid, cfg.desc_act
+        )
     return done
 
 

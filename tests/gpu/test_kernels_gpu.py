@@ -271,10 +271,15 @@ def test_fused_moe_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "group"), [(1, 128), (8, 128), (9, 64), (300, 128), (1, 32)])
-def test_fused_moe_int4_matches_reference(tokens, group, dtype):
+@pytest.mark.parametrize(
+    ("tokens", "group", "act_order"),
+    [(1, 128, False), (8, 128, False), (9, 64, False), (300, 128, False), (1, 32, False), (2, 128, True),
+     (300, 128, True)],
+)  # fmt: skip
+def test_fused_moe_int4_matches_reference(tokens, group, act_order, dtype):
     """Int4 experts (AWQ / GPTQ, rows layout), Qwen3-30B-A3B's shape: up to 8 tokens (64 pairs) the GEMVs of
-    kernels/fused_moe_gemv.py, then the grouped kernels, dequantizing in registers."""
+    kernels/fused_moe_gemv.py, then the grouped kernels, dequantizing in registers; GPTQ act order reads x and the
+    activations through each expert's permutation."""
     from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
     from kernels.int4_dequant import pack_rows
 
@@ -287,7 +292,10 @@ def test_fused_moe_int4_matches_reference(tokens, group, dtype):
         q = torch.randint(0, 16, (experts, k, n), device=DEV, generator=gen, dtype=torch.uint8)
         scales = (torch.rand(experts, k // group, n, device=DEV, generator=gen) * 0.01 + 0.002).half()
         zeros = torch.randint(0, 16, (experts, k // group, n), device=DEV, generator=gen, dtype=torch.uint8)
-        return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group)
+        perm = None
+        if act_order:
+            perm = torch.stack([torch.randperm(k, device=DEV, generator=gen) for _ in range(experts)]).int()
+        return Int4Experts(torch.stack([pack_rows(q[e]) for e in range(experts)]), scales, zeros, group, perm)
 
     w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
     ref = fused_moe_reference(x.float(), w13, w2, weights, ids)

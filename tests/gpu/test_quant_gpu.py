@@ -676,15 +676,24 @@ def test_dummy_int4_llama3_8b_fits_and_decodes():
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-@pytest.mark.parametrize(("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq")])
+@pytest.mark.parametrize(
+    ("arch", "fmt"), [("mixtral", "awq"), ("qwen3_moe", "gptq"), ("mixtral", "gptq_act")]
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_int4_moe_serves_as_transformers(tmp_path, arch, fmt, dtype):
     """An AWQ / GPTQ MoE checkpoint (int4 experts through kernels/fused_moe.py, int4 attention) in CUDA graphs:
-    greedy output is transformers' on the dequantized weights (fp32), up to bf16's near-ties in bf16."""
+    greedy output is transformers' on the dequantized weights (fp32), up to bf16's near-ties in bf16. gptq_act: made
+    by `pdserve quantize --method gptq --desc-act` (act order)."""
     from tests.quant_checkpoints import write_int4_moe
 
     sizes = {} if arch == "mixtral" else {"moe_intermediate_size": 64}
-    ckpt = write_int4_moe(tiny_random_model_dir(tmp_path, arch, **sizes), tmp_path / "int4", fmt)
+    model_dir = tiny_random_model_dir(tmp_path, arch, **sizes)
+    if fmt == "gptq_act":
+        config = QuantizeConfig(str(model_dir), str(tmp_path / "int4"), method="gptq", group_size=32,
+                                desc_act=True, max_tokens=256)  # fmt: skip
+        ckpt = quantize(config)
+    else:
+        ckpt = write_int4_moe(model_dir, tmp_path / "int4", fmt)
     dense = dequantized_copy(ckpt, tmp_path / "dense")
     want = hf_greedy(dense, PROMPTS, [12] * len(PROMPTS))
     got = served(ckpt, dtype=dtype)
