@@ -296,7 +296,9 @@ def main() -> None:
     p.add_argument("--kw", nargs="*", default=[], help="w4a16_mma keywords, key=value (warps=8 unroll=1 ...)")
     p.add_argument("--out-dir", type=Path, default=None, help="where the SASS and PTX are kept")
     p.add_argument(
-        "--moe", action="store_true", help="compile the MoE decode GEMVs and act-order grouped kernels instead"
+        "--moe",
+        action="store_true",
+        help="compile the MoE decode GEMVs and act-order grouped kernels instead",
     )
     args = p.parse_args()
     if args.moe:

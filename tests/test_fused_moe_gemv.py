@@ -76,7 +76,7 @@ def calls_of(monkeypatch, name: str) -> list[int]:
         (2, 128, 64, 2, 32, "q8_0", GemvTiles()),  # int8 rows, fp16 scales a 32
         (1, 160, 96, 4, 16, "q6_k", GemvTiles(64, 64, 64)),  # int8, fp32 scales a 16, masked columns, K tails
         (3, 128, 64, 2, 32, "q4_k_m", GemvTiles()),  # gate / up Q4_K, down Q6_K
-        (2, 128, 64, 2, 32, "act_order", GemvTiles()),  # x and the activations read through each expert's perm
+        (2, 128, 64, 2, 32, "act_order", GemvTiles()),  # x and the activations read through the perms
         (1, 160, 96, 2, 32, "act_order", GemvTiles(64, 64, 64)),  # the same with K tails
     ],
 )
@@ -157,4 +157,5 @@ def test_every_kind_compiles_for_hopper() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if "_kernel:" in line]
     assert len([line for line in compiled if "_gemv_kernel:" in line]) == 16, done.stdout
-    assert len(compiled) == 18 and all("LOCAL:0 " in line and "STACK:0 " in line for line in compiled), done.stdout
+    spilled = [line for line in compiled if "LOCAL:0 " not in line or "STACK:0 " not in line]
+    assert len(compiled) == 18 and not spilled, done.stdout
