@@ -138,8 +138,8 @@ def compile_caught(module: Any, name: str, call: Any, others: tuple[str, ...] = 
 
 def compile_moe_kernels() -> dict[str, str]:
     """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
-    and activation dtype, and kernels/fused_moe.py's grouped kernels (64 tokens, bf16) for GPTQ act order: {"kind
-    dtype kernel": register usage}. A kernel that does not compile raises."""
+    and activation dtype, and kernels/fused_moe.py's grouped kernels and their act-order gather (64 tokens, bf16):
+    {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
     import torch
 
     import kernels.fused_moe as grouped
@@ -183,8 +183,10 @@ def compile_moe_kernels() -> dict[str, str]:
         ids = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k) % experts
         x, weights = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(tokens, top_k)
         call = partial(grouped.fused_moe_triton, x, w13, w2, weights, ids, gemv=None)
-        for name, other in (("_gate_up_kernel", "_down_kernel"), ("_down_kernel", "_gate_up_kernel")):
-            compiled = compile_caught(grouped, name, call, (other, "_sum_choices_kernel"))
+        launched = ("_gather_by_perm_kernel", "_gate_up_kernel", "_down_kernel", "_sum_choices_kernel")
+        for name in launched[:3]:
+            others = tuple(other for other in launched if other != name)
+            compiled = compile_caught(grouped, name, call, others)
             out[f"gptq_act bfloat16 {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
     return out
 

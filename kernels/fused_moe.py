@@ -25,8 +25,10 @@ integer times an fp16 scale), rounded to x's dtype:
 - Int4Experts (AWQ / GPTQ checkpoints, GGUF Q4_0 / Q4_1 / Q4_K), each expert in kernels/int4_dequant.py's rows
   layout: (q - z) * s with integer zero points, q * s + m with GGUF Q4_1's and Q4_K's float offsets;
 - Int8Experts (GGUF Q8_0, Q6_K): q * s, a scale per 32 (16) input features, each expert's rows as the checkpoint's.
-Under GPTQ act order an Int4Experts' rows are in group order and its perm gives each row's input feature: the kernels
-(and the GEMVs) load x's, or the activation's, columns through the expert's perm.
+Under GPTQ act order an Int4Experts' rows are in group order and its perm gives each row's input feature. Before a
+grouped kernel, `_gather_by_perm` lays each pair's row of x (or of the activation) out in its expert's row order, one
+contiguous copy, so the kernels' K loops read x as they do without act order; gathering x's columns inside the K loop
+took Mixtral-8x7B's 4096-token layer 26x as long (H100). The GEMVs, a pair a program, read them through the perm.
 
 A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
 
@@ -49,7 +51,6 @@ from kernels.fused_moe_gemv import chosen as gemv_chosen
 from kernels.fused_moe_gemv import takes as gemv_takes
 from kernels.int4_dequant import unpack_rows
 from kernels.silu_and_mul import silu_mul
-from kernels.w4a16_gemm import x_columns
 
 # at most this many (token, choice) pairs take a block each, in pair order, with no alignment: align_pairs' torch
 # ops cost ~50 us (H100, in a CUDA graph) against the ~50 us of the kernels at one token of Qwen3-30B-A3B (8 pairs),
@@ -279,11 +280,10 @@ def _block_pairs(pair_ptr, expert_ptr, block, num_pairs, BLOCK_M: tl.constexpr, 
 @triton.jit(do_not_specialize=["num_pairs"])  # a step's pairs: one variant for every batch
 def _gate_up_kernel(
     # pointers
-    x_ptr,  # (T, H)
+    x_ptr,  # (T, H), pair p reading row p // TOP_K; act order: (T * K, H), TOP_K 1 (_gather_by_perm)
     w_ptr,  # (E, 2 * I, H) dense, or int4 qweight (E, H / 8, 2 * I)
     s_ptr,  # int4: scales (E, H / G, 2 * I)
     z_ptr,  # int4: zeros (E, H / G, 2 * I)
-    perm_ptr,  # act order: (E, H) int32, x's column of each layout row
     pair_ptr,  # (num_blocks * BLOCK_M,) int32
     expert_ptr,  # (num_blocks,) int32
     used_ptr,  # (1,) int32
@@ -301,13 +301,11 @@ def _gate_up_kernel(
     stride_se,
     stride_sg,
     stride_sn,
-    stride_pe,
     stride_act,
     # meta
     TOP_K: tl.constexpr,
     SINGLE: tl.constexpr,
     KIND: tl.constexpr,
-    HAS_PERM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -326,14 +324,13 @@ def _gate_up_kernel(
     n_in = cols < inter
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_x  # (BLOCK_M, 1)
-    perm_row = perm_ptr + expert * stride_pe
     dt = act_ptr.dtype.element_ty
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_in = ks + k0 < H
         a = tl.load(
-            x_rows + x_columns(perm_row, ks + k0, k_in, HAS_PERM)[None, :],
+            x_rows + (ks + k0)[None, :],
             mask=rows[:, None] & k_in[None, :],
             other=0.0,
         )  # (BLOCK_M, BLOCK_K)
@@ -355,7 +352,6 @@ def _down_kernel(
     w_ptr,  # (E, H, I) dense, or int4 qweight (E, I / 8, H)
     s_ptr,
     z_ptr,
-    perm_ptr,  # act order: (E, I) int32, the activation's column of each layout row
     weight_ptr,  # (T * K,) fp32: the pairs' router weights
     pair_ptr,
     expert_ptr,
@@ -374,12 +370,10 @@ def _down_kernel(
     stride_se,
     stride_sg,
     stride_sn,
-    stride_pe,
     stride_out,
     # meta
     SINGLE: tl.constexpr,
     KIND: tl.constexpr,
-    HAS_PERM: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -404,13 +398,12 @@ def _down_kernel(
         return
     ks = tl.arange(0, BLOCK_K)
     a_rows = act_ptr + pairs64[:, None] * stride_act  # (BLOCK_M, 1)
-    perm_row = perm_ptr + expert * stride_pe
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_in = ks + k0 < inter
         a = tl.load(
-            a_rows + x_columns(perm_row, ks + k0, k_in, HAS_PERM)[None, :],
+            a_rows + (ks + k0)[None, :],
             mask=rows[:, None] & k_in[None, :],
             other=0.0,
         )  # (BLOCK_M, BLOCK_K)
@@ -423,35 +416,68 @@ def _down_kernel(
 
 
 def _weight_args(w: Experts, cfg: Tiles) -> tuple[tuple, dict]:
-    """A stack's pointers and strides for _weight_tile and the act-order gather: (w, s, z, perm, stride_we,
-    stride_wn, stride_wk, stride_se, stride_sg, stride_sn, stride_pe), and its constexprs. A K tile never spans two
-    groups."""
+    """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
+    stride_sg, stride_sn), and its constexprs. A K tile never spans two groups."""
     if isinstance(w, Int4Experts):
-        q, s, perm = w.qweight, w.scales, w.perm
-        args = (q, s, w.zeros, q if perm is None else perm, q.stride(0), 1, q.stride(1), s.stride(0),
-                s.stride(1), 1, 0 if perm is None else perm.stride(0))  # fmt: skip
+        q, s = w.qweight, w.scales
+        args = (q, s, w.zeros, q.stride(0), 1, q.stride(1), s.stride(0), s.stride(1), 1)
         kind = INT4_OFFSETS if w.zero_is_offset else INT4
         return args, {
             "KIND": kind.value,
-            "HAS_PERM": perm is not None,
             "GROUP": w.group_size,
             "BLOCK_K": 64 if w.group_size % 64 == 0 else 32,
         }
     if isinstance(w, Int8Experts):
         q, s = w.qweight, w.scales
-        args = (q, s, s, q, q.stride(0), q.stride(1), 1, s.stride(0), 1, s.stride(1), 0)
+        args = (q, s, s, q.stride(0), q.stride(1), 1, s.stride(0), 1, s.stride(1))
         return args, {
             "KIND": INT8.value,
-            "HAS_PERM": False,
             "GROUP": w.group_size,
             "BLOCK_K": 32 if w.group_size % 32 == 0 else 16,
         }
-    return (w, w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0, 0), {
+    return (w, w, w, w.stride(0), w.stride(1), 1, 0, 0, 0), {
         "KIND": DENSE.value,
-        "HAS_PERM": False,
         "GROUP": 1,
         "BLOCK_K": cfg.block_k or 64,
     }
+
+
+@triton.jit
+def _gather_by_perm_kernel(
+    src_ptr,  # (rows / DIV, K): a pair's source row is its index // DIV
+    perm_ptr,  # (E, K) int32
+    expert_ptr,  # (rows,) the pairs' experts
+    dst_ptr,  # (rows, K)
+    num_experts,
+    K,
+    stride_src,
+    stride_pe,
+    stride_dst,
+    DIV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    k_in = ks < K
+    # another rank's expert (expert parallelism): no kernel reads its pair's row, gathered by the last expert's perm
+    expert = tl.minimum(tl.load(expert_ptr + pair).to(tl.int64), num_experts - 1)
+    cols = tl.load(perm_ptr + expert * stride_pe + ks, mask=k_in, other=0)
+    row = tl.load(src_ptr + (pair // DIV) * stride_src + cols, mask=k_in, other=0.0)
+    tl.store(dst_ptr + pair * stride_dst + ks, row, mask=k_in)
+
+
+def _gather_by_perm(src: torch.Tensor, w: Int4Experts, pair_experts: torch.Tensor, div: int) -> torch.Tensor:
+    """(pairs, K): pair p's row of src (row p // div) in its expert's layout order, dst[p, k] = src[p // div,
+    perm[e, k]], for the grouped kernels under act order."""
+    assert w.perm is not None
+    pairs, k = pair_experts.numel(), src.shape[1]
+    dst = torch.empty(pairs, k, dtype=src.dtype, device=src.device)
+    block = min(1024, triton.next_power_of_2(k))
+    _gather_by_perm_kernel[(pairs, triton.cdiv(k, block))](
+        src, w.perm, pair_experts, dst, w.perm.shape[0], k, src.stride(0), w.perm.stride(0), dst.stride(0),
+        DIV=div, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return dst
 
 
 def fused_moe_triton(
@@ -482,10 +508,13 @@ def fused_moe_triton(
     else:
         assert plan is not None
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-        (w, s, z, perm, *strides), meta = _weight_args(w13, cfg)
+        rows, per_token = x, top_k
+        if isinstance(w13, Int4Experts) and w13.perm is not None:  # a row a pair, in its expert's order
+            rows, per_token = _gather_by_perm(x, w13, pair_experts, top_k), 1
+        (w, s, z, *strides), meta = _weight_args(w13, cfg)
         _gate_up_kernel[(plan.num_blocks, triton.cdiv(inter, cfg.gate_up_n))](
-            x, w, s, z, perm, plan.pair_ids, plan.block_experts, plan.used, act, num_pairs, experts, hidden, inter,
-            x.stride(0), *strides, act.stride(0), TOP_K=top_k, SINGLE=plan.single, BLOCK_M=plan.rows,
+            rows, w, s, z, plan.pair_ids, plan.block_experts, plan.used, act, num_pairs, experts, hidden, inter,
+            rows.stride(0), *strides, act.stride(0), TOP_K=per_token, SINGLE=plan.single, BLOCK_M=plan.rows,
             BLOCK_N=cfg.gate_up_n, **launch, **meta,
         )  # fmt: skip
     if gemv_down:
@@ -493,9 +522,11 @@ def fused_moe_triton(
     else:
         assert plan is not None
         out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-        (w, s, z, perm, *strides), meta = _weight_args(w2, cfg)
+        if isinstance(w2, Int4Experts) and w2.perm is not None:
+            act = _gather_by_perm(act, w2, pair_experts, 1)
+        (w, s, z, *strides), meta = _weight_args(w2, cfg)
         _down_kernel[(plan.num_blocks, triton.cdiv(hidden, cfg.down_n))](
-            act, w, s, z, perm, weights, plan.pair_ids, plan.block_experts, plan.used, out, num_pairs, experts, hidden,
+            act, w, s, z, weights, plan.pair_ids, plan.block_experts, plan.used, out, num_pairs, experts, hidden,
             inter, act.stride(0), *strides, out.stride(0), SINGLE=plan.single, BLOCK_M=plan.rows,
             BLOCK_N=cfg.down_n, **launch, **meta,
         )  # fmt: skip

@@ -629,6 +629,23 @@ def test_choices_of_experts_held_elsewhere_add_nothing() -> None:
     torch.testing.assert_close(fused_moe_triton(x, w13[:2], w2[:2], weights, elsewhere), here)
 
 
+@pytest.mark.parametrize("tokens", [3, 9])  # 6 pairs a block each; 18 pairs aligned in blocks
+def test_act_order_rows_gathered_for_the_grouped_kernels(tokens: int) -> None:
+    """Under act order the grouped kernels read each pair's row of x, and of the activation, copied into its expert's
+    row order first (_gather_by_perm), with single-pair blocks and aligned ones, choices of experts held elsewhere
+    among them; the GEMVs kept out."""
+    hidden, inter, top_k = 64, 32, 2
+    x, _, _, weights, ids = moe_inputs(tokens, hidden, inter, 4, top_k, torch.float32, seed=tokens)
+    w13 = int4_experts(2, 2 * inter, hidden, 32, 1, act_order=True)
+    w2 = int4_experts(2, hidden, inter, 32, 2, act_order=True)
+    elsewhere = torch.where(ids >= 2, 2, ids)  # experts 0 and 1 of 4 held here
+    dense = w13.dequantize(torch.float32), w2.dequantize(torch.float32)
+    expected = fused_moe_reference(x, *dense, weights, elsewhere)
+    assert (elsewhere == 2).any() and (elsewhere < 2).any()
+    got = fused_moe_triton(x, w13, w2, weights, elsewhere, gemv=None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_expert_parallel_at_tp2_equals_transformers(tmp_path: Path, arch: str) -> None:
     """enable_expert_parallel: each rank holds 2 of the 4 experts whole; the all-reduce sums both ranks' experts
