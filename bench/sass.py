@@ -138,7 +138,8 @@ def compile_caught(module: Any, name: str, call: Any, others: tuple[str, ...] = 
 
 def compile_moe_kernels() -> dict[str, str]:
     """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
-    and activation dtype, and kernels/fused_moe.py's grouped kernels and their act-order gather (64 tokens, bf16):
+    and activation dtype, and kernels/fused_moe.py's grouped kernels for each kind at 64 and 4096 tokens (bf16), the
+    act-order gather too:
     {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
     import torch
 
@@ -178,16 +179,18 @@ def compile_moe_kernels() -> dict[str, str]:
                     compiled = compile_caught(gemv, name, call)
                     dt = str(dtype).removeprefix("torch.")
                     out[f"{kind} {dt} {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
-        w13, w2 = kinds["gptq_act"]
-        tokens = 64
-        ids = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k) % experts
-        x, weights = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(tokens, top_k)
-        call = partial(grouped.fused_moe_triton, x, w13, w2, weights, ids, gemv=None)
         launched = ("_gather_by_perm_kernel", "_gate_up_kernel", "_down_kernel", "_sum_choices_kernel")
-        for name in launched[:3]:
-            others = tuple(other for other in launched if other != name)
-            compiled = compile_caught(grouped, name, call, others)
-            out[f"gptq_act bfloat16 {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
+        for kind, (w13, w2) in kinds.items():
+            act_order = kind == "gptq_act"
+            for tokens in (64,) if act_order else (64, 4096):  # decode-sized tiles, and prefill's tallest
+                ids = torch.arange(tokens * top_k, dtype=torch.int32).view(tokens, top_k) % experts
+                x, weights = torch.zeros(tokens, hidden, dtype=torch.bfloat16), torch.zeros(tokens, top_k)
+                call = partial(grouped.fused_moe_triton, x, w13, w2, weights, ids, gemv=None)
+                for name in launched[0 if act_order else 1 : 3]:
+                    others = tuple(other for other in launched if other != name)
+                    compiled = compile_caught(grouped, name, call, others)
+                    rows = "" if act_order else f" t{tokens}"
+                    out[f"{kind} bfloat16{rows} {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
     return out
 
 

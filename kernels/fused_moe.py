@@ -83,12 +83,17 @@ TALL_ROWS = 256
 def tiles(num_pairs: int, num_experts: int, quantized: bool) -> Tiles:
     """Measured on an H100 (python -m bench.moe --sweep): up to 64 tokens the default is within 4% of the best of 18;
     with many rows an expert the GEMMs are compute-bound and taller tiles win: at 4096 tokens Qwen3-30B-A3B 1,158
-    against 1,512 us, Mixtral-8x7B 5,827 against 9,999; int4 experts 128 x 64, 4 warps (1,590 against 1,783)."""
-    if num_pairs < TALL_ROWS * num_experts:
-        return Tiles()
-    if quantized:
-        return Tiles(64, 64, 4, block_m=128, stages=3)
-    return Tiles(128, 128, 8, block_m=128, block_k=64, stages=3)
+    against 1,512 us, Mixtral-8x7B 5,827 against 9,999. Int4 experts (their tiles dequantized as the MMA's register
+    operand) from 256 rows an expert 128 x 128, 8 warps (Mixtral 8,886 against 10,186 us, Qwen3 1,496 against 1,553),
+    and from 128 rows 128 x 64, 4 warps, 4 stages (Mixtral at 512 tokens: 1,597 against 1,850)."""
+    rows = num_pairs / num_experts
+    if quantized and rows >= TALL_ROWS:
+        return Tiles(128, 128, 8, block_m=128, stages=3)
+    if quantized and rows >= TALL_ROWS // 2:
+        return Tiles(64, 64, 4, block_m=128, stages=4)
+    if rows >= TALL_ROWS:
+        return Tiles(128, 128, 8, block_m=128, block_k=64, stages=3)
+    return Tiles()
 
 
 def align_pairs(
@@ -219,7 +224,7 @@ class Int8Experts:
 
 
 Experts = torch.Tensor | Int4Experts | Int8Experts  # a dense (E, N, K) stack or quantized experts
-# _weight_tile's kinds of stack: dense, int4 with zero points, int4 with float offsets, int8
+# the kinds of stack: dense, int4 with zero points, int4 with float offsets, int8
 DENSE: tl.constexpr = tl.constexpr(0)
 INT4: tl.constexpr = tl.constexpr(1)
 INT4_OFFSETS: tl.constexpr = tl.constexpr(2)
@@ -227,39 +232,51 @@ INT8: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
-def _weight_tile(
-    w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, K,
+def _dense_tile(w_ptr, expert, k0, ks, cols, n_in, K, stride_we, stride_wn, stride_wk, DT: tl.constexpr):
+    """A dense stack's (BLOCK_K, BLOCK_N) tile of expert `expert` at rows k0.. of K and columns `cols`, in DT."""
+    k_in = ks + k0 < K
+    ptrs = (
+        w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + (k0 + ks)[:, None] * stride_wk
+    )
+    return tl.load(ptrs, mask=k_in[:, None] & n_in[None, :], other=0).to(DT)
+
+
+@triton.jit
+def _quant_tile_t(
+    w_ptr, s_ptr, z_ptr, expert, k0, cols, n_in,
     stride_we, stride_wn, stride_wk, stride_se, stride_sg, stride_sn,
     KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
-    """Expert `expert`'s (BLOCK_K, BLOCK_N) tile at rows k0.. of K and columns `cols`, in DT: a dense stack's
-    values, or quantized ones dequantized in fp32 (the references' rounding), one group a tile."""
-    if KIND == INT4 or KIND == INT4_OFFSETS:  # noqa: SIM109 (Triton compares constexprs, no tuple `in`)
+    """A quantized stack's tile transposed, (BLOCK_N, BLOCK_K) at columns `cols` and rows k0.. of K (whole tiles,
+    one group a tile), dequantized in fp32 (the references' rounding), in DT: the register operand of
+    out^T = W^T x^T, so the tile goes from the dequantizing threads to the tensor cores without a trip through shared
+    memory in 2-byte stores. An int4 word's eight nibbles are joined on new last axes: each stays in the thread that
+    loaded its word."""
+    if KIND == INT8:  # (E, N, K): a column's K contiguous
+        ks = tl.arange(0, BLOCK_K) + k0
+        ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :] * stride_wk
+        q = tl.load(ptrs, mask=n_in[:, None], other=0).to(tl.float32)
+    else:  # (E, K / 8, N) int32: row 8r + j of K in bits 4j..4j + 3 of word r
         words = tl.arange(0, BLOCK_K // 8) + k0 // 8
         packed = tl.load(
-            w_ptr + expert * stride_we + words[:, None] * stride_wk + cols[None, :],
-            mask=n_in[None, :],
+            w_ptr + expert * stride_we + words[None, :] * stride_wk + cols[:, None],
+            mask=n_in[:, None],
             other=0,
-        )  # (BLOCK_K / 8, BLOCK_N): 8 rows a word, row 8r + j in bits 4j..4j + 3
-        shifts = tl.arange(0, 8) * 4
-        q = tl.reshape((packed[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N)).to(tl.float32)
-    else:
-        k_in = ks + k0 < K
-        ptrs = (
-            w_ptr
-            + expert * stride_we
-            + cols[None, :].to(tl.int64) * stride_wn
-            + (k0 + ks)[:, None] * stride_wk
+        )  # (BLOCK_N, BLOCK_K / 8)
+        # nibble j lands at flat index j of the three joined axes: join(even, odd), each of those likewise
+        even = tl.join(
+            tl.join(packed & 0xF, (packed >> 16) & 0xF), tl.join((packed >> 8) & 0xF, (packed >> 24) & 0xF)
         )
-        q = tl.load(ptrs, mask=k_in[:, None] & n_in[None, :], other=0)
-        if KIND == DENSE:
-            return q.to(DT)
-        q = q.to(tl.float32)
+        odd = tl.join(
+            tl.join((packed >> 4) & 0xF, (packed >> 20) & 0xF),
+            tl.join((packed >> 12) & 0xF, (packed >> 28) & 0xF),
+        )
+        q = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K)).to(tl.float32)
     group = expert * stride_se + (k0 // GROUP) * stride_sg + cols * stride_sn
-    s = tl.load(s_ptr + group, mask=n_in, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(s_ptr + group, mask=n_in, other=0.0).to(tl.float32)[:, None]
     if KIND == INT8:
         return (q * s).to(DT)
-    z = tl.load(z_ptr + group, mask=n_in, other=0).to(tl.float32)[None, :]
+    z = tl.load(z_ptr + group, mask=n_in, other=0).to(tl.float32)[:, None]
     if KIND == INT4_OFFSETS:
         return (q * s + z).to(DT)
     return (q * s - z * s).to(DT)
@@ -325,21 +342,34 @@ def _gate_up_kernel(
     ks = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * stride_x  # (BLOCK_M, 1)
     dt = act_ptr.dtype.element_ty
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_in = ks + k0 < H
-        a = tl.load(
-            x_rows + (ks + k0)[None, :],
-            mask=rows[:, None] & k_in[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_K)
-        g = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, H, stride_we, stride_wn, stride_wk,
-                         stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
-        u = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols + inter, n_in, H, stride_we, stride_wn,
-                         stride_wk, stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
-        gate = tl.dot(a, g, gate, input_precision="ieee")
-        up = tl.dot(a, u, up, input_precision="ieee")
+    if KIND == DENSE:
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_in = ks + k0 < H
+            a = tl.load(
+                x_rows + (ks + k0)[None, :],
+                mask=rows[:, None] & k_in[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_K)
+            g = _dense_tile(w_ptr, expert, k0, ks, cols, n_in, H, stride_we, stride_wn, stride_wk, dt)
+            u = _dense_tile(w_ptr, expert, k0, ks, cols + inter, n_in, H, stride_we, stride_wn, stride_wk, dt)
+            gate = tl.dot(a, g, gate, input_precision="ieee")
+            up = tl.dot(a, u, up, input_precision="ieee")
+    else:  # gate^T = W_gate^T x^T: the dequantized tile is the MMA's register operand
+        gate_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(x_rows + (ks + k0)[None, :], mask=rows[:, None], other=0.0)  # H: whole K tiles
+            g_t = _quant_tile_t(w_ptr, s_ptr, z_ptr, expert, k0, cols, n_in, stride_we, stride_wn, stride_wk,
+                                stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+            u_t = _quant_tile_t(w_ptr, s_ptr, z_ptr, expert, k0, cols + inter, n_in, stride_we, stride_wn,
+                                stride_wk, stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N,
+                                dt)  # fmt: skip
+            gate_t = tl.dot(g_t, tl.trans(a), gate_t, input_precision="ieee")
+            up_t = tl.dot(u_t, tl.trans(a), up_t, input_precision="ieee")
+        gate = tl.trans(gate_t)
+        up = tl.trans(up_t)
     act = silu_mul(gate.to(dt), up.to(dt))  # each GEMM's output rounded, as the dense MLP's
     dst = act_ptr + pairs[:, None].to(tl.int64) * stride_act + cols[None, :]
     tl.store(dst, act.to(dt), mask=rows[:, None] & n_in[None, :])
@@ -399,24 +429,32 @@ def _down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_rows = act_ptr + pairs64[:, None] * stride_act  # (BLOCK_M, 1)
     dt = out_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        k_in = ks + k0 < inter
-        a = tl.load(
-            a_rows + (ks + k0)[None, :],
-            mask=rows[:, None] & k_in[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_K)
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, expert, k0, ks, cols, n_in, inter, stride_we, stride_wn, stride_wk,
-                         stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
-        acc = tl.dot(a, w, acc, input_precision="ieee")
+    if KIND == DENSE:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_in = ks + k0 < inter
+            a = tl.load(
+                a_rows + (ks + k0)[None, :],
+                mask=rows[:, None] & k_in[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_K)
+            w = _dense_tile(w_ptr, expert, k0, ks, cols, n_in, inter, stride_we, stride_wn, stride_wk, dt)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:  # out^T = W^T act^T, as in the gate_up kernel
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            a = tl.load(a_rows + (ks + k0)[None, :], mask=rows[:, None], other=0.0)  # I: whole K tiles
+            w_t = _quant_tile_t(w_ptr, s_ptr, z_ptr, expert, k0, cols, n_in, stride_we, stride_wn, stride_wk,
+                                stride_se, stride_sg, stride_sn, KIND, GROUP, BLOCK_K, BLOCK_N, dt)  # fmt: skip
+            acc_t = tl.dot(w_t, tl.trans(a), acc_t, input_precision="ieee")
+        acc = tl.trans(acc_t)
     weight = tl.load(weight_ptr + pairs64, mask=rows, other=0.0)
     out = acc.to(dt).to(tl.float32) * weight[:, None]  # the expert's output rounded, then weighted
     tl.store(dst, out.to(dt), mask=rows[:, None] & n_in[None, :])
 
 
 def _weight_args(w: Experts, cfg: Tiles) -> tuple[tuple, dict]:
-    """A stack's pointers and strides for _weight_tile: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
+    """A stack's pointers and strides for _dense_tile / _quant_tile_t: (w, s, z, stride_we, stride_wn, stride_wk, stride_se,
     stride_sg, stride_sn), and its constexprs. A K tile never spans two groups."""
     if isinstance(w, Int4Experts):
         q, s = w.qweight, w.scales

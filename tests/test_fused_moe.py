@@ -149,6 +149,28 @@ def test_gguf_expert_kinds_in_the_kernels_match_the_reference(tokens: int, kinds
     torch.testing.assert_close(fused_moe_triton(x, w13, w2, weights, ids), expected, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("kinds", [("int4", "q8_0"), ("q8_0", "q4_1")])
+@pytest.mark.parametrize("tiles", [(128, 128, 8, 128, None, 3), (64, 64, 4, 128, None, 4)])
+def test_quantized_experts_at_prefill_tiles_match_the_reference(kinds: tuple[str, str], tiles: tuple) -> None:
+    """Quantized stacks at tiles() picks for many rows an expert, the transposed tiles' columns past the outputs
+    (gate and up 96 columns, down 160: blocks of 64 or 128 part-filled) masked."""
+    from kernels.fused_moe import Tiles
+
+    hidden, inter, experts, top_k = 160, 96, 2, 2
+    x, _, _, weights, ids = moe_inputs(70, hidden, inter, experts, top_k, torch.float16, seed=11)
+    make = {
+        "int4": lambda n, k, seed: int4_experts(experts, n, k, 32, seed),
+        "q4_1": lambda n, k, seed: int4_offset_experts(experts, n, k, seed),
+        "q8_0": lambda n, k, seed: int8_experts(experts, n, k, seed),
+    }
+    w13, w2 = make[kinds[0]](2 * inter, hidden, 1), make[kinds[1]](hidden, inter, 2)
+    expected = fused_moe_reference(
+        x, w13.dequantize(torch.float16), w2.dequantize(torch.float16), weights, ids
+    )
+    got = fused_moe_triton(x, w13, w2, weights, ids, Tiles(*tiles), gemv=None)
+    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
 def test_quantized_expert_stacks_check_their_shapes() -> None:
     from kernels.fused_moe import Int4Experts, Int8Experts
 
