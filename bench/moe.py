@@ -264,7 +264,7 @@ def main() -> None:
 
 # prefill's tiles: (rows, columns, dense K tile, warps, stages)
 PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 3),
-                 (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)]  # fmt: skip
+                 (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3)]  # fmt: skip
 
 
 # the GEMVs' tiles: "gate_up_n/down_n/block_k/warps", "auto": by the grid as the default
