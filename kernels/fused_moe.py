@@ -80,13 +80,16 @@ class Tiles:
 TALL_ROWS = 256
 
 
-def tiles(num_pairs: int, num_experts: int, quantized: bool) -> Tiles:
+def tiles(num_pairs: int, num_experts: int, quantized: bool, dtype: torch.dtype = torch.bfloat16) -> Tiles:
     """Measured on an H100 (python -m bench.moe --sweep): up to 64 tokens the default is within 4% of the best of 18;
     with many rows an expert the GEMMs are compute-bound and taller tiles win: at 4096 tokens Qwen3-30B-A3B 1,158
     against 1,512 us, Mixtral-8x7B 5,827 against 9,999. Int4 experts (their tiles dequantized as the MMA's register
     operand) from 256 rows an expert 128 x 128, 8 warps (Mixtral 8,886 against 10,186 us, Qwen3 1,496 against 1,553),
-    and from 128 rows 128 x 64, 4 warps, 4 stages (Mixtral at 512 tokens: 1,597 against 1,850)."""
+    and from 128 rows 128 x 64, 4 warps, 4 stages (Mixtral at 512 tokens: 1,597 against 1,850). fp32 activations keep
+    the default: their exact (not TF32) products at the tall tiles spill 11-16 KB a thread on sm_90."""
     rows = num_pairs / num_experts
+    if dtype == torch.float32:
+        return Tiles()
     if quantized and rows >= TALL_ROWS:
         return Tiles(128, 128, 8, block_m=128, stages=3)
     if quantized and rows >= TALL_ROWS // 2:
@@ -536,7 +539,7 @@ def fused_moe_triton(
     few = gemv is not None and gemv_chosen(num_pairs, experts)
     gemv_gate_up, gemv_down = few and gemv_takes(w13), few and gemv_takes(w2)
     quantized = not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor))
-    cfg = config or tiles(num_pairs, experts, quantized)
+    cfg = config or tiles(num_pairs, experts, quantized, x.dtype)
     plan = None if gemv_gate_up and gemv_down else _plan(topk_ids, experts, cfg)
     pair_experts = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()

@@ -716,3 +716,15 @@ def test_decode_sized_batches_skip_the_alignment(monkeypatch) -> None:
     x, w13, w2, weights, ids = moe_inputs(fm.SINGLE_PAIRS // 2 + 1, 32, 16, 4, 2, torch.float32, seed=8)
     with pytest.raises(AssertionError, match="aligned"):
         fused_moe_triton(x, w13, w2, weights, ids)
+
+
+def test_prefill_tiles_by_rows_an_expert_and_dtype() -> None:
+    """Taller tiles from 128 rows an expert (quantized) or 256 (dense); fp32 activations, whose exact products
+    spill at those tiles on sm_90, keep the default."""
+    from kernels.fused_moe import Tiles, tiles
+
+    assert tiles(8 * 127, 8, True) == Tiles() and tiles(8 * 255, 8, False) == Tiles()
+    assert tiles(8 * 128, 8, True) == Tiles(64, 64, 4, block_m=128, stages=4)
+    assert tiles(8 * 256, 8, True) == Tiles(128, 128, 8, block_m=128, stages=3)
+    assert tiles(8 * 256, 8, False) == Tiles(128, 128, 8, block_m=128, block_k=64, stages=3)
+    assert tiles(8 * 4096, 8, True, torch.float32) == Tiles() == tiles(8 * 4096, 8, False, torch.float32)
