@@ -12,7 +12,8 @@ Per shape (one layer of dummy bf16 experts, the router's choices drawn at random
 - int4: the same layer with int4 experts (group 128), its us, its bytes' GB/s and their fraction of copy bandwidth:
   at decode's few pairs the GEMVs (kernels/fused_moe_gemv.py), and beside them the grouped kernels
   (int4_grouped_us); under GPTQ act order (x and the activations read through each expert's permutation), its us
-  (int4_act_order_us); with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
+  (int4_act_order_us), and with down's permutation folded into gate_up as a model loads it (int4_act_order_folded_us,
+  x alone gathered); with experts as a Q4_K_M GGUF loads them (gate/up Q4_K, down Q6_K), its us (gguf_q4_k_q6_k_us);
 - align_pairs alone, what a batch of more than SINGLE_PAIRS pairs pays before the kernels.
 --sweep: also time each token count's layer (bf16 and int4) at other tiles (columns a program in each kernel, warps);
 record moe_tiles_<shape> (the default's us and every tile's, per token count). --sweep-gemv: only the int4 layer, at
@@ -53,6 +54,7 @@ from kernels.fused_moe import (  # noqa: E402
     Tiles,
     align_pairs,
     block_m,
+    down_order_folded,
     fused_moe_triton,
 )
 from kernels.fused_moe_gemv import GemvTiles  # noqa: E402
@@ -193,7 +195,7 @@ def main() -> None:
         return
     print(
         f"{'shape':<16}{'tokens':>7}{'fused us':>11}{'loop us':>11}{'speed-up':>10}{'GB/s':>9}{'of copy':>9}"
-        f"{'int4 us':>10}{'int4 GB/s':>11}{'grouped':>10}{'act ord':>10}{'Q4_K_M':>10}"
+        f"{'int4 us':>10}{'int4 GB/s':>11}{'grouped':>10}{'act ord':>10}{'folded':>10}{'Q4_K_M':>10}"
     )
     for shape in args.shapes:
         hidden, inter, experts, top_k = SHAPES[shape]
@@ -206,6 +208,7 @@ def main() -> None:
         q13, q2 = int4_like(w13), int4_like(w2)
         gguf_k = gguf_k_like(w13, w2)
         act_order = act_order_like(q13), act_order_like(q2)
+        folded = down_order_folded(*act_order)  # as a model's layers load them
         int4_expert_bytes = expert_bytes // 4 + sum(  # nibbles, plus fp16 scales and uint8 zeros
             (q.scales[0].numel() * 3) for q in (q13, q2)
         )
@@ -228,6 +231,9 @@ def main() -> None:
             )
             k_quants = time_us([partial(fused_moe_triton, x, *gguf_k, weights, ids)], reps=20, min_calls=4)
             ordered = time_us([partial(fused_moe_triton, x, *act_order, weights, ids)], reps=20, min_calls=4)
+            ordered_folded = time_us(
+                [partial(fused_moe_triton, x, *folded, weights, ids)], reps=20, min_calls=4
+            )
             rows = block_m(ids.numel())
             align = time_us([partial(align_pairs, ids, experts + 1, rows)], reps=20, min_calls=4)
             chosen = torch.unique(ids).numel()
@@ -236,14 +242,15 @@ def main() -> None:
             gbs = moved / fused / 1e3
             print(
                 f"{shape:<16}{tokens:>7}{fused:>11.1f}{loop:>11.1f}{loop / fused:>9.2f}x{gbs:>9,.0f}"
-                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}{grouped:>10.1f}{ordered:>10.1f}{k_quants:>10.1f}"
+                f"{gbs / copy_gbs:>9.2f}{int4:>10.1f}{int4_gbs:>11,.0f}{grouped:>10.1f}{ordered:>10.1f}{ordered_folded:>10.1f}{k_quants:>10.1f}"
             )
             record(
                 f"moe_fused_{shape}_t{tokens}", fused, "us", baseline=loop,
                 baseline_name="transformers' expert loop, eager, us", ratio=loop / fused,
                 extra={"gb_s": gbs, "copy_gb_s": copy_gbs, "of_copy": gbs / copy_gbs, "bytes": moved,
                        "int4_us": int4, "int4_gb_s": int4_gbs, "int4_of_copy": int4_gbs / copy_gbs,
-                       "int4_grouped_us": grouped, "int4_act_order_us": ordered, "gguf_q4_k_q6_k_us": k_quants,
+                       "int4_grouped_us": grouped, "int4_act_order_us": ordered,
+                       "int4_act_order_folded_us": ordered_folded, "gguf_q4_k_q6_k_us": k_quants,
                        "align_pairs_us": align,
                        "aligned": ids.numel() > SINGLE_PAIRS},
                 out_dir=args.out_dir, command=COMMAND,

@@ -29,6 +29,8 @@ Under GPTQ act order an Int4Experts' rows are in group order and its perm gives 
 grouped kernel, `_gather_by_perm` lays each pair's row of x (or of the activation) out in its expert's row order, one
 contiguous copy, so the kernels' K loops read x as they do without act order; gathering x's columns inside the K loop
 took Mixtral-8x7B's 4096-token layer 26x as long (H100). The GEMVs, a pair a program, read them through the perm.
+A model's layers need no gather for the activation: `down_order_folded` puts gate's and up's output features in down's
+row order at load, so the activation comes out as down reads it and down has no perm (only x is gathered).
 
 A choice of expert E or past it (expert parallelism: another rank's) contributes nothing.
 
@@ -38,7 +40,7 @@ quantized experts dequantized first).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -188,6 +190,26 @@ class Int4Experts:
             return dense
         # layout row j is input feature perm[e, j]: back in the checkpoint's input order
         return torch.empty_like(dense).scatter_(2, self.perm.long()[:, None, :].expand(e, n, k), dense)
+
+
+def down_order_folded(w13: Int4Experts, w2: Int4Experts) -> tuple[Int4Experts, Int4Experts]:
+    """w2's act order moved into w13: each expert's gate and up output features (the activation's columns) put in
+    the order of down's rows, gate's feature perm[e, j] at column j and up's at I + j, so that the activation comes
+    out in down's row order and down needs no perm (nor its gather). The same products: silu(gate) * up pairs column j
+    of both halves, and each column's scales and zeros move with it."""
+    assert w2.perm is not None, "down has no act order to fold"
+    e, n, _ = w13.shape
+    inter = w2.shape[2]
+    if n != 2 * inter or w2.shape[0] != e:
+        raise ValueError(f"w13 {w13.shape} and w2 {w2.shape} are not one layer's (E, 2I, H) and (E, H, I)")
+    perm = w2.perm.long().to(w13.qweight.device)
+    cols = torch.cat([perm, perm + inter], dim=1)[:, None, :]  # (E, 1, 2I)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t.gather(2, cols.expand(-1, t.shape[1], -1)).contiguous()
+
+    folded = replace(w13, qweight=take(w13.qweight), scales=take(w13.scales), zeros=take(w13.zeros))
+    return folded, replace(w2, perm=None)
 
 
 @dataclass(frozen=True)

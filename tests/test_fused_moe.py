@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from engine.weights import load_model
 from kernels import _backend
 from kernels.fused_moe import _gate_up_kernel, align_pairs, fused_moe_reference, fused_moe_triton
+from kernels.fused_moe_gemv import GEMV_TILES
 from tests.hf_reference import hf_greedy, hf_model, tiny_random_model_dir
 
 assert isinstance(_gate_up_kernel, InterpretedFunction), "run the CPU kernel tests under TRITON_INTERPRET=1"
@@ -582,15 +583,42 @@ def act_order(tmp_path_factory) -> tuple[Path, list[list[int]]]:
 
 
 def test_gptq_act_order_experts_through_the_kernels(act_order, monkeypatch) -> None:
-    """Each expert's rows sorted by group at load, x and the activations read through its permutation."""
+    """Each expert's rows sorted by group at load and x read through gate_up's permutation; down's permutation is
+    folded into gate's and up's output features, so down has none."""
     checkpoint, expected = act_order
     model, _ = load_model(checkpoint)
     experts = next(m for m in model.modules() if isinstance(m, FusedMoE))
-    perms = [experts.quantized[name].perm for name in ("w13", "w2")]
-    for perm in perms:
-        assert perm is not None and not torch.equal(perm[0], torch.arange(perm.shape[1], dtype=torch.int32))
+    perm = experts.quantized["w13"].perm
+    assert perm is not None and not torch.equal(perm[0], torch.arange(perm.shape[1], dtype=torch.int32))
+    assert experts.quantized["w2"].perm is None and "w2_perm" not in dict(experts.named_parameters())
     moe_layers_on_the_kernels(monkeypatch)
     assert generate(checkpoint) == expected
+
+
+@pytest.mark.parametrize("tokens", [1, 9])  # the GEMVs' pairs; the grouped kernels' aligned blocks
+def test_down_order_folded_into_gate_up_is_the_same_layer(tokens: int) -> None:
+    """down_order_folded: gate's and up's output features in down's row order, down without its perm; the layer's
+    output is unchanged, on the reference and through the kernels."""
+    from kernels.fused_moe import down_order_folded
+
+    hidden, inter, top_k = 64, 32, 2
+    x, _, _, weights, ids = moe_inputs(tokens, hidden, inter, 2, top_k, torch.float32, seed=tokens + 20)
+    w13 = int4_experts(2, 2 * inter, hidden, 32, 3, act_order=True)
+    w2 = int4_experts(2, hidden, inter, 32, 4, act_order=True)
+    f13, f2 = down_order_folded(w13, w2)
+    assert f2.perm is None and f13.perm is not None and torch.equal(f13.perm, w13.perm)
+    dense13, folded13 = w13.dequantize(torch.float32), f13.dequantize(torch.float32)
+    assert w2.perm is not None
+    for e in range(2):
+        order = w2.perm[e].long()
+        assert torch.equal(folded13[e], dense13[e][torch.cat([order, order + inter])])
+        assert torch.equal(f2.dequantize(torch.float32)[e], w2.dequantize(torch.float32)[e][:, order])
+    expected = fused_moe_reference(x, dense13, w2.dequantize(torch.float32), weights, ids)
+    got = fused_moe_reference(x, folded13, f2.dequantize(torch.float32), weights, ids)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for gemv in (None, GEMV_TILES):
+        got = fused_moe_triton(x, f13, f2, weights, ids, gemv=gemv)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_gptq_act_order_refusals(act_order, tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ AWQ and GPTQ checkpoints hold each expert's projections as their linear layers d
 g_idx); `FusedMoE.quantize` registers them stacked over experts (gate and up side by side in their output features)
 as w13_qweight ... and w2_qweight ..., and `process_weights` re-lays them into kernels/fused_moe.py's Int4Experts.
 Under GPTQ act order (g_idx out of group order) each expert's rows are sorted by group and the kernels read x through
-the expert's permutation, as the dense linears do; gate's and up's act orders must agree (GPTQ computes them from
+the expert's permutation, as the dense linears do, while down's permutation goes into gate's and up's output features
+(kernels/fused_moe.py: down_order_folded), so the activation needs none; gate's and up's act orders must agree (GPTQ computes them from
 the one Hessian of their shared input), and down's input features must be whole on each rank (expert parallelism,
 or none), since a rank's slice of an act-order down needs groups from every rank (the dense row-parallel layers
 refuse act order across ranks too).
@@ -45,7 +46,7 @@ from engine.layers.quant.int4 import sorted_by_group
 from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unpack_cols
 from engine.model_config import ModelConfig
 from kernels import _backend
-from kernels.fused_moe import Experts, Int4Experts, Int8Experts, fused_moe
+from kernels.fused_moe import Experts, Int4Experts, Int8Experts, down_order_folded, fused_moe
 from kernels.int4_dequant import unpack_rows
 from kernels.moe_route import route
 
@@ -228,6 +229,9 @@ class FusedMoE(nn.Module):
         if self.quant is None and not self.gguf:
             return
         laid: dict[str, Quantized] = {name: self._int4(name) for name in ("w13", "w2")} if self.quant else {}
+        w13, w2 = laid.get("w13"), laid.get("w2")
+        if isinstance(w13, Int4Experts) and isinstance(w2, Int4Experts) and w2.perm is not None:
+            laid["w13"], laid["w2"] = down_order_folded(w13, w2)  # the activation made in down's row order
         laid |= {name: self._from_gguf(name, qtype) for name, qtype in self.gguf.items()}
         for name in [n for n, _ in self.named_parameters(recurse=False) if n.split("_")[0] in laid]:
             delattr(self, name)

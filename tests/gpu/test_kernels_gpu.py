@@ -279,8 +279,8 @@ def test_fused_moe_replays_in_a_cuda_graph():
 def test_fused_moe_int4_matches_reference(tokens, group, act_order, dtype):
     """Int4 experts (AWQ / GPTQ, rows layout), Qwen3-30B-A3B's shape: up to 8 tokens (64 pairs) the GEMVs of
     kernels/fused_moe_gemv.py, then the grouped kernels, dequantizing in registers; GPTQ act order reads x and the
-    activations through each expert's permutation."""
-    from kernels.fused_moe import Int4Experts, fused_moe_reference, fused_moe_triton
+    activations through each expert's permutation, or down's folded into gate_up's columns."""
+    from kernels.fused_moe import Int4Experts, down_order_folded, fused_moe_reference, fused_moe_triton
     from kernels.int4_dequant import pack_rows
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
@@ -300,6 +300,8 @@ def test_fused_moe_int4_matches_reference(tokens, group, act_order, dtype):
     w13, w2 = stack(2 * inter, hidden), stack(hidden, inter)
     ref = fused_moe_reference(x.float(), w13, w2, weights, ids)
     check(fused_moe_triton(x, w13, w2, weights, ids), ref, dtype)
+    if act_order:  # down's order folded into gate_up's columns, as a model's layers load them
+        check(fused_moe_triton(x, *down_order_folded(w13, w2), weights, ids), ref, dtype)
 
 
 @pytest.mark.parametrize("kquant", [False, True])
