@@ -13,6 +13,8 @@ import triton.language as tl
 
 from kernels import _backend
 
+_TAKEN = tl.constexpr(-(2**62))  # an expert already chosen: below every key
+
 
 @triton.jit
 def _route_kernel(
@@ -26,16 +28,20 @@ def _route_kernel(
     x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     probs = p / tl.sum(p, axis=0)
-    left = tl.where(offs < E, probs, -1.0)
+    # one max a choice, of keys: a probability's bits (non-negative floats order as their int32 bits; padding's -1.0
+    # is negative, below every probability) above the index reversed, so that equals go to the lowest index
+    prob_bits = tl.where(offs < E, probs, -1.0).to(tl.int32, bitcast=True).to(tl.int64)
+    left = (prob_bits << 32) | (BLOCK_E - 1 - offs).to(tl.int64)
     slots = tl.arange(0, K_PAD)
     vals = tl.zeros((K_PAD,), dtype=tl.float32)
     ids = tl.zeros((K_PAD,), dtype=tl.int32)
     for k in tl.static_range(TOP_K):  # the largest left, the lowest index among equals
-        v = tl.max(left, axis=0)
-        i = tl.min(tl.where(left == v, offs, BLOCK_E), axis=0)
+        best = tl.max(left, axis=0)
+        v = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        i = (BLOCK_E - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
         vals = tl.where(slots == k, v, vals)
         ids = tl.where(slots == k, i, ids)
-        left = tl.where(offs == i, -2.0, left)
+        left = tl.where(offs == i, _TAKEN, left)
     if RENORMALIZE:
         vals = vals / tl.sum(tl.where(slots < TOP_K, vals, 0.0), axis=0)
     if ROUND == 1:  # to the nearest bf16, ties to even, in the bits (the interpreter's bf16 cast truncates)
@@ -87,7 +93,7 @@ def route_triton(
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0), first, held, TOP_K=top_k,
             K_PAD=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(experts), RENORMALIZE=renormalize,
-            ROUND=_ROUND[round_to],
+            ROUND=_ROUND[round_to], num_warps=1 if experts <= 512 else 4,
         )  # fmt: skip
     return weights, ids
 
