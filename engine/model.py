@@ -174,7 +174,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,  # (num_tokens, hidden): the previous sublayer's output
+        hidden: torch.Tensor,  # (num_tokens, hidden): the previous sublayer's output, or a MoE layer's choices
         residual: torch.Tensor | None,  # (num_tokens, hidden): the stream before it; None for layer 0
         positions: torch.Tensor,
         cos_sin_cache: torch.Tensor,
@@ -182,7 +182,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The norms add the residual in place: hidden and residual are overwritten. Each writes its normed rows in
-        the K order the GEMM after it reads them in (the wgmma kernel's rows: LinearBase.input_order)."""
+        the K order the GEMM after it reads them in (the wgmma kernel's rows: LinearBase.input_order). A MoE layer
+        may return its (num_tokens, k, hidden) weighted choices unsummed: the next norm sums them."""
         order = self.self_attn.qkv_proj.input_order(hidden)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden, order=order), hidden
@@ -191,6 +192,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta, order != 0)
         order = self.mlp.input_order(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual, order)
+        if isinstance(
+            self.mlp, SparseMoeBlock
+        ):  # its choices, unsummed where it can: the next norm sums them
+            return self.mlp(hidden, summed=False), residual
         return self.mlp(hidden, order != 0), residual
 
     def fuses_norms(self, x: torch.Tensor) -> bool:

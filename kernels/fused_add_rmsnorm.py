@@ -2,6 +2,9 @@
 
     fused_add_rmsnorm(x, residual, w):   residual <- x + residual      (rounded to the stream's dtype)
                                          x        <- rms_norm(residual) * w
+                                         x (T, K, H): a MoE layer's K weighted expert outputs, summed in fp32
+                                         in choice order and rounded once first (sum_choices_reference); the
+                                         normed rows go to a new (T, H) tensor
     rms_norm(x, w):                      out      <- x * rsqrt(mean(x^2) + eps) * w
     norm_input(h, w):                    w * h, and sums of squares of each 16 columns (the int4 GEMMs' norm)
 
@@ -40,10 +43,12 @@ def _rmsnorm_kernel(
     eps,
     # strides
     stride_x,
+    stride_xk,  # CHOICES > 1: between a token's choices
     stride_r,
     stride_o,
     stride_ro,
     # meta
+    CHOICES: tl.constexpr,  # x's rows per token, summed first (a MoE layer's choices); 1: x is the row
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     ORDER: tl.constexpr,  # 0, or the fragment chunk whose K order out takes
@@ -53,7 +58,15 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if CHOICES > 1:  # the choices summed in fp32, choice 0 first, rounded once
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(CHOICES):
+            total += tl.load(x_ptr + row * stride_x + k * stride_xk + cols, mask=mask, other=0.0).to(
+                tl.float32
+            )
+        x = total.to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ORDER:  # out[p] is the normed column layout_column(p)
         src = layout_column(cols, ORDER)
         if not HAS_RESIDUAL:  # read x there before any store (out may be x)
@@ -140,19 +153,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, name: str = "x") -> None:
 
 
 def _launch(x, residual, weight, out, residual_out, eps: float, order: int) -> None:
-    assert order in (0, 64, 128) and x.shape[1] % max(order, 1) == 0, f"order {order} for hidden {x.shape[1]}"
+    hidden = x.shape[-1]
+    assert order in (0, 64, 128) and hidden % max(order, 1) == 0, f"order {order} for hidden {hidden}"
     if x.shape[0] == 0:
         return
-    block = triton.next_power_of_2(x.shape[1])
+    block = triton.next_power_of_2(hidden)
     has_residual = residual is not None
+    choices, stride_xk = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    assert choices == 1 or has_residual, "choices are summed into a residual"
     on = pdl(x)
     r, ro = (residual, residual_out) if has_residual else (x, out)  # unused pointers without a residual
     _rmsnorm_kernel[(x.shape[0],)](
         x, r, weight, out, ro,
-        x.shape[1], eps,
-        x.stride(0), r.stride(0), out.stride(0), ro.stride(0),
-        HAS_RESIDUAL=has_residual, BLOCK=block, ORDER=order, PDL=on, num_warps=_num_warps(block),
-        **pdl_launch(on),
+        hidden, eps,
+        x.stride(0), stride_xk, r.stride(0), out.stride(0), ro.stride(0),
+        CHOICES=choices, HAS_RESIDUAL=has_residual, BLOCK=block, ORDER=order, PDL=on,
+        num_warps=_num_warps(block), **pdl_launch(on),
     )  # fmt: skip
 
 
@@ -172,17 +188,25 @@ def rms_norm_triton(
 
 
 def fused_add_rmsnorm_triton(
-    x: torch.Tensor,  # (num_tokens, hidden): the sublayer's output; overwritten with the normed row
+    x: torch.Tensor,  # (num_tokens, hidden): the sublayer's output, overwritten with the normed row; or (num_tokens,
+    # k, hidden), a MoE layer's weighted choices, summed first
     residual: torch.Tensor,  # (num_tokens, hidden): the stream; overwritten with x + residual
     weight: torch.Tensor,  # (hidden,)
     eps: float,
     order: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual), both updated in place
-    _check(x, weight)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual), both updated in place; choices: a new normed tensor
     _check(residual, weight, "residual")
-    assert residual.shape == x.shape and residual.dtype == x.dtype, "x and residual differ in shape or dtype"
-    _launch(x, residual, weight, x, residual, eps, order)
-    return x, residual
+    if x.dim() == 3:
+        assert x.stride(2) == 1, "choices' hidden dim not contiguous"
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    else:
+        _check(x, weight)
+        out = x
+    assert (x.shape[0], x.shape[-1]) == residual.shape and residual.dtype == x.dtype, (
+        f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} differ"
+    )
+    _launch(x, residual, weight, out, residual, eps, order)
+    return out, residual
 
 
 def rms_norm_reference(
@@ -196,9 +220,19 @@ def rms_norm_reference(
     return normed if out is None else out.copy_(normed)
 
 
+def sum_choices_reference(per_choice: torch.Tensor) -> torch.Tensor:  # (T, K, H) -> (T, H)
+    """A token's K weighted expert outputs summed in fp32, choice 0 first, rounded once."""
+    total = per_choice[:, 0].float()
+    for k in range(1, per_choice.shape[1]):
+        total = total + per_choice[:, k].float()
+    return total.to(per_choice.dtype)
+
+
 def fused_add_rmsnorm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, order: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 3:
+        x = sum_choices_reference(x)
     residual.add_(x)
     return rms_norm_reference(residual, weight, eps, out=x, order=order), residual
 

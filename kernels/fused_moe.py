@@ -15,7 +15,8 @@ fused MoE:
 - `_gate_up_kernel`: a block's rows of x against its expert's gate and up columns; silu(gate) * up, a row per
   pair, rounded as the dense MLP rounds them (kernels/silu_and_mul.py).
 - `_down_kernel`: those rows against the expert's down projection, times the pair's router weight, a row per
-  pair. A token's k rows are then summed, in choice order.
+  pair. A token's k rows are then summed, in choice order (`summed=False`: left to the RMSNorm after, which sums
+  them as it adds the residual, kernels/fused_add_rmsnorm.py).
 Decode's few tokens read each chosen expert's weights once a block; most of a block's rows are padding there,
 which costs tensor-core time the GEMV is not bound by. Quantized stacks at decode's few pairs (fused_moe_gemv.chosen)
 take kernels/fused_moe_gemv.py instead, where decoding the padded tiles, not reading them, set the time.
@@ -48,6 +49,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.fused_add_rmsnorm import sum_choices_reference
 from kernels.fused_moe_gemv import GEMV_TILES, GemvTiles, down_gemv, gate_up_gemv
 from kernels.fused_moe_gemv import chosen as gemv_chosen
 from kernels.fused_moe_gemv import takes as gemv_takes
@@ -551,13 +553,14 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,  # (T, K) int
     config: Tiles | None = None,  # None: tiles() picks
     gemv: GemvTiles | None = GEMV_TILES,  # quantized stacks' kernels for decode's few pairs; None: never
+    summed: bool = True,  # False: each choice's weighted output, (T, K, H), for the norm after to sum
 ) -> torch.Tensor:  # (T, H) in x's dtype
     _check(x, w13, w2, topk_weights, topk_ids)
     (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
     top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if num_pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if summed else x.new_zeros(tokens, top_k, hidden)
     few = gemv is not None and gemv_chosen(num_pairs, experts)
     gemv_gate_up, gemv_down = few and gemv_takes(w13), few and gemv_takes(w2)
     quantized = not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor))
@@ -593,7 +596,8 @@ def fused_moe_triton(
             inter, act.stride(0), *strides, out.stride(0), SINGLE=plan.single, BLOCK_M=plan.rows,
             BLOCK_N=cfg.down_n, **launch, **meta,
         )  # fmt: skip
-    return _sum_choices(out.view(tokens, top_k, hidden))
+    per_choice = out.view(tokens, top_k, hidden)
+    return _sum_choices(per_choice) if summed else per_choice
 
 
 @dataclass(frozen=True)
@@ -633,10 +637,7 @@ def _sum_choices(per_choice: torch.Tensor) -> torch.Tensor:  # (T, K, H) -> (T, 
             BLOCK=block,
         )  # fmt: skip
         return out
-    total = per_choice[:, 0].float()
-    for k in range(1, per_choice.shape[1]):
-        total = total + per_choice[:, k].float()
-    return total.to(per_choice.dtype)
+    return sum_choices_reference(per_choice)
 
 
 @triton.jit
@@ -653,10 +654,12 @@ def _sum_choices_kernel(
 
 
 def fused_moe_reference(
-    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    summed: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """Expert by expert over the tokens that chose it; each expert's output rounded to x's dtype, weighted, and a
-    token's choices summed in choice order (as the kernels do). Int4 experts are dequantized first."""
+    token's choices summed in choice order (as the kernels do; summed=False: (T, K, H), each choice's). Int4
+    experts are dequantized first."""
     _check(x, w13, w2, topk_weights, topk_ids)
     if not isinstance(w13, torch.Tensor):
         w13 = w13.dequantize(x.dtype)
@@ -674,15 +677,18 @@ def fused_moe_reference(
         out = F.linear(act, w2[expert])
         weight = topk_weights[token_idx, choice].to(torch.float32)[:, None]
         per_choice[token_idx, choice] = (out.to(torch.float32) * weight).to(x.dtype)
-    return _sum_choices(per_choice)
+    return _sum_choices(per_choice) if summed else per_choice
 
 
 def fused_moe(
-    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    summed: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """(T, H): the layer's output; summed=False: (T, K, H), each choice's weighted output, which
+    kernels/fused_add_rmsnorm.py's norm sums as it adds the residual (one kernel fewer a layer)."""
     if _backend.use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, summed=summed)
+    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, summed)
 
 
 def _check(

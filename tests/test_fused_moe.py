@@ -327,9 +327,9 @@ def test_engine_through_the_kernels_equals_transformers(tmp_path: Path, monkeypa
 
     calls: list[int] = []
 
-    def kernels(x, *args):
+    def kernels(x, *args, **kwargs):
         calls.append(x.shape[0])
-        return fused_moe_triton(x, *args)
+        return fused_moe_triton(x, *args, **kwargs)
 
     monkeypatch.setattr(moe, "fused_moe", kernels)
     model_dir = tiny_random_model_dir(tmp_path, "mixtral")

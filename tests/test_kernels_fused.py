@@ -77,6 +77,30 @@ def test_fused_add_rmsnorm_in_place(num_tokens, hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_tokens", "choices", "hidden", "order"), [(1, 8, 64, 0), (7, 2, 100, 0), (3, 4, 512, 64)]
+)
+def test_fused_add_rmsnorm_sums_a_moe_layers_choices_first(num_tokens, choices, hidden, order, dtype):
+    """x (T, K, H), a MoE layer's weighted choices: summed in fp32 in choice order and rounded once, then added and
+    normed; the residual bit for bit the unfused sum-then-add's, the normed rows a new tensor (in the wgmma K order
+    where asked), x itself untouched."""
+    from kernels.fused_add_rmsnorm import sum_choices_reference
+
+    x = torch.randn(num_tokens, choices + 1, hidden, dtype=dtype)[:, 1:]  # the choices of a wider buffer
+    residual = torch.randn(num_tokens, hidden, dtype=dtype)
+    weight = torch.rand(hidden, dtype=dtype) + 0.5
+    summed = sum_choices_reference(x)
+    want_x, want_residual = fused_add_rmsnorm_reference(summed.clone(), residual.clone(), weight, 1e-5, order)
+    ref_x, ref_residual = fused_add_rmsnorm_reference(x.clone(), residual.clone(), weight, 1e-5, order)
+    assert torch.equal(ref_x, want_x) and torch.equal(ref_residual, want_residual)
+    before = x.clone()
+    got_x, got_residual = fused_add_rmsnorm_triton(x, residual, weight, 1e-5, order)
+    assert got_residual is residual and got_x.shape == (num_tokens, hidden) and torch.equal(x, before)
+    assert torch.equal(got_residual, want_residual), "the sum and the add round as the unfused kernels do"
+    torch.testing.assert_close(got_x, want_x, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (5, 576), (3, 4096), (2, 48)])
 def test_norm_input(num_tokens, hidden, dtype):
     """An RMSNorm's input as the int4 GEMMs take it: weight * h rounded once (exact), and the sums of squares

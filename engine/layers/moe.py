@@ -350,10 +350,12 @@ class SparseMoeBlock(nn.Module):
     def input_order(self, x: torch.Tensor) -> int:
         return 0  # x in column order: the router and the experts are dense
 
-    def forward(self, x: torch.Tensor, ordered: bool = False) -> torch.Tensor:  # (num_tokens, hidden)
+    def forward(self, x: torch.Tensor, ordered: bool = False, summed: bool = True) -> torch.Tensor:
         """The router's softmax in fp32 over every expert, the top k of it (renormalised to sum to 1 where the
         config says so; the Qwen MoEs round them to the model's dtype), then the chosen experts' weighted sum, plus
-        the gated shared expert's output where there is one."""
+        the gated shared expert's output where there is one: (num_tokens, hidden). summed=False, with neither a
+        shared expert nor an all-reduce: (num_tokens, k, hidden), each choice's weighted output, which the norm
+        after sums as it adds the residual (engine/layers/norm.py), one kernel fewer."""
         assert not ordered, "a MoE layer takes x in column order"
         experts = self.experts
         weights, ids = route(
@@ -361,7 +363,10 @@ class SparseMoeBlock(nn.Module):
             round_to=None if self.architecture == "MixtralForCausalLM" else x.dtype,
             first=experts.first, held=experts.num_experts,
         )  # fmt: skip
-        out = fused_moe(x, *experts.weights(x), weights, ids)
+        per_choice = not summed and self.tp_size == 1 and self.shared_expert is None
+        out = fused_moe(x, *experts.weights(x), weights, ids, summed=not per_choice)
+        if per_choice:
+            return out
         if self.tp_size > 1:
             dist.all_reduce(out)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

@@ -20,7 +20,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None, order: int = 0
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with a residual: (norm(x + residual), x + residual), written over x and residual. order: the
-        normed row in the K order the next GEMM reads x in (LinearBase.input_order; 0: column order)."""
+        normed row in the K order the next GEMM reads x in (LinearBase.input_order; 0: column order). x may be a MoE
+        layer's (num_tokens, k, hidden) weighted choices (SparseMoeBlock.forward), summed here before the add; the
+        normed rows are then a new tensor."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, order)
         return fused_add_rmsnorm(x, residual, self.weight, self.eps, order)

@@ -63,6 +63,22 @@ def test_rms_norm_and_fused_add(hidden, num_tokens, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "choices", "hidden"), [(1, 8, 2048), (7, 2, 4096), (300, 8, 2048)])
+def test_fused_add_rmsnorm_sums_moe_choices(num_tokens, choices, hidden, dtype):
+    """A MoE layer's (T, K, H) weighted choices summed (fp32, choice order, rounded once) before the add: the
+    residual bit for bit the unfused sum-then-add's (Qwen3-30B-A3B's and Mixtral's shapes)."""
+    from kernels.fused_add_rmsnorm import sum_choices_reference
+
+    x = torch.randn(num_tokens, choices, hidden, device=DEV, dtype=dtype)
+    residual = torch.randn(num_tokens, hidden, device=DEV, dtype=dtype)
+    weight = torch.rand(hidden, device=DEV, dtype=dtype) + 0.5
+    want_x, want_r = fused_add_rmsnorm_reference(sum_choices_reference(x), residual.clone(), weight, 1e-5)
+    got_x, got_r = fused_add_rmsnorm_triton(x, residual, weight, 1e-5)
+    assert got_r is residual and torch.equal(got_r, want_r), "the sum and the add round as the unfused ones"
+    torch.testing.assert_close(got_x, want_x, **SAME_DTYPE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 7, 257, 2048])
 @pytest.mark.parametrize("d", [64, 100, 1536, 8960, 14336])
 def test_silu_and_mul(d, num_tokens, dtype):
