@@ -55,7 +55,7 @@ fi
 # mixtures of experts: the fused MoE layer against transformers' expert loop, then the engine (not in the default STEPS)
 mkdir -p "$OUT/moe"
 step tests_moe 240 python3 -m pytest tests/gpu/test_engine_gpu.py tests/gpu/test_quant_gpu.py tests/gpu/test_kernels_gpu.py \
-  tests/gpu/test_cuda_graph_gpu.py -q ${XDIST/8/6} -rfE -p no:cacheprovider -k "moe or mixtral or route"
+  tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_fused_gpu.py -q ${XDIST/8/6} -rfE -p no:cacheprovider -k "moe or mixtral or route"
 step bench_moe 200 python3 -m bench.moe --out-dir "$OUT/moe"
 step sweep_moe 300 python3 -m bench.moe --shapes qwen3-30b-a3b --tokens 1 8 64 --sweep --out-dir "$OUT/moe/sweep"
 step sweep_moe_gemv 200 python3 -m bench.moe --tokens 1 8 --sweep-gemv --out-dir "$OUT/moe/sweep"
