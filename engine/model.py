@@ -192,9 +192,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta, order != 0)
         order = self.mlp.input_order(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual, order)
-        if isinstance(
-            self.mlp, SparseMoeBlock
-        ):  # its choices, unsummed where it can: the next norm sums them
+        if isinstance(self.mlp, SparseMoeBlock):  # its choices unsummed where it can: the next norm sums them
             return self.mlp(hidden, summed=False), residual
         return self.mlp(hidden, order != 0), residual
 
