@@ -65,6 +65,7 @@ PROGRAM_ROWS = 16  # rows of x a program takes: the MMA's 8 columns, or two of t
 MAX_ROWS = 64
 BLOCK_COLS = 16  # output columns a program owns: the MMA's 16 rows
 MANY_BLOCKS = 1024  # from this many column blocks a program has 4 warps (Llama-3-8B's gate_up), else 8
+SHORT_K = 2048  # up to this K, a grid past two programs an SM has 4 warps a program too (config())
 # qkv ending in RoPE and the KV-cache write: 8 warps a program of two column blocks, zeros folded. Past 8 rows
 # these programs were slower than the GEMM and rotary_kv_write apart (H200: 21.6 against 14.7 us at 16 rows)
 ROPE_MAX_ROWS, ROPE_WARPS = 8, 8
@@ -624,14 +625,16 @@ def config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, bool
     Two column blocks a program (pair) read x once for both: at 9-16 rows gate_up 33.4 against 46.6 us, down 19.2
     against 23.5. On gate_up's grid they win at 8 rows too (H200 21.3 against 26.7 us, H100 25.9 against 26.9); at
     1-4 rows the H200 gains 1-2 us and the H100 loses 1, so they stay off there (SwiGLU's step, swiglu_config, is
-    the same one); on the other GEMMs they are slower at 1-8 rows."""
+    the same one); on the other GEMMs they are slower at 1-8 rows. Past two programs an SM with K up to SHORT_K
+    (Qwen3-30B-A3B's qkv, 2048 x 5120), 8 warps leave a warp two chunks; 4 warps of two chunks a step take 3.6
+    against 4.3 us at one row, 4.8 against 5.5 at 8 (H100)."""
     blocks = -(-n // BLOCK_COLS)
     many = blocks > 2 * num_sms(device)
     if blocks >= MANY_BLOCKS and m > 4:  # gate_up's grid: pairs past 4 rows, zeros folded up to 8
         return 4, 1, m <= 8, True
     if m > 8:
         return (8, 1, True, True) if k >= 8192 else (4, 1, True, many)
-    if blocks >= MANY_BLOCKS:
+    if blocks >= MANY_BLOCKS or (many and k <= SHORT_K):
         return 4, 2, True, False
     return (8, 1, True, False) if many else (8, 2, True, False)
 

@@ -83,7 +83,7 @@ def test_w4a16_gemm_matches_reference(k, n, group, dtype, layout):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("warps,unroll", [(4, 1), (8, 2)])
+@pytest.mark.parametrize("warps,unroll", [(4, 1), (4, 2), (8, 1), (8, 2)])
 def test_every_tensor_core_config_matches_reference(warps, unroll, pdl):
     """config() picks per shape; every setting it may pick is exact, including K ranges that leave a program's
     warps partly idle (17 and 112 chunks)."""
