@@ -31,6 +31,7 @@ from engine.layers.moe import SparseMoeBlock, to_moe_param
 from engine.model_config import ModelConfig
 from kernels import _backend
 from kernels.fused_add_rmsnorm import norm_input
+from kernels.gemv import add_norm_gemv
 from kernels.rotary_kv_write import HeadNorms, rotary_kv_write
 from kernels.w4a16_mma import NextNorm, NormedInput, RopeWrite
 
@@ -190,10 +191,17 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual, order)
         hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, meta, order != 0)
-        order = self.mlp.input_order(hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, order)
+        norm = self.post_attention_layernorm
         if isinstance(self.mlp, SparseMoeBlock):  # its choices unsummed where it can: the next norm sums them
+            if self.mlp.routes_after_norm(hidden):  # the add, the norm and the router: one kernel
+                hidden, residual, logits = add_norm_gemv(
+                    hidden, residual, norm.weight, norm.eps, self.mlp.gate.weight
+                )
+                return self.mlp(hidden, summed=False, logits=logits), residual
+            hidden, residual = norm(hidden, residual)
             return self.mlp(hidden, summed=False), residual
+        order = self.mlp.input_order(hidden)
+        hidden, residual = norm(hidden, residual, order)
         return self.mlp(hidden, order != 0), residual
 
     def fuses_norms(self, x: torch.Tensor) -> bool:

@@ -19,6 +19,11 @@ else is `F.linear`.
 gate_up's matmul can end in SwiGLU's activation (`dense_swiglu`): W is (gate | up), each program reads the
 gate rows and the up rows of its BLOCK_N outputs and writes silu(gate) * up, rounded as the two unfused
 kernels round (kernels/silu_and_mul.py), so a batch-1 MLP is two kernels, not three.
+
+A MoE layer's router can begin with the residual add and the RMSNorm before it (`add_norm_gemv`): every program
+adds the sublayer's output to the stream and norms the whole row in its registers, rounded as
+fused_add_rmsnorm rounds, then multiplies its router rows by it; program 0 also writes the new stream and the
+normed row, which the experts take. One launch where the norm and the router took two.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.fused_add_rmsnorm import fused_add_rmsnorm
 from kernels.pdl import pdl, pdl_entry, pdl_launch
 from kernels.silu_and_mul import silu_and_mul, silu_mul
 
@@ -87,6 +93,47 @@ def _gemv_kernel(
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows).to(tl.float32)
         y = silu_mul(y.to(y_ptr.dtype.element_ty), up.to(y_ptr.dtype.element_ty))
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _add_norm_gemv_kernel(
+    h_ptr,  # (1, K): the sublayer's output
+    res_ptr,  # (1, K): the stream before it
+    nw_ptr,  # (K,): the norm's weight
+    w_ptr,  # (N, K): the router
+    y_ptr,  # (1, N)
+    x_out_ptr,  # (1, K): the normed row
+    res_out_ptr,  # (1, K): the stream after the add
+    N,
+    K,
+    eps,
+    stride_w,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the whole row
+    PDL: tl.constexpr,
+):
+    pdl_entry(PDL)
+    cols = tl.arange(0, BLOCK_K)
+    in_k = cols < K
+    h = tl.load(h_ptr + cols, mask=in_k, other=0.0)
+    r = tl.load(res_ptr + cols, mask=in_k, other=0.0)
+    s = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)  # the add rounds as the unfused one does
+    s32 = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(s32 * s32, axis=0) / K + eps)
+    nw = tl.load(nw_ptr + cols, mask=in_k, other=0.0).to(tl.float32)
+    x = ((s32 * rstd).to(h.dtype).to(tl.float32) * nw).to(h.dtype)  # rounded before the weight, then after
+    if tl.program_id(0) == 0:
+        tl.store(res_out_ptr + cols, s, mask=in_k)
+        tl.store(x_out_ptr + cols, x, mask=in_k)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < N
+    rows = tl.where(live, rows, 0)
+    w = tl.load(
+        w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=in_k[None, :], other=0.0,
+        eviction_policy="evict_first",
+    )  # fmt: skip
+    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=live)
 
 
@@ -183,3 +230,55 @@ def dense_swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if _takes_gemv(x, weight):
         return gemv_triton(x, weight, bias, swiglu=True)
     return silu_and_mul(F.linear(x, weight, bias))
+
+
+ADD_NORM_MAX_K = 8192  # add_norm_gemv holds a whole row in each program's registers
+
+
+def takes_add_norm_gemv(h: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether add_norm_gemv runs as one kernel: one half-precision row on the Triton path, a row of at most
+    ADD_NORM_MAX_K features."""
+    return (
+        h.dim() == 2 and h.shape[0] == 1 and h.shape[1] <= ADD_NORM_MAX_K and h.stride(1) == 1
+        and weight.dtype == h.dtype and h.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1
+        and _backend.use_triton(h)
+    )  # fmt: skip
+
+
+def add_norm_gemv(
+    h: torch.Tensor,  # (1, K): the sublayer's output
+    residual: torch.Tensor,  # (1, K): the stream before it
+    norm_weight: torch.Tensor,  # (K,)
+    eps: float,
+    weight: torch.Tensor,  # (N, K): a router's, no bias
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, stream, y): stream = h + residual, x = rms_norm(stream) * norm_weight and y = x W^T, each rounded as
+    fused_add_rmsnorm and the GEMV round them; one kernel where takes_add_norm_gemv(h, weight). New tensors:
+    h and residual are left as they are."""
+    k = h.shape[1]
+    assert residual.shape == h.shape and norm_weight.shape == (k,) and weight.shape[1] == k, (
+        f"h {tuple(h.shape)}, residual {tuple(residual.shape)}, norm weight {tuple(norm_weight.shape)}, "
+        f"weight {tuple(weight.shape)}"
+    )
+    if not takes_add_norm_gemv(h, weight):
+        return add_norm_gemv_reference(h, residual, norm_weight, eps, weight)
+    n = weight.shape[0]
+    x, stream = torch.empty_like(h), torch.empty_like(h)
+    y = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, min(4, 4096 // block_k))  # a program's rows x the row: at most 4096 weights in registers
+    on = pdl(h)
+    _add_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        h, residual.contiguous(), norm_weight, weight, y, x, stream, n, k, eps, weight.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=on, num_warps=16 if block_k >= 8192 else 8 if block_k >= 2048 else 4,
+        **pdl_launch(on),
+    )  # fmt: skip
+    return x, stream, y
+
+
+def add_norm_gemv_reference(
+    h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unfused ops: the residual add and RMSNorm (kernels/fused_add_rmsnorm.py), then x W^T, on copies."""
+    x, stream = fused_add_rmsnorm(h.clone(), residual.clone(), norm_weight, eps)
+    return x, stream, dense_linear(x, weight)

@@ -337,6 +337,26 @@ def test_engine_through_the_kernels_equals_transformers(tmp_path: Path, monkeypa
     assert max(calls) > 1 and min(calls) >= 1  # prefill's many rows and decode's few both took them
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_router_beginning_with_the_norm_equals_transformers(tmp_path: Path, monkeypatch, arch: str) -> None:
+    """One sequence at a time, so that every decode step has one row: the post-attention residual add and RMSNorm
+    run in the router's kernel (kernels/gemv.py: add_norm_gemv, interpreted, in fp32 here)."""
+    import engine.layers.moe as moe
+    import kernels.gemv as gemv
+
+    rows: list[int] = []
+
+    def one_row(h: torch.Tensor, weight: torch.Tensor) -> bool:
+        rows.append(h.shape[0])
+        return h.shape[0] == 1
+
+    monkeypatch.setattr(moe, "takes_add_norm_gemv", one_row)
+    monkeypatch.setattr(gemv, "takes_add_norm_gemv", one_row)
+    model_dir = tiny_random_model_dir(tmp_path, arch)
+    assert generate(model_dir, max_num_seqs=1) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    assert rows.count(1) >= 2 * (sum(MAX_TOKENS) - len(MAX_TOKENS))  # each decode step's layers, twice each
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tp2_equals_transformers(tmp_path: Path, arch: str) -> None:
     """Each rank holds half of every expert's intermediate features; the router is whole on both."""

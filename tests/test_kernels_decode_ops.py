@@ -12,7 +12,16 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import _backend
-from kernels.gemv import _gemv_kernel, dense_linear, dense_swiglu, gemv_reference, gemv_triton, swiglu_config
+from kernels.gemv import (
+    _gemv_kernel,
+    add_norm_gemv,
+    add_norm_gemv_reference,
+    dense_linear,
+    dense_swiglu,
+    gemv_reference,
+    gemv_triton,
+    swiglu_config,
+)
 from kernels.silu_and_mul import silu_and_mul_reference, silu_and_mul_triton
 from kernels.top_p_cutoff import top_k_top_p_cutoff_reference, top_k_top_p_cutoff_triton
 
@@ -99,6 +108,26 @@ def test_dense_swiglu_fuses_one_half_precision_row(monkeypatch):
             dense_swiglu(x, w16), silu_and_mul_reference(x @ w16.T), rtol=2e-3, atol=2e-3
         )
     assert calls == [{"swiglu": True}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k", [(8, 64), (37, 200), (128, 512)])
+def test_add_norm_gemv_is_the_add_the_norm_and_the_router(monkeypatch, n, k, dtype):
+    """A MoE layer's router beginning with the residual add and RMSNorm: the stream and the normed row as
+    fused_add_rmsnorm leaves them, the logits as the GEMV makes them from that row; h and residual untouched."""
+    monkeypatch.setattr(_backend, "FORCED_BACKEND", "triton")
+    h, residual = torch.randn(1, k, dtype=dtype), torch.randn(1, k, dtype=dtype)
+    norm_weight = (torch.rand(k) + 0.5).to(dtype)
+    w = torch.randn(n, k, dtype=dtype) / k**0.5
+    before = (h.clone(), residual.clone())
+    x, stream, y = add_norm_gemv(h, residual, norm_weight, 1e-6, w)
+    assert torch.equal(h, before[0]) and torch.equal(residual, before[1])
+    want_x, want_stream, _ = add_norm_gemv_reference(h, residual, norm_weight, 1e-6, w)
+    assert torch.equal(stream, want_stream)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(x, want_x, rtol=tol, atol=tol)
+    torch.testing.assert_close(y, gemv_reference(x, w), rtol=tol, atol=tol)
+    assert y.shape == (1, n) and y.dtype == dtype
 
 
 # ---- top-k / top-p cutoff --------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from engine.layers.quant.packing import AWQ_ORDER, NATURAL_ORDER, pack_rows, unp
 from engine.model_config import ModelConfig
 from kernels import _backend
 from kernels.fused_moe import Experts, Int4Experts, Int8Experts, down_order_folded, fused_moe
+from kernels.gemv import takes_add_norm_gemv
 from kernels.int4_dequant import unpack_rows
 from kernels.moe_route import route
 
@@ -350,16 +351,25 @@ class SparseMoeBlock(nn.Module):
     def input_order(self, x: torch.Tensor) -> int:
         return 0  # x in column order: the router and the experts are dense
 
-    def forward(self, x: torch.Tensor, ordered: bool = False, summed: bool = True) -> torch.Tensor:
+    def routes_after_norm(self, h: torch.Tensor) -> bool:
+        """Whether the router's GEMV can begin with the residual add and the norm before it at the sublayer output
+        h (kernels/gemv.py: add_norm_gemv): a dense router without a bias, at one row on the Triton path."""
+        gate = self.gate
+        return gate.quant_method is None and gate.bias is None and takes_add_norm_gemv(h, gate.weight)
+
+    def forward(
+        self, x: torch.Tensor, ordered: bool = False, summed: bool = True, logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The router's softmax in fp32 over every expert, the top k of it (renormalised to sum to 1 where the
         config says so; the Qwen MoEs round them to the model's dtype), then the chosen experts' weighted sum, plus
         the gated shared expert's output where there is one: (num_tokens, hidden). summed=False, with neither a
         shared expert nor an all-reduce: (num_tokens, k, hidden), each choice's weighted output, which the norm
-        after sums as it adds the residual (engine/layers/norm.py), one kernel fewer."""
+        after sums as it adds the residual (engine/layers/norm.py), one kernel fewer. logits: the router's output
+        at x where the kernel that normed x made it (add_norm_gemv)."""
         assert not ordered, "a MoE layer takes x in column order"
         experts = self.experts
         weights, ids = route(
-            self.gate(x), self.top_k, self.renormalize,
+            self.gate(x) if logits is None else logits, self.top_k, self.renormalize,
             round_to=None if self.architecture == "MixtralForCausalLM" else x.dtype,
             first=experts.first, held=experts.num_experts,
         )  # fmt: skip

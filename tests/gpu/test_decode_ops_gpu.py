@@ -47,6 +47,26 @@ def test_gemv_swiglu_equals_the_gemv_then_silu_and_mul(n, k, dtype):
         assert (y.double() - ref).norm() / ref.norm() < 1e-2  # the rounded gate, up, silu and product
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(128, 2048), (8, 4096), (64, 7168), (60, 1000)])  # Qwen3-MoE, Mixtral, ...
+def test_add_norm_gemv_is_the_add_the_norm_and_the_router(n, k, dtype):
+    """The router with the residual add and RMSNorm before it: the stream bit for bit the unfused add's, the normed
+    row within one rounding of fused_add_rmsnorm's (its sum of squares may add up in another order), the logits
+    the product of that row, rounded once."""
+    from kernels.fused_add_rmsnorm import fused_add_rmsnorm_triton
+    from kernels.gemv import add_norm_gemv
+
+    h, residual = torch.randn(1, k, device="cuda", dtype=dtype), torch.randn(1, k, device="cuda", dtype=dtype)
+    norm_weight = (torch.rand(k, device="cuda") + 0.5).to(dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    x, stream, y = add_norm_gemv(h, residual, norm_weight, 1e-6, w)
+    want_x, want_stream = fused_add_rmsnorm_triton(h.clone(), residual.clone(), norm_weight, 1e-6)
+    assert torch.equal(stream, want_stream)
+    close = torch.isclose(x.float(), want_x.float(), rtol=1e-2, atol=1e-3)
+    assert close.all() and (x != want_x).float().mean() < 0.01
+    torch.testing.assert_close(y.float(), x.double().matmul(w.double().T).float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_cutoff_against_the_sort_at_llama3_vocab(rows):
     vocab = 128_256
