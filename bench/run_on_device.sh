@@ -7,7 +7,7 @@
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
 # kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights);
-# tests_moe bench_moe sweep_moe sweep_moe_gemv bench_moe_engine bench_moe_engine_awq (mixtures of experts: their GPU
+# tests_moe bench_moe sweep_moe sweep_moe_gemv bench_moe_engine bench_moe_engine_awq[_pdl_off] (mixtures of experts: their GPU
 # tests, the layer's kernels and tiles, the engine on Qwen3-30B-A3B, bf16 and int4); profile (Nsight Compute's counters for
 # bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
 # The wheels in .whl/ are installed first when present. While bench_disagg runs, nvidia-smi logs the SM
@@ -61,6 +61,10 @@ step sweep_moe 300 python3 -m bench.moe --shapes qwen3-30b-a3b --tokens 1 8 64 -
 step sweep_moe_gemv 200 python3 -m bench.moe --tokens 1 8 --sweep-gemv --out-dir "$OUT/moe/sweep"
 step bench_moe_engine 300 python3 -m bench.moe --engine --out-dir "$OUT/moe"
 step bench_moe_engine_awq 300 python3 -m bench.moe --engine --quantization awq --out-dir "$OUT/moe"
+# the same with every kernel launched plainly, so that each kernel's time a step is its own (with PDL a kernel's span
+# includes its wait for the one before); its record goes to moe/pdl_off, for the main record's extra.pdl_off
+step bench_moe_engine_awq_pdl_off 300 env PDSERVE_PDL=0 python3 -m bench.moe --engine --quantization awq \
+  --out-dir "$OUT/moe/pdl_off"
 # int4 weights: tests, then the W4A16 GEMM and the int4 engine against bf16 (not in the default STEPS)
 mkdir -p "$OUT/q"
 step tests_quant 420 python3 -m pytest tests/gpu/test_quant_gpu.py -q ${XDIST/8/4} -rfE -p no:cacheprovider
