@@ -138,7 +138,7 @@ def compile_caught(module: Any, name: str, call: Any, others: tuple[str, ...] = 
 
 def compile_moe_kernels() -> dict[str, str]:
     """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
-    and activation dtype, and kernels/fused_moe.py's grouped kernels for each kind at 64 and 4096 tokens (bf16), the
+    and activation dtype (gate_up routing its pairs itself too, bf16), and kernels/fused_moe.py's grouped kernels for each kind at 64 and 4096 tokens (bf16), the
     act-order gather too:
     {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
     import torch
@@ -146,6 +146,7 @@ def compile_moe_kernels() -> dict[str, str]:
     import kernels.fused_moe as grouped
     import kernels.fused_moe_gemv as gemv
     from kernels.fused_moe import Int4Experts, Int8Experts
+    from kernels.moe_route import Routing
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
 
@@ -175,8 +176,16 @@ def compile_moe_kernels() -> dict[str, str]:
                     "_gate_up_gemv_kernel": partial(gemv.gate_up_gemv, x, w13, ids, top_k, gemv.GEMV_TILES),
                     "_down_gemv_kernel": partial(gemv.down_gemv, act, w2, weights, ids, gemv.GEMV_TILES),
                 }
+                if (
+                    dtype == torch.bfloat16
+                ):  # gate_up routing its pairs itself (Qwen3's top 8 of 128, rounded)
+                    logits = torch.zeros(1, experts, dtype=dtype)
+                    routing = Routing(logits, top_k, True, torch.bfloat16, 0, experts)
+                    calls["routed _gate_up_gemv_kernel"] = partial(
+                        gemv.gate_up_gemv, x, w13, ids, top_k, gemv.GEMV_TILES, routing, weights
+                    )  # fmt: skip
                 for name, call in calls.items():
-                    compiled = compile_caught(gemv, name, call)
+                    compiled = compile_caught(gemv, name.split()[-1], call)
                     dt = str(dtype).removeprefix("torch.")
                     out[f"{kind} {dt} {name}"] = sass_of(compiled.asm["cubin"], Path(tmp))[1]
         launched = ("_gather_by_perm_kernel", "_gate_up_kernel", "_down_kernel", "_sum_choices_kernel")

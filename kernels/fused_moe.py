@@ -54,6 +54,7 @@ from kernels.fused_moe_gemv import GEMV_TILES, GemvTiles, down_gemv, gate_up_gem
 from kernels.fused_moe_gemv import chosen as gemv_chosen
 from kernels.fused_moe_gemv import takes as gemv_takes
 from kernels.int4_dequant import unpack_rows
+from kernels.moe_route import Routing
 from kernels.silu_and_mul import silu_mul
 
 # at most this many (token, choice) pairs take a block each, in pair order, with no alignment: align_pairs' torch
@@ -549,20 +550,30 @@ def fused_moe_triton(
     x: torch.Tensor,  # (T, H)
     w13: Experts,  # (E, 2 * I, H)
     w2: Experts,  # (E, H, I)
-    topk_weights: torch.Tensor,  # (T, K) fp32
-    topk_ids: torch.Tensor,  # (T, K) int
+    topk_weights: torch.Tensor | None,  # (T, K) fp32
+    topk_ids: torch.Tensor | None,  # (T, K) int
     config: Tiles | None = None,  # None: tiles() picks
     gemv: GemvTiles | None = GEMV_TILES,  # quantized stacks' kernels for decode's few pairs; None: never
     summed: bool = True,  # False: each choice's weighted output, (T, K, H), for the norm after to sum
+    routing: Routing
+    | None = None,  # with topk_* None: the router's logits, routed in the gate_up GEMV or first
 ) -> torch.Tensor:  # (T, H) in x's dtype
+    (tokens, hidden), experts = x.shape, w2.shape[0]
+    top_k = routing.top_k if routing is not None else topk_ids.shape[1] if topk_ids is not None else 0
+    few = gemv is not None and gemv_chosen(tokens * top_k, experts)
+    gemv_gate_up, gemv_down = few and gemv_takes(w13), few and gemv_takes(w2)
+    routed_in_gemv = routing is not None and gemv_gate_up and gemv_down and routing.in_kernel()
+    if routing is not None and not routed_in_gemv:
+        topk_weights, topk_ids = routing.route()
+    elif routed_in_gemv:  # written by the gate_up GEMV
+        topk_weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+        topk_ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
+    assert topk_weights is not None and topk_ids is not None, "the router's choices, or routing"
     _check(x, w13, w2, topk_weights, topk_ids)
-    (tokens, hidden), (experts, _, inter) = x.shape, w2.shape
-    top_k = topk_ids.shape[1]
+    inter = w2.shape[2]
     num_pairs = tokens * top_k
     if num_pairs == 0:
         return torch.zeros_like(x) if summed else x.new_zeros(tokens, top_k, hidden)
-    few = gemv is not None and gemv_chosen(num_pairs, experts)
-    gemv_gate_up, gemv_down = few and gemv_takes(w13), few and gemv_takes(w2)
     quantized = not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor))
     cfg = config or tiles(num_pairs, experts, quantized, x.dtype)
     plan = None if gemv_gate_up and gemv_down else _plan(topk_ids, experts, cfg)
@@ -570,7 +581,10 @@ def fused_moe_triton(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     launch = {"num_warps": cfg.warps} | ({"num_stages": cfg.stages} if cfg.stages else {})
     if gemv_gate_up:
-        act = gate_up_gemv(x, w13, pair_experts, top_k, gemv)  # type: ignore[arg-type]
+        act = gate_up_gemv(
+            x, w13, pair_experts, top_k, gemv,  # type: ignore[arg-type]
+            routing if routed_in_gemv else None, weights if routed_in_gemv else None,
+        )  # fmt: skip
     else:
         assert plan is not None
         act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -681,13 +695,18 @@ def fused_moe_reference(
 
 
 def fused_moe(
-    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    summed: bool = True,
+    x: torch.Tensor, w13: Experts, w2: Experts, topk_weights: torch.Tensor | None, topk_ids: torch.Tensor | None,
+    summed: bool = True, routing: Routing | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """(T, H): the layer's output; summed=False: (T, K, H), each choice's weighted output, which
-    kernels/fused_add_rmsnorm.py's norm sums as it adds the residual (one kernel fewer a layer)."""
+    kernels/fused_add_rmsnorm.py's norm sums as it adds the residual (one kernel fewer a layer). routing, with
+    topk_weights and topk_ids None: the router's logits, routed here (kernels/moe_route.py: route), inside the
+    gate_up GEMV where decode's quantized stacks take the GEMVs."""
     if _backend.use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, summed=summed)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, summed=summed, routing=routing)
+    if routing is not None:
+        topk_weights, topk_ids = routing.route()
+    assert topk_weights is not None and topk_ids is not None, "the router's choices, or routing"
     return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, summed)
 
 

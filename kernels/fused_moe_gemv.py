@@ -7,7 +7,10 @@ quarter of the bytes). Here a program takes one pair and a block of its expert's
 words meet x's row as in the dense one-row kernel (kernels/w4a16_gemm.py: `nibble_products`, one LOP3 and one FMA
 a weight, the scale and zero once a group, `scaled_by_group`):
 - `_gate_up_gemv_kernel`: the pair's token's x against GATE_UP_N of its expert's gate columns and the same up
-  columns; silu(gate) * up, each rounded as the dense MLP rounds them (kernels/silu_and_mul.py), a row per pair;
+  columns; silu(gate) * up, each rounded as the dense MLP rounds them (kernels/silu_and_mul.py), a row per pair.
+  With routing (ROUTE) it picks the pair's expert itself: every program takes the top k of its token's logits as
+  the route kernel does (kernels/moe_route.py: top_k_of_row), and column block 0 writes the pair's expert and
+  weight for the down kernel, one launch fewer a layer;
 - `_down_gemv_kernel`: the pair's activation row against DOWN_N of its expert's down columns, rounded, times the
   pair's router weight, a row per pair; another rank's expert (expert parallelism) writes zeros.
 Pairs need no alignment (program p is pair p = t * K + k), so a CUDA graph captures the launches as they are. The
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import _backend
+from kernels.moe_route import Routing, top_k_of_row
 from kernels.silu_and_mul import silu_mul
 from kernels.w4a16_gemm import nibble_products, scaled_by_group, x_columns
 
@@ -160,12 +164,18 @@ def _gate_up_gemv_kernel(
     s_ptr,  # scales (E, H / G, 2 * I), int8: (E, 2 * I, H / G)
     z_ptr,  # zeros (E, H / G, 2 * I), int8: unread
     perm_ptr,  # int4 act order: (E, H) int32, x's column of each layout row
-    ids_ptr,  # (T * K,): each pair's expert
+    ids_ptr,  # (T * K,): each pair's expert (ROUTE: written here)
     act_ptr,  # (T * K, I)
+    logits_ptr,  # ROUTE: (T, E_all) the router's outputs
+    weights_ptr,  # ROUTE: (T * K,) fp32, each pair's router weight, written here
     # sizes
     num_experts,
     H,
     inter,
+    num_logits,  # ROUTE: E_all, every rank's experts
+    first,  # ROUTE: this rank's first expert
+    held,  # ROUTE: the experts held here
+    stride_l,
     # strides
     stride_x,
     stride_we,
@@ -190,9 +200,28 @@ def _gate_up_gemv_kernel(
     EXACT: tl.constexpr,
     INT8: tl.constexpr,  # int8 rows (E, N, K), else int4 (E, K / 8, N)
     HAS_PERM: tl.constexpr,
+    ROUTE: tl.constexpr,  # the pair's expert from its token's logits (kernels/moe_route.py), not from ids_ptr
+    K_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (
+        ROUTE
+    ):  # every program of the pair routes its token; column block 0 writes the pair's expert and weight
+        slots, vals, ids = top_k_of_row(
+            logits_ptr + (pair // TOP_K) * stride_l, num_logits, first, held, TOP_K, K_PAD, BLOCK_E, RENORMALIZE,
+            ROUND,
+        )  # fmt: skip
+        mine = slots == pair % TOP_K
+        chosen_id = tl.sum(tl.where(mine, ids, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + pair, chosen_id.to(ids_ptr.dtype.element_ty))
+            tl.store(weights_ptr + pair, tl.sum(tl.where(mine, vals, 0.0), axis=0))
+        expert = chosen_id.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert >= num_experts:  # another rank's expert: the down kernel writes its row's zeros
         return
     outs = tl.program_id(1) * OUT_N + tl.arange(0, OUT_N)
@@ -325,6 +354,8 @@ def gate_up_gemv(
     pair_experts: torch.Tensor,  # (T * K,) int: pair t * K + k's expert (E or past: another rank's)
     top_k: int,
     tiles: GemvTiles,
+    routing: Routing | None = None,  # the kernel routes: pair_experts and pair_weights are its outputs
+    pair_weights: torch.Tensor | None = None,  # with routing: (T * K,) fp32, each pair's router weight
 ) -> torch.Tensor:  # (T * K, I): silu(gate) * up, a row per pair (another rank's pairs unwritten)
     experts, two_inter, hidden = w13.shape
     inter = two_inter // 2
@@ -334,9 +365,16 @@ def gate_up_gemv(
     act = torch.empty(pair_experts.numel(), inter, dtype=x.dtype, device=x.device)
     q, s, z, perm, *strides = _stack_args(w13)
     grid = (pair_experts.numel(), triton.cdiv(inter, tiles.gate_up_n))
+    route_args: tuple = (x, 0, 0, 0, 0)  # unread without routing
+    route_meta: dict = {"K_PAD": 1, "BLOCK_E": 1, "RENORMALIZE": False, "ROUND": 0}
+    if routing is not None:
+        assert routing.top_k == top_k and pair_weights is not None and pair_weights.is_contiguous()
+        route_args, route_meta = routing.kernel_args()
     _gate_up_gemv_kernel[grid](
-        x, q, s, z, perm, pair_experts, act, experts, hidden, inter, x.stride(0), *strides, act.stride(0), MASK_HI,
-        MASK_LO, TOP_K=top_k, OUT_N=tiles.gate_up_n, **_meta(w13, hidden, x, grid[0] * grid[1], tiles),
+        x, q, s, z, perm, pair_experts, act, route_args[0], pair_weights if pair_weights is not None else act,
+        experts, hidden, inter, *route_args[1:], x.stride(0), *strides, act.stride(0), MASK_HI, MASK_LO, TOP_K=top_k,
+        OUT_N=tiles.gate_up_n, ROUTE=routing is not None, **route_meta,
+        **_meta(w13, hidden, x, grid[0] * grid[1], tiles),
     )  # fmt: skip
     return act
 

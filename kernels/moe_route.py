@@ -7,6 +7,8 @@ map to `held`, which kernels/fused_moe.py's kernels skip.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -17,15 +19,15 @@ _TAKEN = tl.constexpr(-(2**62))  # an expert already chosen: below every key
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E, stride_l, first, held,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
-    ROUND: tl.constexpr,
+def top_k_of_row(
+    row_ptr, E, first, held, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORMALIZE: tl.constexpr, ROUND: tl.constexpr,
 ):  # fmt: skip
-    """A token's router logits -> its top-k experts and their weights, as `route_reference` computes them."""
-    t = tl.program_id(0).to(tl.int64)
+    """A token's E router logits at row_ptr -> (slots, weights, ids), K_PAD each (slots past TOP_K unused): its top-k
+    experts and their weights, as `route_reference` computes them. The route kernel's body, and the int4 gate_up
+    GEMV's prologue where that kernel routes (kernels/fused_moe_gemv.py)."""
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(row_ptr + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
     probs = p / tl.sum(p, axis=0)
     # one max a choice, of keys: a probability's bits (non-negative floats order as their int32 bits; padding's -1.0
@@ -52,6 +54,20 @@ def _route_kernel(
         vals = vals.to(tl.float16).to(tl.float32)
     local = ids - first  # expert parallelism: this rank's experts by local index, the others' past them
     ids = tl.where((local >= 0) & (local < held), local, held)
+    return slots, vals, ids
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E, stride_l, first, held,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr,
+    ROUND: tl.constexpr,
+):  # fmt: skip
+    """A token's router logits -> its top-k experts and their weights, as `route_reference` computes them."""
+    t = tl.program_id(0).to(tl.int64)
+    slots, vals, ids = top_k_of_row(
+        logits_ptr + t * stride_l, E, first, held, TOP_K, K_PAD, BLOCK_E, RENORMALIZE, ROUND
+    )  # fmt: skip
     tl.store(weights_ptr + t * TOP_K + slots, vals, mask=slots < TOP_K)
     tl.store(ids_ptr + t * TOP_K + slots, ids, mask=slots < TOP_K)
 
@@ -62,6 +78,44 @@ _ROUND = {
     torch.bfloat16: 1,
     torch.float16: 2,
 }  # the weights rounded to: as they are
+
+
+MAX_EXPERTS_IN_GEMV = (
+    512  # the int4 gate_up GEMV routes in its prologue up to this many experts (one warp's keys)
+)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """`route`'s arguments, for a kernel that routes itself (kernels/fused_moe.py: fused_moe with routing=)."""
+
+    logits: torch.Tensor  # (T, E)
+    top_k: int
+    renormalize: bool
+    round_to: torch.dtype | None = None
+    first: int = 0
+    held: int | None = None
+
+    def route(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self.logits, self.top_k, self.renormalize, self.round_to, self.first, self.held)
+
+    def in_kernel(self) -> bool:
+        """Whether a kernel can route: the route kernel's conditions, and at most MAX_EXPERTS_IN_GEMV experts."""
+        return (
+            _backend.use_triton(self.logits) and self.round_to in _ROUND
+            and self.logits.shape[1] <= MAX_EXPERTS_IN_GEMV and self.logits.stride(1) == 1
+        )  # fmt: skip
+
+    def kernel_args(self) -> tuple[tuple, dict]:
+        """(logits, E, first, held, logits' row stride) and the constexprs top_k_of_row takes, but TOP_K."""
+        experts = self.logits.shape[1]
+        held = experts if self.held is None else self.held
+        args = (self.logits, experts, self.first, held, self.logits.stride(0))
+        meta = {
+            "K_PAD": triton.next_power_of_2(self.top_k), "BLOCK_E": triton.next_power_of_2(experts),
+            "RENORMALIZE": self.renormalize, "ROUND": _ROUND[self.round_to],
+        }  # fmt: skip
+        return args, meta
 
 
 def route(

@@ -586,6 +586,30 @@ def test_int4_moe_through_the_kernels(tmp_path: Path, monkeypatch) -> None:
     )
 
 
+def test_int4_moe_routed_in_the_gate_up_gemv_equals_transformers(tmp_path: Path, monkeypatch) -> None:
+    """Mixtral's int4 experts with decode's pairs routed inside the gate_up GEMV (kernels/fused_moe_gemv.py, its
+    routing prologue), prefill's by the route first: the engine's greedy output is transformers'."""
+    import kernels.fused_moe as fm
+    from kernels.moe_route import Routing
+    from tests.quant_checkpoints import dequantized_copy, write_int4_moe
+
+    moe_layers_on_the_kernels(monkeypatch)
+    monkeypatch.setattr(Routing, "in_kernel", lambda self: True)  # the interpreter's logits are on the CPU
+    routed: list[bool] = []
+    real = fm.gate_up_gemv
+
+    def gate_up(*args, **kwargs):
+        routed.append(args[5] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fm, "gate_up_gemv", gate_up)
+    checkpoint = write_int4_moe(tiny_random_model_dir(tmp_path, "mixtral"), tmp_path / "int4", "awq")
+    assert generate(checkpoint) == hf_greedy(
+        dequantized_copy(checkpoint, tmp_path / "dense"), PROMPTS, MAX_TOKENS
+    )
+    assert routed and all(routed)
+
+
 @pytest.fixture(scope="module")
 def act_order(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """A tiny Mixtral quantized by GPTQ with act order (`pdserve quantize --desc-act`), and transformers' greedy

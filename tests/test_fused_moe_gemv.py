@@ -145,6 +145,44 @@ def test_pair_counts_and_stacks_that_take_the_gemv(monkeypatch) -> None:
     assert (len(gate_up), len(down)) == (0, 1), "18 pairs over 4 experts: the grouped kernels"
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "held", "first", "top_k", "renormalize", "round_to", "dtype"),
+    [
+        (1, 8, 8, 0, 2, True, torch.float16, torch.float16),  # Qwen's renormalised weights, rounded
+        (2, 16, 16, 0, 4, False, None, torch.float32),  # Mixtral's... as they are
+        (
+            3,
+            8,
+            4,
+            4,
+            2,
+            True,
+            torch.float16,
+            torch.float16,
+        ),  # expert parallelism: this rank holds experts 4-7
+    ],
+)
+def test_gate_up_gemv_routes_as_the_route_kernel(
+    monkeypatch, tokens, experts, held, first, top_k, renormalize, round_to, dtype
+) -> None:
+    """With routing, the gate_up GEMV picks each pair's expert from its token's logits and writes the pair's expert
+    and weight for the down GEMV: the layer's output bit for bit that of routing first (kernels/moe_route.py), and no
+    route ran."""
+    from kernels.moe_route import Routing, route_triton
+
+    monkeypatch.setattr(Routing, "in_kernel", lambda self: True)  # the interpreter's logits are on the CPU
+    monkeypatch.setattr(Routing, "route", lambda self: pytest.fail("routed before the GEMV"))
+    gate_up = calls_of(monkeypatch, "gate_up_gemv")
+    x, _, _, _, _ = moe_inputs(tokens, 128, 64, held, top_k, dtype, seed=tokens)
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    w13, w2 = stacks(128, 64, held, 32, "zeros")
+    routing = Routing(logits, top_k, renormalize, round_to, first, held)
+    routed = fused_moe_triton(x, w13, w2, None, None, summed=False, routing=routing)
+    weights, ids = route_triton(logits, top_k, renormalize, round_to, first, held)
+    assert torch.equal(routed, fused_moe_triton(x, w13, w2, weights, ids, summed=False))
+    assert len(gate_up) == 2
+
+
 def test_every_kind_compiles_for_hopper() -> None:
     """The compiler builds what the interpreter never looks at (a constexpr branch not taken, pointer dtypes): each
     kind of stack and dtype compiled for sm_90 in a process of its own, no GPU needed, with nothing spilled; the
@@ -156,6 +194,7 @@ def test_every_kind_compiles_for_hopper() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if "_kernel:" in line]
-    assert len([line for line in compiled if "_gemv_kernel:" in line]) == 16, done.stdout
+    assert len([line for line in compiled if "_gemv_kernel:" in line]) == 20, done.stdout
+    assert len([line for line in compiled if "routed _gate_up_gemv_kernel:" in line]) == 4, done.stdout
     spilled = [line for line in compiled if "LOCAL:0 " not in line or "STACK:0 " not in line]
-    assert len(compiled) == 31 and not spilled, done.stdout
+    assert len(compiled) == 35 and not spilled, done.stdout

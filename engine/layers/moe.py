@@ -49,7 +49,7 @@ from kernels import _backend
 from kernels.fused_moe import Experts, Int4Experts, Int8Experts, down_order_folded, fused_moe
 from kernels.gemv import takes_add_norm_gemv
 from kernels.int4_dequant import unpack_rows
-from kernels.moe_route import route
+from kernels.moe_route import Routing
 
 Quantized = Int4Experts | Int8Experts
 logger = logging.getLogger(__name__)
@@ -368,13 +368,14 @@ class SparseMoeBlock(nn.Module):
         at x where the kernel that normed x made it (add_norm_gemv)."""
         assert not ordered, "a MoE layer takes x in column order"
         experts = self.experts
-        weights, ids = route(
+        routing = Routing(
             self.gate(x) if logits is None else logits, self.top_k, self.renormalize,
             round_to=None if self.architecture == "MixtralForCausalLM" else x.dtype,
             first=experts.first, held=experts.num_experts,
         )  # fmt: skip
         per_choice = not summed and self.tp_size == 1 and self.shared_expert is None
-        out = fused_moe(x, *experts.weights(x), weights, ids, summed=not per_choice)
+        # routed by the kernels: inside the int4 gate_up GEMV at decode's few pairs, else by the route kernel first
+        out = fused_moe(x, *experts.weights(x), None, None, summed=not per_choice, routing=routing)
         if per_choice:
             return out
         if self.tp_size > 1:
