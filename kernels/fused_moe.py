@@ -555,8 +555,7 @@ def fused_moe_triton(
     config: Tiles | None = None,  # None: tiles() picks
     gemv: GemvTiles | None = GEMV_TILES,  # quantized stacks' kernels for decode's few pairs; None: never
     summed: bool = True,  # False: each choice's weighted output, (T, K, H), for the norm after to sum
-    routing: Routing
-    | None = None,  # with topk_* None: the router's logits, routed in the gate_up GEMV or first
+    routing: Routing | None = None,  # with topk_* None: the logits, routed in the gate_up GEMV or first
 ) -> torch.Tensor:  # (T, H) in x's dtype
     (tokens, hidden), experts = x.shape, w2.shape[0]
     top_k = routing.top_k if routing is not None else topk_ids.shape[1] if topk_ids is not None else 0

@@ -80,9 +80,8 @@ _ROUND = {
 }  # the weights rounded to: as they are
 
 
-MAX_EXPERTS_IN_GEMV = (
-    512  # the int4 gate_up GEMV routes in its prologue up to this many experts (one warp's keys)
-)
+# the int4 gate_up GEMV routes in its prologue up to this many experts (as the route kernel takes in one warp)
+MAX_EXPERTS_IN_GEMV = 512
 
 
 @dataclass(frozen=True)
