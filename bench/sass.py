@@ -138,8 +138,8 @@ def compile_caught(module: Any, name: str, call: Any, others: tuple[str, ...] = 
 
 def compile_moe_kernels() -> dict[str, str]:
     """kernels/fused_moe_gemv.py's two kernels at Qwen3-30B-A3B's shape, one decode token, for each kind of stack
-    and activation dtype (gate_up routing its pairs itself too, bf16), and kernels/fused_moe.py's grouped kernels for each kind at 64 and 4096 tokens (bf16), the
-    act-order gather too:
+    and activation dtype (gate_up routing its pairs itself too, bf16), and kernels/fused_moe.py's grouped kernels
+    for each kind at 64 and 4096 tokens (bf16), the act-order gather too:
     {"kind dtype kernel": register usage}. A kernel that does not compile raises."""
     import torch
 
@@ -176,9 +176,8 @@ def compile_moe_kernels() -> dict[str, str]:
                     "_gate_up_gemv_kernel": partial(gemv.gate_up_gemv, x, w13, ids, top_k, gemv.GEMV_TILES),
                     "_down_gemv_kernel": partial(gemv.down_gemv, act, w2, weights, ids, gemv.GEMV_TILES),
                 }
-                if (
-                    dtype == torch.bfloat16
-                ):  # gate_up routing its pairs itself (Qwen3's top 8 of 128, rounded)
+                # gate_up routing its pairs itself (Qwen3's top 8 of 128, rounded)
+                if dtype == torch.bfloat16:
                     logits = torch.zeros(1, experts, dtype=dtype)
                     routing = Routing(logits, top_k, True, torch.bfloat16, 0, experts)
                     calls["routed _gate_up_gemv_kernel"] = partial(

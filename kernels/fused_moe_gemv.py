@@ -207,9 +207,8 @@ def _gate_up_gemv_kernel(
     ROUND: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
-    if (
-        ROUTE
-    ):  # every program of the pair routes its token; column block 0 writes the pair's expert and weight
+    # ROUTE: every program of the pair routes its token; column block 0 writes the pair's expert and weight
+    if ROUTE:
         slots, vals, ids = top_k_of_row(
             logits_ptr + (pair // TOP_K) * stride_l, num_logits, first, held, TOP_K, K_PAD, BLOCK_E, RENORMALIZE,
             ROUND,
