@@ -49,6 +49,9 @@ and the engine's batch-1 decode with dummy int4 weights against the bf16 engine,
 - --kernels [--batch B]: one decode step of B sequences (default 1) of the int4 (AWQ) and the bf16 engine, its time
   as served and, with every kernel launched plainly, its GPU time kernel by kernel (torch.profiler over a 65-token
   generation less a 1-token one, per step): quant_int4_decode_b{B}_kernels_llama3-8b.
+- --sweep-prefetch: the fragment layout's kernel asking L2 for its words 1-3 steps past the registers' step
+  (PDSERVE_W4A16_PREFETCH) against none, the layer at 1-16 rows and the AWQ engine's batch-1 decode at each:
+  quant_w4a16_prefetch_sweep_llama3-8b.
 Records (bench/record.py): quant_w4a16_gemm_m{1,2,4,8,16}_llama3-8b, quant_w4a16_gemm_m4096_llama3-8b,
 quant_int4_decode_b1_llama3-8b, quant_int4_weights_llama3-8b; --rope: quant_w4a16_qkv_rope_llama3-8b. About 6
 minutes on an H200.
@@ -104,9 +107,9 @@ def layer_bytes(w: dict[str, Any]) -> tuple[int, int]:
     return packed, packed + sum(t.scales.numel() * 2 + t.zeros.numel() for t in w.values())
 
 
-def fused_gemms_us(m: int, sets: list[dict[str, Any]]) -> dict[str, float]:
+def fused_gemms_us(m: int, sets: list[dict[str, Any]], **kw: Any) -> dict[str, float]:
     """us per GEMM at m rows in the form a decode step runs it (engine/model.py: forward_fused): qkv and gate_up
-    (ending in SwiGLU) taking their norm, o and down adding into the stream."""
+    (ending in SwiGLU) taking their norm, o and down adding into the stream; kw: more w4a16_mma keywords."""
     import torch
 
     from bench.kernels import time_us
@@ -122,7 +125,7 @@ def fused_gemms_us(m: int, sets: list[dict[str, Any]]) -> dict[str, float]:
         "qkv": {"norm": norm}, "o": {"add_to": stream, "next_norm": nxt},
         "gate_up": {"swiglu": True, "norm": norm}, "down": {"add_to": stream, "next_norm": nxt},
     }  # fmt: skip
-    return {n: time_us([partial(w4a16_mma, xs[n], w[n], **forms[n]) for w in sets]) for n in LAYER}
+    return {n: time_us([partial(w4a16_mma, xs[n], w[n], **forms[n], **kw) for w in sets]) for n in LAYER}
 
 
 def gemm_small_m(copy_gbs: float, out_dir: Path | None) -> list[tuple]:
@@ -761,6 +764,60 @@ def sweep_regs(out_dir: Path | None) -> None:
     )  # fmt: skip
 
 
+PREFETCH_STEPS = (0, 1, 2, 3)
+
+
+def sweep_prefetch(out_dir: Path | None) -> None:
+    """The fragment layout's kernel asking L2 for its words 1-3 steps past the one it loads into registers
+    (PDSERVE_W4A16_PREFETCH), against none: the layer's four GEMMs at 1-16 rows as the records time them and in the
+    form a decode step runs them (1-8 rows), each distance twice in turn; then the AWQ engine's batch-1 decode at
+    each distance, alternating: quant_w4a16_prefetch_sweep_llama3-8b (the one-row layer at the best distance against
+    none)."""
+    import torch
+
+    from bench.kernels import time_us
+    from bench.record import record
+    from kernels.w4a16_mma import _w4a16_mma_kernel, w4a16_mma
+
+    # up to 16 rows w4a16_gemm's pick for fragment-laid weights is w4a16_mma, which takes the distance
+    sets = [int4_layer("cuda", s, fragments=True) for s in range(SETS)]
+    layers: dict[str, dict[str, list[float]]] = {}
+    for m in SMALL_M:
+        xs = {n: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for n, (k, _) in LAYER.items()}
+        found: dict[str, list[float]] = {}
+        for _ in range(2):
+            for steps in PREFETCH_STEPS:
+                calls = [partial(w4a16_mma, xs[n], w[n], prefetch=steps) for w in sets for n in LAYER]
+                found.setdefault(f"layer_pf{steps}", []).append(round(time_us(calls) * len(LAYER), 2))
+                if m <= 8:
+                    fused = fused_gemms_us(m, sets, prefetch=steps)
+                    found.setdefault(f"served_pf{steps}", []).append(round(sum(fused.values()), 2))
+                    for n, us in fused.items():
+                        found.setdefault(f"{n}_pf{steps}", []).append(round(us, 2))
+        layers[f"M={m}"] = found
+        print(f"prefetch M={m}: {found}", flush=True)
+    torch.cuda.empty_cache()
+    engine: dict[str, list[float | None]] = {}
+    for steps in (0, 2, 1, 0, 2):
+        part = child("awq", 400, PDSERVE_W4A16_PREFETCH=str(steps))
+        engine.setdefault(f"pf{steps}", []).append(part.get("tok_s"))
+        print(f"prefetch engine pf{steps}: {part.get('tok_s', part)}", flush=True)
+    one = layers["M=1"]
+    none = min(one["layer_pf0"])
+    best = min(min(one[f"layer_pf{s}"]) for s in PREFETCH_STEPS)
+    record(
+        "quant_w4a16_prefetch_sweep_llama3-8b", best, "us", baseline=none,
+        baseline_name="the one-row layer with no words asked into L2 ahead (us)", ratio=none / best,
+        out_dir=out_dir, command=COMMAND + " --sweep-prefetch",
+        extra={"what": "the fragment layout's W4A16 kernel asking L2 for its words N steps past the registers' step "
+                       "(prefetch.global.L2), N = 0-3: the layer's four GEMMs (layer_pfN: as the gemm records time "
+                       "them; served_pfN and per GEMM: qkv and gate_up with SwiGLU taking their norm, o and down "
+                       "adding into the stream), us, each distance timed twice in turn; engine: the AWQ engine's "
+                       "batch-1 decode tok/s (PDSERVE_W4A16_PREFETCH=N), alternating",
+               "layers": layers, "engine": engine, "variants": _compiled_variants(_w4a16_mma_kernel)},
+    )  # fmt: skip
+
+
 def _compiled_variants(kernel: Any) -> list[dict[str, Any]]:
     """Each compiled variant of a Triton / Gluon kernel: warps, register cap, registers and spills a thread, and
     the constexprs that tell it apart (what this Triton exposes of them; absent fields are None)."""
@@ -994,6 +1051,11 @@ def main() -> None:
     p.add_argument(
         "--batched", action="store_true", help="only the int4 and bf16 engines' decode at batches of 16-128"
     )
+    p.add_argument(
+        "--sweep-prefetch",
+        action="store_true",
+        help="only the fragment layout kernel asking L2 for its words 0-3 steps ahead, and the engine at each",
+    )
     p.add_argument("--part", choices=["none", "awq", "gptq_head"], help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help="with --kernels: the decode batch (default 1)")
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
@@ -1009,6 +1071,7 @@ def main() -> None:
         "sweep_regs": sweep_regs,
         "chunked": rows_chunked,
         "batched": decode_batched,
+        "sweep_prefetch": sweep_prefetch,
     }
     for flag, run in modes.items():  # the modes that time something else than the GEMMs' records
         if getattr(args, flag):

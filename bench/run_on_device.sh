@@ -6,7 +6,8 @@
 #   STEPS="bench_kv bench_disagg" bash bench/run_on_device.sh    only those steps
 # Default steps: tests_kernels_kv bench_kernels bench_kv tests_engine_disagg tests_rest bench_disagg. Run only
 # when named: bench_latency bench_throughput tests_kv_memory bench_kv_memory; tests_quant bench_quant sweep_mma
-# kernels_quant kernels_quant_b128 rope_quant regs_quant chunked_quant sweep_wgmma batched_quant (int4 weights);
+# kernels_quant kernels_quant_b128 rope_quant regs_quant prefetch_quant chunked_quant sweep_wgmma batched_quant (int4
+# weights);
 # tests_moe bench_moe sweep_moe sweep_moe_gemv bench_moe_engine bench_moe_engine_awq[_pdl_off] (mixtures of experts: their GPU
 # tests, the layer's kernels and tiles, the engine on Qwen3-30B-A3B, bf16 and int4); profile (Nsight Compute's counters for
 # bench/profile_kernels.py); and on a machine with 2 GPUs tests_tp bench_tp
@@ -75,6 +76,8 @@ step kernels_quant 300 python3 -m bench.quant_int4 --kernels --out-dir "$OUT/q"
 step kernels_quant_b128 400 python3 -m bench.quant_int4 --kernels --batch 128 --out-dir "$OUT/q"
 step rope_quant 200 python3 -m bench.quant_int4 --rope --out-dir "$OUT/q"
 step regs_quant 300 python3 -m bench.quant_int4 --sweep-regs --out-dir "$OUT/q"
+# the tensor-core kernel asking L2 for its words 1-3 steps ahead (PDSERVE_W4A16_PREFETCH), layer and engine
+step prefetch_quant 560 python3 -m bench.quant_int4 --sweep-prefetch --out-dir "$OUT/q"
 step chunked_quant 240 python3 -m bench.quant_int4 --chunked --out-dir "$OUT/q"
 step sweep_wgmma 340 python3 -m bench.quant_int4 --sweep-wgmma --out-dir "$OUT/q"
 step batched_quant 500 python3 -m bench.quant_int4 --batched --out-dir "$OUT/q"

@@ -240,7 +240,7 @@ def loop_skeleton(sass: str) -> list[str]:
         if "MMA" in line:
             mmas += 1
             continue
-        if re.search(r"\bLDG|\bLDS|\bBRA|\bBAR|IMAD\.MOV\.U32 R\d+, RZ, RZ, R\d+|\bMOV R", line):
+        if re.search(r"\bLDG|\bLDS|\bCCTL|\bBRA|\bBAR|IMAD\.MOV\.U32 R\d+, RZ, RZ, R\d+|\bMOV R", line):
             if mmas:
                 out.append(f"  {mmas} MMA")
                 mmas = 0

@@ -39,6 +39,18 @@ FUSED_ROTARY: bool = os.environ.get("PDSERVE_FUSED_ROTARY", "1").strip() != "0"
 WGMMA: bool = os.environ.get("PDSERVE_WGMMA", "1").strip() != "0"
 
 
+def _read_steps(name: str) -> int:
+    value = os.environ.get(name, "0").strip() or "0"
+    if not value.isdigit() or int(value) > 8:
+        raise ValueError(f"{name} must be a whole number of steps from 0 to 8, got {value!r}")
+    return int(value)
+
+
+# PDSERVE_W4A16_PREFETCH=N has the int4 tensor-core kernel (kernels/w4a16_mma.py) ask L2 for its words N steps past
+# the step it loads into registers (0, the default: none): the A-B of `python3 -m bench.quant_int4 --sweep-prefetch`
+W4A16_PREFETCH: int = _read_steps("PDSERVE_W4A16_PREFETCH")
+
+
 def use_triton(tensor: torch.Tensor) -> bool:
     if FORCED_BACKEND is not None:
         return FORCED_BACKEND == "triton"

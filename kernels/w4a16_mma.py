@@ -15,8 +15,10 @@ dialect, so that no value crosses lanes or shared memory between its load and it
 - A program owns 16 output columns of up to 16 rows of x (PROGRAM_ROWS); past 16 rows a column block has one
   program per 16 rows, adjacent in the grid, so that they run side by side and its words come from DRAM once.
   Its W warps split K as the MMA layout's leading dimension, ask for all a chunk reads (words, scales, zeros, x)
-  one step ahead, U chunks a step, and meet in one reduction at the end (config()). About 2.9 SASS instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of
-  the rows layout (kernels/w4a16_gemm.py).
+  one step ahead, U chunks a step, and meet in one reduction at the end (config()). With prefetch=N
+  (PDSERVE_W4A16_PREFETCH) each lane also asks L2 for its words N steps past that one. About 2.9 SASS
+  instructions a weight per lane at one row, against ~5 for the CUDA-core kernel of the rows layout
+  (kernels/w4a16_gemm.py).
 - SwiGLU (swiglu=True): for gate_up's (gate | up) columns a program owns gate block c and up block c + N / 32,
   one x for both, and writes silu(gate) * up, rounded as the GEMM and SiLU-and-mul round. The same two-block
   step serves pair=True: blocks 2c and 2c + 1 against one x (config() picks it at 9-16 rows).
@@ -94,6 +96,24 @@ def _wait_for_primary():
     """griddepcontrol.wait: the kernel before this one (a programmatic dependent launch) has finished, and its
     writes are visible."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ask_ahead(
+    qw_ptr, c, ch, n_chunks, K,
+    D: gl.constexpr,
+    P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
+    W: gl.constexpr, Q: gl.constexpr,
+):  # fmt: skip
+    """Asks L2 for warp w's words of chunk ch + D + w (prefetch.global.L2, one a lane's four words) when every warp's
+    chunk is inside K: bytes in flight that hold no registers. The pointers are chunk ch's, which the register load
+    of the same step computes, D chunks on as an immediate offset."""
+    if ch + D + W <= n_chunks:
+        ptrs, _ = _words(qw_ptr, c, ch, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
+        gl.inline_asm_elementwise(
+            "prefetch.global.L2 [$4]; mov.u32 $0, 0; mov.u32 $1, 0; mov.u32 $2, 0; mov.u32 $3, 0;",
+            "=r,=r,=r,=r,l,l,l,l", [ptrs + D * Q * 128], dtype=gl.int32, is_pure=False, pack=4,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -414,7 +434,7 @@ def _w4a16_mma_kernel(
     HAS_BIAS: gl.constexpr, W: gl.constexpr, Q: gl.constexpr, U: gl.constexpr, BN: gl.constexpr,
     SWIGLU: gl.constexpr, PAIR: gl.constexpr, NORM: gl.constexpr, ADD: gl.constexpr, NB: gl.constexpr,
     NBP: gl.constexpr, ROPE: gl.constexpr, HALF: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, SPLIT_ROWS: gl.constexpr, MMA: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, SPLIT_ROWS: gl.constexpr, MMA: gl.constexpr, PF: gl.constexpr,
     P0: gl.constexpr, P1: gl.constexpr, P2: gl.constexpr, P3: gl.constexpr, P4: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, B2: gl.constexpr, B3: gl.constexpr,
     S0: gl.constexpr, S1: gl.constexpr, O0: gl.constexpr, O1: gl.constexpr, Q0: gl.constexpr, Q1: gl.constexpr,
@@ -467,6 +487,10 @@ def _w4a16_mma_kernel(
         ta, ya0, ya1 = _side(s_ptr, z_ptr, cu, 0, cols_u, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
         total_u = gl.zeros([W, 16, BN], gl.float32, MMA)  # block cu's partial sums
     if U == 1:  # one chunk (of each block) a step, the next loaded into registers before this one is used
+        for d in gl.static_range(1, PF + 1):  # the first PF steps after the registers' one, before the wait
+            _ask_ahead(qw_ptr, c, 0, n_chunks, K, d * W, P0, P1, P2, P3, P4, W, Q)
+            if TWO:
+                _ask_ahead(qw_ptr, cu, 0, n_chunks, K, d * W, P0, P1, P2, P3, P4, W, Q)
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
@@ -488,6 +512,10 @@ def _w4a16_mma_kernel(
                 qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
             )  # fmt: skip
+            if PF > 0:  # step PF + 1 from here, PF past the one just asked into registers
+                _ask_ahead(qw_ptr, c, ch + W, n_chunks, K, PF * W, P0, P1, P2, P3, P4, W, Q)
+                if TWO:
+                    _ask_ahead(qw_ptr, cu, ch + W, n_chunks, K, PF * W, P0, P1, P2, P3, P4, W, Q)
             if TWO:
                 ptrs, mask = _words(qw_ptr, cu, ch + W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
                 Ua = gl.load(ptrs, mask=mask, other=0)
@@ -501,6 +529,8 @@ def _w4a16_mma_kernel(
         ptrs, mask = _words(qw_ptr, c, W, n_chunks, K, P0, P1, P2, P3, P4, W, Q)
         Pb = gl.load(ptrs, mask=mask, other=0)
         sb, zb0, zb1 = _side(s_ptr, z_ptr, c, W, cols, sw, n_chunks, N, GROUP, FOLD, W, Q, P0, P3)
+        for d in gl.static_range(2, 2 * PF + 2):  # two chunks a step
+            _ask_ahead(qw_ptr, c, 0, n_chunks, K, d * W, P0, P1, P2, P3, P4, W, Q)
         if PDL:
             _wait_for_primary()
         Ba = _x(x_ptr, 0, n_chunks, M, stride_xw, B0, B1, B2, B3, W, Q, BN)
@@ -527,6 +557,9 @@ def _w4a16_mma_kernel(
                 qw_ptr, x_ptr, s_ptr, z_ptr, c, ch + 3 * W, cols, sw, n_chunks, M, N, K, stride_xw, GROUP, FOLD,
                 P0, P1, P2, P3, P4, B0, B1, B2, B3, W, Q, BN,
             )  # fmt: skip
+            if PF > 0:
+                _ask_ahead(qw_ptr, c, ch + 2 * W, n_chunks, K, 2 * PF * W, P0, P1, P2, P3, P4, W, Q)
+                _ask_ahead(qw_ptr, c, ch + 2 * W, n_chunks, K, (2 * PF + 1) * W, P0, P1, P2, P3, P4, W, Q)
             total += _chunk(P, B, s, z0, z1, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
             total += _chunk(P2_, B2_, s2, z20, z21, ones, ZERO_IS_OFFSET, FOLD, FP16, W, Q, BN, MMA)
     out = gl.sum(total, axis=0)  # (16, BN): the warps' K ranges summed
@@ -712,6 +745,7 @@ def w4a16_mma(
     max_registers: int
     | None = None,  # ptxas's cap a thread (bench.quant_int4 --sweep-regs); None: the default
     out: torch.Tensor | None = None,  # where the product goes ((M, N) or with swiglu (M, N / 2), x's dtype)
+    prefetch: int | None = None,  # steps of words asked into L2 past the registers' one; None: the knob's
 ) -> torch.Tensor:
     """(M <= MAX_ROWS, K) 16-bit x against fragment-laid int4 weights: (M, N) in x's dtype; (M, N / 2) with swiglu;
     add_to itself with add_to; with rope the query columns rotated, the key and value columns as computed. Past
@@ -785,6 +819,7 @@ def w4a16_mma(
         HALF=rope.head_dim // 2 if rope is not None else 0,
         BLOCK_SIZE=rope.kv_cache.shape[2] if rope is not None else 1, PDL=pdl,
         EARLY=bn == 8, SPLIT_ROWS=row_chunks > 1, launch_pdl=pdl,
+        PF=_backend.W4A16_PREFETCH if prefetch is None else prefetch,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),

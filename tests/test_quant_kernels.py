@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything here imports triton
 
@@ -434,6 +437,34 @@ def test_fragment_layout_refuses_what_it_cannot_hold():
         Int4Weight(f.qweight, f.scales, f.zeros, 64, layout="fragments", chunk=128)
     with pytest.raises(ValueError, match="unknown int4 layout"):
         Int4Weight(f.qweight, f.scales, f.zeros, 64, layout="tiles", chunk=64)
+
+
+@pytest.mark.parametrize("gemm,steps", [("down", 2), ("gate_up", 2), ("down", 0)])
+def test_words_asked_ahead_compile_for_hopper_inside_the_k_loop(gemm, steps):
+    """The tensor-core kernel asking L2 for its words steps ahead (PDSERVE_W4A16_PREFETCH) compiles for sm_90 with
+    nothing spilled, in both K loops (down: two chunks a step; gate_up with SwiGLU: a chunk of each block a step), its
+    prefetches inside the loop; none without it. No GPU: bench/sass.py compiles it (tests/gpu holds the outputs
+    bit for bit to the kernel's without them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.sass", "--gemm", gemm, "--rows", "1", "--kw", f"prefetch={steps}"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    usage = next(line for line in done.stdout.splitlines() if "REG:" in line)
+    assert "LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    loop = done.stdout.split("K loop:", 1)[1]
+    assert (loop.count("CCTL.E.PF2") > 0) == (steps > 0), done.stdout
+
+
+def test_prefetch_knob_takes_whole_steps(monkeypatch):
+    for good, steps in (("", 0), ("0", 0), ("3", 3)):
+        monkeypatch.setenv("PDSERVE_W4A16_PREFETCH", good)
+        assert _backend._read_steps("PDSERVE_W4A16_PREFETCH") == steps
+    for bad in ("-1", "two", "9", "1.5"):
+        monkeypatch.setenv("PDSERVE_W4A16_PREFETCH", bad)
+        with pytest.raises(ValueError, match="PDSERVE_W4A16_PREFETCH must be a whole number"):
+            _backend._read_steps("PDSERVE_W4A16_PREFETCH")
 
 
 def test_split_k_counters_are_reset_for_the_next_call():

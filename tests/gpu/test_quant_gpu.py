@@ -214,6 +214,20 @@ def test_wgmma_kernel_refuses_what_it_does_not_take():
             w4a16_wgmma(xx, ww)
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_words_asked_into_l2_ahead_leave_the_product_unchanged(prefetch):
+    """Asking L2 for the words steps ahead (prefetch) changes no output bit, in every K loop the kernel has (one
+    and two chunks a step, two blocks a program, SwiGLU), including K ranges shorter than the distance."""
+    shapes = [(4096, 28672, 128), (14336, 4096, 128), (1088, 224, 64), (4096, 6144, 128)]  # (K, N, group)
+    for i, (k, n, group) in enumerate(shapes):
+        w = to_fragments(random_int4(k, n, group, offsets=i == 2, seed=i))
+        for m in (1, 8, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            for kw in ({}, {"warps": 8, "unroll": 2}, {"warps": 4, "unroll": 1}, {"swiglu": True}):
+                ahead, plain = w4a16_mma(x, w, prefetch=prefetch, **kw), w4a16_mma(x, w, prefetch=0, **kw)
+                assert torch.equal(ahead, plain), (m, k, n, kw)
+
+
 @pytest.mark.parametrize("warps", [4, 8])
 def test_paired_column_blocks_match_reference(warps):
     """A program taking two adjacent column blocks (pair) is exact at 1-16 rows, folded or not, with offsets,
