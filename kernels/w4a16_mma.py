@@ -803,6 +803,11 @@ def w4a16_mma(
     # an epilogue adding into the stream would take 8 warps of two chunks a step past 128 registers a thread and two
     # programs an SM; held to 128 they spill 16 bytes, outside the K loop
     regs = {"maxnreg": 128} if add_to is not None and warps == 8 and unroll == 2 and bn == 8 else {}
+    prefetch = _backend.W4A16_PREFETCH if prefetch is None else prefetch
+    # gate_up with SwiGLU asking ahead: ptxas takes 130 registers (three programs an SM against four); 120 hold it
+    # unspilled
+    if prefetch > 0 and swiglu and bn == 8:
+        regs = {"maxnreg": 128}
     if max_registers is not None:
         regs = {"maxnreg": max_registers}
     nxt = (next_norm.weight, next_norm.normed, next_norm.sumsq) if next_norm is not None else (out, out, out)
@@ -819,7 +824,7 @@ def w4a16_mma(
         HALF=rope.head_dim // 2 if rope is not None else 0,
         BLOCK_SIZE=rope.kv_cache.shape[2] if rope is not None else 1, PDL=pdl,
         EARLY=bn == 8, SPLIT_ROWS=row_chunks > 1, launch_pdl=pdl,
-        PF=_backend.W4A16_PREFETCH if prefetch is None else prefetch,
+        PF=prefetch,
         num_warps=warps,
         **regs,
         **_layouts(warps, w.chunk // 64, bn),
